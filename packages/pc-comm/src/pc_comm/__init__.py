@@ -1,0 +1,42 @@
+"""pc-comm: process groups and topology, the Communicator protocol and its
+torch.distributed implementation, and collectives built on it.
+
+The multi-process test harness lives in :mod:`pc_comm.testing`.
+"""
+
+from pc_comm.collectives import all_reduce_coalesced
+from pc_comm.communicator import (
+    Communicator,
+    CompletedHandle,
+    Handle,
+    P2PKind,
+    P2POp,
+    ReduceOp,
+)
+from pc_comm.env import DistEnv, DistEnvError, read_dist_env
+from pc_comm.launch import DistContext, init_distributed, launch_from_torch
+from pc_comm.topology import Coord, ParallelDims, Subgroups, make_subgroups
+from pc_comm.torch_communicator import TorchCommunicator
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Communicator",
+    "CompletedHandle",
+    "Coord",
+    "DistContext",
+    "DistEnv",
+    "DistEnvError",
+    "Handle",
+    "P2PKind",
+    "P2POp",
+    "ParallelDims",
+    "ReduceOp",
+    "Subgroups",
+    "TorchCommunicator",
+    "all_reduce_coalesced",
+    "init_distributed",
+    "launch_from_torch",
+    "make_subgroups",
+    "read_dist_env",
+]

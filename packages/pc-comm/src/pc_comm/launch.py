@@ -1,0 +1,117 @@
+"""Starting the default process group from the launcher's environment."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from pc_comm.env import DistEnv, read_dist_env
+
+__all__ = ["DistContext", "init_distributed", "launch_from_torch"]
+
+# Long enough for a slow first NCCL communicator on a big job, short enough
+# that a dead peer does not hold a job for torch's 30-minute default.
+DEFAULT_TIMEOUT = timedelta(minutes=10)
+
+
+@dataclass(frozen=True)
+class DistContext:
+    """What :func:`init_distributed` set up: the environment, the backend in
+    use and the device this rank computes on."""
+
+    env: DistEnv
+    backend: str
+    device: torch.device
+
+
+def _pick_backend(backend: str | None) -> str:
+    if backend is None:
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    name = backend.lower()
+    known = [b for b in dist.Backend.backend_list if b != "undefined"]
+    if name not in known:
+        raise ValueError(
+            f"unknown backend {backend!r}; expected one of {known}, or None to pick "
+            "NCCL when CUDA is available and gloo otherwise."
+        )
+    if name == "nccl" and not torch.cuda.is_available():
+        raise ValueError(
+            "backend 'nccl' needs CUDA, and torch.cuda.is_available() is False. "
+            "Use backend='gloo' (or None) on a machine without a GPU."
+        )
+    return name
+
+
+def _device_for(backend: str, env: DistEnv) -> torch.device:
+    if backend == "nccl":
+        # Several local ranks may share a device (count < local world size);
+        # NCCL refuses that, so this only happens with a wrapped communicator.
+        index = env.local_rank % torch.cuda.device_count()
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
+    return torch.device("cpu")
+
+
+def init_distributed(
+    backend: str | None = None,
+    timeout: timedelta = DEFAULT_TIMEOUT,
+    *,
+    environ: Mapping[str, str] | None = None,
+) -> DistContext:
+    """Initialise the default process group from torchrun's environment.
+
+    Picks NCCL when CUDA is available and gloo otherwise (``backend``
+    overrides), pins this rank to ``cuda:LOCAL_RANK`` under NCCL, and uses
+    ``timeout`` for every collective of the default group. Calling it again
+    in a process that is already initialised returns the existing setup if it
+    matches, and raises if it does not.
+    """
+    env = read_dist_env(environ)
+    chosen = _pick_backend(backend)
+    if dist.is_initialized():
+        running = str(dist.get_backend())
+        if dist.get_rank() != env.rank or dist.get_world_size() != env.world_size:
+            raise RuntimeError(
+                f"a process group is already initialised as rank {dist.get_rank()} of "
+                f"{dist.get_world_size()}, but the environment says rank {env.rank} of "
+                f"{env.world_size}. Call dist.destroy_process_group() first."
+            )
+        if backend is not None and running != chosen:
+            raise RuntimeError(
+                f"a process group is already initialised with backend {running!r}, "
+                f"not the requested {chosen!r}. Call dist.destroy_process_group() first."
+            )
+        return DistContext(env=env, backend=running, device=_device_for(running, env))
+    device = _device_for(chosen, env)
+    # Under torchrun the agent already serves the store on MASTER_PORT
+    # (TORCHELASTIC_USE_AGENT_STORE); only env:// knows to join it rather
+    # than bind the port again.
+    init_method = "env://" if environ is None else f"tcp://{env.master_addr}:{env.master_port}"
+    dist.init_process_group(
+        backend=chosen,
+        init_method=init_method,
+        rank=env.rank,
+        world_size=env.world_size,
+        timeout=timeout,
+    )
+    return DistContext(env=env, backend=chosen, device=device)
+
+
+def launch_from_torch(
+    backend: str | None = None,
+    timeout: timedelta = DEFAULT_TIMEOUT,
+    seed: int | None = 1024,
+) -> DistContext:
+    """Colossal-AI's entry point: :func:`init_distributed`, then seed Python's
+    and torch's generators (the same seed on every rank, so replicated
+    parameters start equal). ``seed=None`` leaves the generators alone."""
+    context = init_distributed(backend, timeout)
+    if seed is not None:
+        random.seed(seed)
+        torch.manual_seed(seed)
+    return context

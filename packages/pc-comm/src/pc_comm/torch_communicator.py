@@ -1,0 +1,258 @@
+"""The default :class:`~pc_comm.communicator.Communicator`: torch.distributed.
+
+It adds to the raw c10d calls what every backend should offer but not every
+one does: ``AVG`` on any dtype (gloo averages only floating tensors), uneven
+all-gather and reduce-scatter (padded to the largest slot; gloo rejects
+unequal sizes), group-local ranks everywhere, and input checks with clear
+messages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from pc_comm.communicator import (
+    CompletedHandle,
+    Handle,
+    P2PKind,
+    P2POp,
+    ReduceOp,
+    check_all_gather,
+    check_all_gather_list,
+    check_reduce_scatter,
+    check_reduce_scatter_list,
+)
+
+__all__ = ["TorchCommunicator"]
+
+_TORCH_OPS = {
+    ReduceOp.SUM: dist.ReduceOp.SUM,
+    ReduceOp.AVG: dist.ReduceOp.AVG,
+    ReduceOp.MAX: dist.ReduceOp.MAX,
+    ReduceOp.MIN: dist.ReduceOp.MIN,
+    ReduceOp.PRODUCT: dist.ReduceOp.PRODUCT,
+}
+
+Finisher = Callable[[], None]
+
+
+class _WorkHandle:
+    """A torch ``Work`` plus what must happen after it: copying a padded
+    buffer out, or dividing an emulated average."""
+
+    def __init__(self, work: dist.Work | None, finishers: list[Finisher]) -> None:
+        self._work = work
+        self._finishers = finishers  # run once, in order, on the first wait()
+        self._done = False
+
+    def wait(self) -> None:
+        if self._done:
+            return
+        if self._work is not None:
+            self._work.wait()
+        for finish in self._finishers:
+            finish()
+        self._done = True
+
+    def is_completed(self) -> bool:
+        return self._done or (self._work is not None and self._work.is_completed())
+
+
+def _complete(work: dist.Work | None, finishers: list[Finisher], async_op: bool) -> Handle:
+    handle = _WorkHandle(work, finishers)
+    if async_op:
+        return handle
+    handle.wait()
+    return CompletedHandle()
+
+
+def _contiguous(tensor: torch.Tensor, what: str) -> torch.Tensor:
+    if not tensor.is_contiguous():
+        raise ValueError(
+            f"{what} must be contiguous (collectives work on flat memory); "
+            "pass tensor.contiguous() and copy the result back."
+        )
+    return tensor
+
+
+class TorchCommunicator:
+    """A communicator over a torch.distributed process group (the default
+    group when ``group`` is None)."""
+
+    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError(
+                "TorchCommunicator needs an initialised process group; call "
+                "pc_comm.init_distributed() (or dist.init_process_group) first."
+            )
+        # The group every call goes to; WORLD when none is given.
+        self.group: dist.ProcessGroup = group if group is not None else dist.group.WORLD
+        self._rank = dist.get_rank(self.group)
+        self._world_size = dist.get_world_size(self.group)
+        if self._rank < 0:
+            raise ValueError("this process is not a member of the given process group.")
+        # gloo averages floating tensors natively but not integers; NCCL
+        # averages everything. Anything else is emulated as SUM then divide.
+        self._native_avg_ints = str(dist.get_backend(self.group)) == "nccl"
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        return self._world_size
+
+    def __repr__(self) -> str:
+        return f"TorchCommunicator(rank={self._rank}, world_size={self._world_size})"
+
+    # -- reductions --------------------------------------------------------
+
+    def _torch_op(self, op: ReduceOp, result: torch.Tensor) -> tuple[dist.ReduceOp, list[Finisher]]:
+        """The c10d op to run, and the division to apply afterwards when AVG
+        is emulated for ``result``'s dtype."""
+        if not isinstance(op, ReduceOp):
+            raise TypeError(f"op must be a pc_comm.ReduceOp, got {op!r}.")
+        native = result.dtype.is_floating_point or self._native_avg_ints
+        if op is not ReduceOp.AVG or native:
+            return _TORCH_OPS[op], []
+        world_size = self._world_size
+
+        def divide() -> None:
+            if result.dtype.is_floating_point or result.dtype.is_complex:
+                result.div_(world_size)
+            else:
+                result.copy_(torch.div(result, world_size, rounding_mode="trunc"))
+
+        return dist.ReduceOp.SUM, [divide]
+
+    def all_reduce(
+        self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, *, async_op: bool = False
+    ) -> Handle:
+        _contiguous(tensor, "all_reduce tensor")
+        torch_op, finishers = self._torch_op(op, tensor)
+        work = dist.all_reduce(tensor, op=torch_op, group=self.group, async_op=async_op)
+        return _complete(work, finishers, async_op)
+
+    def reduce_scatter(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        op: ReduceOp = ReduceOp.SUM,
+        *,
+        async_op: bool = False,
+    ) -> Handle:
+        check_reduce_scatter(output, input, self._world_size)
+        _contiguous(output, "reduce_scatter output")
+        _contiguous(input, "reduce_scatter input")
+        torch_op, finishers = self._torch_op(op, output)
+        work = dist.reduce_scatter_single(
+            output.view(-1), input.view(-1), op=torch_op, group=self.group, async_op=async_op
+        )
+        return _complete(work, finishers, async_op)
+
+    def reduce_scatter_list(
+        self,
+        output: torch.Tensor,
+        inputs: Sequence[torch.Tensor],
+        op: ReduceOp = ReduceOp.SUM,
+        *,
+        async_op: bool = False,
+    ) -> Handle:
+        check_reduce_scatter_list(output, inputs, self._rank, self._world_size)
+        slot = max(t.numel() for t in inputs)
+        flat = output.new_zeros(self._world_size * slot)
+        for i, tensor in enumerate(inputs):
+            flat[i * slot : i * slot + tensor.numel()].copy_(tensor.reshape(-1))
+        mine = output.new_empty(slot)
+        torch_op, finishers = self._torch_op(op, mine)
+        work = dist.reduce_scatter_single(
+            mine, flat, op=torch_op, group=self.group, async_op=async_op
+        )
+        count = output.numel()
+        finishers.append(lambda: output.copy_(mine[:count].view_as(output)))
+        return _complete(work, finishers, async_op)
+
+    # -- gathers -----------------------------------------------------------
+
+    def all_gather(
+        self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False
+    ) -> Handle:
+        check_all_gather(output, input, self._world_size)
+        _contiguous(output, "all_gather output")
+        work = dist.all_gather_single(
+            output.view(-1), input.reshape(-1), group=self.group, async_op=async_op
+        )
+        return _complete(work, [], async_op)
+
+    def all_gather_list(
+        self, outputs: Sequence[torch.Tensor], input: torch.Tensor, *, async_op: bool = False
+    ) -> Handle:
+        check_all_gather_list(outputs, input, self._rank, self._world_size)
+        slot = max(t.numel() for t in outputs)
+        if input.numel() == slot:
+            mine = input.reshape(-1)
+        else:
+            mine = input.new_zeros(slot)
+            mine[: input.numel()].copy_(input.reshape(-1))
+        gathered = input.new_empty(self._world_size * slot)
+        work = dist.all_gather_single(gathered, mine, group=self.group, async_op=async_op)
+
+        def scatter_out() -> None:
+            for i, out in enumerate(outputs):
+                out.copy_(gathered[i * slot : i * slot + out.numel()].view_as(out))
+
+        return _complete(work, [scatter_out], async_op)
+
+    def broadcast(self, tensor: torch.Tensor, src: int, *, async_op: bool = False) -> Handle:
+        self._check_peer(src, "src", allow_self=True)
+        _contiguous(tensor, "broadcast tensor")
+        work = dist.broadcast(tensor, group=self.group, group_src=src, async_op=async_op)
+        return _complete(work, [], async_op)
+
+    # -- point to point ----------------------------------------------------
+
+    def _check_peer(self, peer: int, name: str, *, allow_self: bool = False) -> None:
+        if isinstance(peer, bool) or not isinstance(peer, int):
+            raise TypeError(f"{name} must be an int rank, got {peer!r}.")
+        if not 0 <= peer < self._world_size:
+            raise ValueError(
+                f"{name} must be a rank of this communicator in [0, {self._world_size}), "
+                f"got {peer}."
+            )
+        if not allow_self and peer == self._rank:
+            raise ValueError(f"{name}={peer} is this rank itself; a rank cannot message itself.")
+
+    def send(self, tensor: torch.Tensor, dst: int, *, async_op: bool = False) -> Handle:
+        self._check_peer(dst, "dst")
+        _contiguous(tensor, "send tensor")
+        if async_op:
+            return _complete(dist.isend(tensor, group=self.group, group_dst=dst), [], True)
+        dist.send(tensor, group=self.group, group_dst=dst)
+        return CompletedHandle()
+
+    def recv(self, tensor: torch.Tensor, src: int, *, async_op: bool = False) -> Handle:
+        self._check_peer(src, "src")
+        _contiguous(tensor, "recv tensor")
+        if async_op:
+            return _complete(dist.irecv(tensor, group=self.group, group_src=src), [], True)
+        dist.recv(tensor, group=self.group, group_src=src)
+        return CompletedHandle()
+
+    def batch_p2p(self, ops: Sequence[P2POp]) -> list[Handle]:
+        torch_ops = []
+        for op in ops:
+            self._check_peer(op.peer, "peer")
+            _contiguous(op.tensor, f"{op.kind.value} tensor")
+            fn = dist.isend if op.kind is P2PKind.SEND else dist.irecv
+            torch_ops.append(dist.P2POp(fn, op.tensor, group=self.group, group_peer=op.peer))
+        if not torch_ops:
+            return []
+        works = dist.batch_isend_irecv(torch_ops)
+        return [_WorkHandle(work, []) for work in works]
+
+    def barrier(self) -> None:
+        dist.barrier(group=self.group)
