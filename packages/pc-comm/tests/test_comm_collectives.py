@@ -1,0 +1,213 @@
+"""Every TorchCommunicator operation against the single-process result.
+
+Each rank can compute every rank's input (they are seeded by rank), so the
+reference is computed locally on each rank by reducing or concatenating the
+inputs of all ranks, exactly as one process would.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from pc_comm import P2PKind, P2POp, ReduceOp, TorchCommunicator, all_reduce_coalesced
+from pc_comm.testing import run_subtests, spawn
+
+pytestmark = pytest.mark.timeout(300)
+
+DTYPES = [torch.float32, torch.bfloat16, torch.int64]
+SIZES = [1, 7, 1031]
+REDUCTIONS = [ReduceOp.SUM, ReduceOp.AVG, ReduceOp.MAX, ReduceOp.MIN]
+
+
+def rank_input(rank: int, numel: int, dtype: torch.dtype, salt: int = 0) -> torch.Tensor:
+    """What rank ``rank`` contributes. bf16 and int64 hold small integers, so
+    every sum and average of them is exact and compared exactly; fp32 holds
+    normal samples and is compared at fp32 tolerance."""
+    gen = torch.Generator().manual_seed(1000 * rank + 7 * numel + salt)
+    if dtype == torch.float32:
+        return torch.randn(numel, generator=gen)
+    return torch.randint(-8, 9, (numel,), generator=gen).to(dtype)
+
+
+def reference_reduce(stacked: torch.Tensor, op: ReduceOp) -> torch.Tensor:
+    world = stacked.shape[0]
+    if op is ReduceOp.SUM:
+        return stacked.sum(0)
+    if op is ReduceOp.AVG:
+        total = stacked.sum(0)
+        if stacked.dtype.is_floating_point:
+            return total / world
+        return torch.div(total, world, rounding_mode="trunc")
+    if op is ReduceOp.MAX:
+        return stacked.max(0).values
+    assert op is ReduceOp.MIN
+    return stacked.min(0).values
+
+
+def assert_matches(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    assert actual.dtype == expected.dtype, (actual.dtype, expected.dtype)
+    if actual.dtype == torch.float32:
+        torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-6)
+    else:
+        assert torch.equal(actual, expected), f"{actual} != {expected}"
+
+
+def _all_inputs(world: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.stack([rank_input(r, numel, dtype) for r in range(world)])
+
+
+def check_collective(kind: str, dtype: torch.dtype, size: int, async_op: bool) -> None:
+    comm = TorchCommunicator()
+    rank, world = comm.rank, comm.world_size
+    assert (rank, world) == (dist.get_rank(), dist.get_world_size())
+
+    if kind == "all_reduce":
+        for op in REDUCTIONS:
+            tensor = rank_input(rank, size, dtype)
+            comm.all_reduce(tensor, op, async_op=async_op).wait()
+            assert_matches(tensor, reference_reduce(_all_inputs(world, size, dtype), op))
+
+    elif kind == "reduce_scatter":
+        for op in (ReduceOp.SUM, ReduceOp.AVG):
+            full = rank_input(rank, world * size, dtype)
+            out = torch.empty(size, dtype=dtype)
+            comm.reduce_scatter(out, full, op, async_op=async_op).wait()
+            everyone = _all_inputs(world, world * size, dtype)
+            expected = reference_reduce(everyone, op)[rank * size : (rank + 1) * size]
+            assert_matches(out, expected)
+
+    elif kind == "reduce_scatter_list":
+        # Uneven: slot i has size + i elements.
+        for op in (ReduceOp.SUM, ReduceOp.AVG):
+            slots = [rank_input(rank, size + i, dtype, salt=i) for i in range(world)]
+            out = torch.empty(size + rank, dtype=dtype)
+            comm.reduce_scatter_list(out, slots, op, async_op=async_op).wait()
+            mine = torch.stack([rank_input(r, size + rank, dtype, salt=rank) for r in range(world)])
+            assert_matches(out, reference_reduce(mine, op))
+
+    elif kind == "all_gather":
+        out = torch.empty(world * size, dtype=dtype)
+        comm.all_gather(out, rank_input(rank, size, dtype), async_op=async_op).wait()
+        assert_matches(out, _all_inputs(world, size, dtype).reshape(-1))
+
+    elif kind == "all_gather_list":
+        # Uneven: rank r contributes size + r elements.
+        outs = [torch.empty(size + r, dtype=dtype) for r in range(world)]
+        comm.all_gather_list(outs, rank_input(rank, size + rank, dtype), async_op=async_op).wait()
+        for r, out in enumerate(outs):
+            assert_matches(out, rank_input(r, size + r, dtype))
+
+    elif kind == "broadcast":
+        src = world - 1
+        tensor = rank_input(rank, size, dtype)
+        comm.broadcast(tensor, src, async_op=async_op).wait()
+        assert_matches(tensor, rank_input(src, size, dtype))
+
+    elif kind == "send_recv":
+        # A ring through batch_p2p, then a plain pair between ranks 0 and 1.
+        nxt, prev = (rank + 1) % world, (rank - 1) % world
+        got = torch.empty(size, dtype=dtype)
+        handles = comm.batch_p2p(
+            [
+                P2POp(P2PKind.SEND, rank_input(rank, size, dtype), nxt),
+                P2POp(P2PKind.RECV, got, prev),
+            ]
+        )
+        for handle in handles:
+            handle.wait()
+        assert_matches(got, rank_input(prev, size, dtype))
+        if rank == 0:
+            comm.send(rank_input(0, size, dtype, salt=5), 1, async_op=async_op).wait()
+        elif rank == 1:
+            got = torch.empty(size, dtype=dtype)
+            comm.recv(got, 0, async_op=async_op).wait()
+            assert_matches(got, rank_input(0, size, dtype, salt=5))
+
+    elif kind == "coalesced":
+        tensors = [rank_input(rank, size + i, dtype, salt=i) for i in range(3)]
+        tensors.append(rank_input(rank, size, torch.float32, salt=9))  # a second dtype
+        handle = all_reduce_coalesced(comm, tensors, ReduceOp.AVG, async_op=async_op)
+        handle.wait()
+        assert handle.is_completed()
+        for i, tensor in enumerate(tensors[:3]):
+            everyone = torch.stack([rank_input(r, size + i, dtype, salt=i) for r in range(world)])
+            assert_matches(tensor, reference_reduce(everyone, ReduceOp.AVG))
+        everyone = torch.stack([rank_input(r, size, torch.float32, salt=9) for r in range(world)])
+        assert_matches(tensors[3], reference_reduce(everyone, ReduceOp.AVG))
+
+    else:
+        raise AssertionError(f"unknown kind {kind}")
+
+    comm.barrier()
+
+
+KINDS = [
+    "all_reduce",
+    "reduce_scatter",
+    "reduce_scatter_list",
+    "all_gather",
+    "all_gather_list",
+    "broadcast",
+    "send_recv",
+    "coalesced",
+]
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_collectives_match_single_process(world_size: int) -> None:
+    run_subtests(
+        check_collective,
+        world_size,
+        {"kind": KINDS, "dtype": DTYPES, "size": SIZES, "async_op": [False, True]},
+        timeout=240,
+    )
+
+
+def check_bad_input() -> None:
+    comm = TorchCommunicator()
+    with pytest.raises(ValueError, match=r"expected world_size \(2\) \* output \(3\) = 6"):
+        comm.reduce_scatter(torch.empty(3), torch.empty(7))
+    with pytest.raises(ValueError, match=r"expected world_size \(2\) \* input \(3\) = 6"):
+        comm.all_gather(torch.empty(5), torch.empty(3))
+    with pytest.raises(ValueError, match="share dtype and device"):
+        comm.all_gather(torch.empty(6), torch.empty(3, dtype=torch.int64))
+    with pytest.raises(ValueError, match="one tensor per rank"):
+        comm.all_gather_list([torch.empty(1)], torch.empty(1))
+    with pytest.raises(ValueError, match="this rank's slot"):
+        comm.reduce_scatter_list(torch.empty(2), [torch.empty(5), torch.empty(5)])
+    with pytest.raises(ValueError, match="contiguous"):
+        comm.all_reduce(torch.empty(4, 4).t())
+    with pytest.raises(ValueError, match=r"in \[0, 2\), got 5"):
+        comm.broadcast(torch.empty(1), 5)
+    with pytest.raises(ValueError, match="cannot message itself"):
+        comm.send(torch.empty(1), comm.rank)
+    with pytest.raises(TypeError, match="pc_comm.ReduceOp"):
+        comm.all_reduce(torch.empty(1), "sum")  # type: ignore[arg-type]
+    comm.barrier()  # nothing above reached the wire: the group is still in step
+
+
+def check_subgroup_communicator() -> None:
+    # A communicator over a subgroup uses group-local ranks for src/dst.
+    world = dist.get_world_size()
+    odd = dist.new_group([r for r in range(world) if r % 2 == 1])
+    even = dist.new_group([r for r in range(world) if r % 2 == 0])
+    rank = dist.get_rank()
+    comm = TorchCommunicator(odd if rank % 2 else even)
+    assert comm.world_size == world // 2
+    assert comm.rank == rank // 2
+    tensor = torch.tensor([float(rank)])
+    comm.broadcast(tensor, src=comm.world_size - 1)
+    members = [r for r in range(world) if r % 2 == rank % 2]
+    assert tensor.item() == float(members[-1])
+    comm.all_reduce(tensor)
+    assert tensor.item() == float(members[-1] * len(members))
+
+
+def test_bad_input_is_rejected_with_a_clear_message() -> None:
+    spawn(check_bad_input, 2, timeout=60)
+
+
+def test_subgroup_ranks_are_group_local() -> None:
+    spawn(check_subgroup_communicator, 4, timeout=60)

@@ -1,0 +1,88 @@
+"""init_distributed under a real torchrun, end to end."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from pc_comm import init_distributed
+from pc_comm.testing import find_free_port
+
+pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
+
+SCRIPT = textwrap.dedent(
+    """
+    import torch
+    from pc_comm import ReduceOp, TorchCommunicator, init_distributed
+
+    context = init_distributed()
+    assert context.backend == "gloo" and context.device == torch.device("cpu")
+    again = init_distributed()  # idempotent
+    assert again.env == context.env
+    comm = TorchCommunicator()
+    t = torch.tensor([float(context.env.rank)])
+    comm.all_reduce(t, ReduceOp.SUM)
+    print(f"rank {context.env.rank}/{context.env.world_size} node {context.env.node_rank} "
+          f"local {context.env.local_rank}/{context.env.local_world_size} sum {t.item()}")
+    """
+)
+
+
+def _torchrun(tmp_path: Path, *extra: str) -> list[str]:
+    script = tmp_path / "job.py"
+    script.write_text(SCRIPT)
+    return [sys.executable, "-m", "torch.distributed.run", *extra, str(script)]
+
+
+def test_init_distributed_under_torchrun(tmp_path: Path) -> None:
+    port = find_free_port()
+    cmd = _torchrun(
+        tmp_path, "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+        "--rdzv-endpoint", f"127.0.0.1:{port}",
+    )
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=150)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "rank 0/2 node 0 local 0/2 sum 1.0" in result.stdout
+    assert "rank 1/2 node 0 local 1/2 sum 1.0" in result.stdout
+
+
+def test_two_torchrun_agents_form_two_nodes(tmp_path: Path) -> None:
+    """Multi-node on one machine: two agents, two local ranks each."""
+    port = find_free_port()
+    procs = [
+        subprocess.Popen(
+            _torchrun(
+                tmp_path, "--nnodes", "2", "--nproc-per-node", "2", "--node-rank", str(node),
+                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+                "--rdzv-id", "pc-two-nodes",
+            ),
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        for node in range(2)
+    ]
+    outputs = [p.communicate(timeout=150) for p in procs]
+    for proc, (_, err) in zip(procs, outputs):
+        assert proc.returncode == 0, err[-3000:]
+    stdout = "".join(out for out, _ in outputs)
+    for rank in range(4):
+        assert f"rank {rank}/4 node {rank // 2} local {rank % 2}/2 sum 6.0" in stdout, stdout
+
+
+def test_missing_environment_explains_how_to_launch() -> None:
+    with pytest.raises(ValueError, match="RANK is not set.*torchrun"):
+        init_distributed(environ={})
+
+
+def test_nccl_without_cuda_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    env = {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
+    with pytest.raises(ValueError, match="'nccl' needs CUDA"):
+        init_distributed("nccl", environ=env)
+    with pytest.raises(ValueError, match="unknown backend 'ncl'"):
+        init_distributed("ncl", environ=env)
