@@ -25,7 +25,9 @@ def _model() -> nn.Module:
 
 def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(step)
-    return torch.randn(GLOBAL_BATCH, 12, generator=gen), torch.randint(0, 5, (GLOBAL_BATCH,), generator=gen)
+    return torch.randn(GLOBAL_BATCH, 12, generator=gen), torch.randint(
+        0, 5, (GLOBAL_BATCH,), generator=gen
+    )
 
 
 def _optimizer(model: nn.Module, name: str) -> torch.optim.Optimizer:
@@ -49,7 +51,9 @@ def check_parity(optimizer_name: str, async_op: bool) -> None:
         ref_opt.step()
 
         opt.zero_grad()
-        local = loss_fn(model(x[rank * shard : (rank + 1) * shard]), y[rank * shard : (rank + 1) * shard])
+        local = loss_fn(
+            model(x[rank * shard : (rank + 1) * shard]), y[rank * shard : (rank + 1) * shard]
+        )
         local.backward()
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         all_reduce_coalesced(comm, grads, ReduceOp.AVG, async_op=async_op).wait()
@@ -57,7 +61,7 @@ def check_parity(optimizer_name: str, async_op: bool) -> None:
         loss = local.detach().clone()
         comm.all_reduce(loss, ReduceOp.AVG)
         torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-5, atol=1e-6)
-        for p, q in zip(model.parameters(), reference.parameters()):
+        for p, q in zip(model.parameters(), reference.parameters(), strict=True):
             torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
     # The ranks stayed replicas of one another, bit for bit.
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])

@@ -21,8 +21,13 @@ GOOD = {
 def test_reads_torchrun_variables() -> None:
     env = read_dist_env(GOOD)
     assert env == DistEnv(
-        rank=5, world_size=8, local_rank=1, local_world_size=4, node_rank=1,
-        master_addr="node0", master_port=29500,
+        rank=5,
+        world_size=8,
+        local_rank=1,
+        local_world_size=4,
+        node_rank=1,
+        master_addr="node0",
+        master_port=29500,
     )
     assert env.num_nodes == 2
 
@@ -40,7 +45,10 @@ def test_single_node_defaults() -> None:
         ({"MASTER_PORT": None}, "MASTER_PORT is not set"),
         ({"WORLD_SIZE": "eight"}, "WORLD_SIZE must be an integer, got 'eight'"),
         ({"RANK": "8"}, r"RANK must be in \[0, WORLD_SIZE=8\), got RANK=8"),
-        ({"LOCAL_WORLD_SIZE": "3"}, r"WORLD_SIZE \(8\) must be a multiple of LOCAL_WORLD_SIZE \(3\)"),
+        (
+            {"LOCAL_WORLD_SIZE": "3"},
+            r"WORLD_SIZE \(8\) must be a multiple of LOCAL_WORLD_SIZE \(3\)",
+        ),
         ({"LOCAL_RANK": "4"}, r"LOCAL_RANK must be in \[0, LOCAL_WORLD_SIZE=4\)"),
         ({"GROUP_RANK": "2"}, r"GROUP_RANK must be in \[0, .* = 2\), got GROUP_RANK=2"),
         ({"MASTER_PORT": "70000"}, "MASTER_PORT must be a TCP port"),

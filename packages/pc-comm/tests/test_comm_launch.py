@@ -41,8 +41,13 @@ def _torchrun(tmp_path: Path, *extra: str) -> list[str]:
 def test_init_distributed_under_torchrun(tmp_path: Path) -> None:
     port = find_free_port()
     cmd = _torchrun(
-        tmp_path, "--nproc-per-node", "2", "--rdzv-backend", "c10d",
-        "--rdzv-endpoint", f"127.0.0.1:{port}",
+        tmp_path,
+        "--nproc-per-node",
+        "2",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{port}",
     )
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=150)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -56,16 +61,28 @@ def test_two_torchrun_agents_form_two_nodes(tmp_path: Path) -> None:
     procs = [
         subprocess.Popen(
             _torchrun(
-                tmp_path, "--nnodes", "2", "--nproc-per-node", "2", "--node-rank", str(node),
-                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-                "--rdzv-id", "pc-two-nodes",
+                tmp_path,
+                "--nnodes",
+                "2",
+                "--nproc-per-node",
+                "2",
+                "--node-rank",
+                str(node),
+                "--rdzv-backend",
+                "c10d",
+                "--rdzv-endpoint",
+                f"127.0.0.1:{port}",
+                "--rdzv-id",
+                "pc-two-nodes",
             ),
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )
         for node in range(2)
     ]
     outputs = [p.communicate(timeout=150) for p in procs]
-    for proc, (_, err) in zip(procs, outputs):
+    for proc, (_, err) in zip(procs, outputs, strict=True):
         assert proc.returncode == 0, err[-3000:]
     stdout = "".join(out for out, _ in outputs)
     for rank in range(4):
@@ -73,7 +90,7 @@ def test_two_torchrun_agents_form_two_nodes(tmp_path: Path) -> None:
 
 
 def test_missing_environment_explains_how_to_launch() -> None:
-    with pytest.raises(ValueError, match="RANK is not set.*torchrun"):
+    with pytest.raises(ValueError, match=r"RANK is not set.*torchrun"):
         init_distributed(environ={})
 
 

@@ -15,7 +15,9 @@ pytestmark = pytest.mark.timeout(120)
 def test_invalid_degrees_raise_with_the_arithmetic() -> None:
     with pytest.raises(ValueError, match=r"dp\(2\) \* pp\(2\) \* tp\(2\) = 8 != world_size\(4\)"):
         ParallelDims(dp=2, pp=2, tp=2, world_size=4)
-    with pytest.raises(ValueError, match=r"world_size\(6\) is not divisible by pp\(2\) \* tp\(2\) = 4"):
+    with pytest.raises(
+        ValueError, match=r"world_size\(6\) is not divisible by pp\(2\) \* tp\(2\) = 4"
+    ):
         ParallelDims.infer(6, pp=2, tp=2)
     with pytest.raises(ValueError, match="tp must be at least 1, got 0"):
         ParallelDims(dp=4, pp=1, tp=0, world_size=4)
@@ -26,7 +28,10 @@ def test_invalid_degrees_raise_with_the_arithmetic() -> None:
 def test_rank_layout_is_tp_innermost_then_pp_then_dp() -> None:
     dims = ParallelDims(dp=2, pp=2, tp=2, world_size=8)
     assert [dims.coord_of(r) for r in range(4)] == [
-        Coord(0, 0, 0), Coord(0, 0, 1), Coord(0, 1, 0), Coord(0, 1, 1)
+        Coord(0, 0, 0),
+        Coord(0, 0, 1),
+        Coord(0, 1, 0),
+        Coord(0, 1, 1),
     ]
     assert all(dims.rank_of(dims.coord_of(r)) == r for r in range(8))
     assert dims.groups("tp") == [[0, 1], [2, 3], [4, 5], [6, 7]]

@@ -15,9 +15,7 @@ class _CoalescedHandle:
     """Waits on one flat all-reduce per dtype, then copies each flat result
     back into the tensors it was packed from."""
 
-    def __init__(
-        self, pending: list[tuple[Handle, torch.Tensor, list[torch.Tensor]]]
-    ) -> None:
+    def __init__(self, pending: list[tuple[Handle, torch.Tensor, list[torch.Tensor]]]) -> None:
         self._pending = pending  # (handle, flat buffer, tensors packed into it)
         self._done = False
 

@@ -91,7 +91,9 @@ class ParallelDims:
         return Coord(dp=dp_index, pp=pp_index, tp=tp_index)
 
     def rank_of(self, coord: Coord) -> int:
-        for name, index, size in zip(Coord._fields, coord, (self.dp, self.pp, self.tp)):
+        for name, index, size in zip(
+            Coord._fields, coord, (self.dp, self.pp, self.tp), strict=True
+        ):
             if not 0 <= index < size:
                 raise ValueError(f"{name} index must be in [0, {size}), got {index}.")
         return (coord.dp * self.pp + coord.pp) * self.tp + coord.tp

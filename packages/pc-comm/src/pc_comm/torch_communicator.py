@@ -89,7 +89,9 @@ class TorchCommunicator:
                 "pc_comm.init_distributed() (or dist.init_process_group) first."
             )
         # The group every call goes to; WORLD when none is given.
-        self.group: dist.ProcessGroup = group if group is not None else dist.group.WORLD
+        world = dist.group.WORLD
+        assert world is not None, "initialised, yet no WORLD group"
+        self.group: dist.ProcessGroup = group if group is not None else world
         self._rank = dist.get_rank(self.group)
         self._world_size = dist.get_world_size(self.group)
         if self._rank < 0:
@@ -111,7 +113,9 @@ class TorchCommunicator:
 
     # -- reductions --------------------------------------------------------
 
-    def _torch_op(self, op: ReduceOp, result: torch.Tensor) -> tuple[dist.ReduceOp, list[Finisher]]:
+    def _torch_op(
+        self, op: ReduceOp, result: torch.Tensor
+    ) -> tuple[dist.ReduceOp.RedOpType, list[Finisher]]:
         """The c10d op to run, and the division to apply afterwards when AVG
         is emulated for ``result``'s dtype."""
         if not isinstance(op, ReduceOp):
@@ -173,7 +177,11 @@ class TorchCommunicator:
             mine, flat, op=torch_op, group=self.group, async_op=async_op
         )
         count = output.numel()
-        finishers.append(lambda: output.copy_(mine[:count].view_as(output)))
+
+        def copy_out() -> None:
+            output.copy_(mine[:count].view_as(output))
+
+        finishers.append(copy_out)
         return _complete(work, finishers, async_op)
 
     # -- gathers -----------------------------------------------------------

@@ -109,7 +109,7 @@ def _rank_main(spec: _RankSpec) -> None:
     try:
         fn, args = pickle.loads(spec.payload)
         timeout = datetime.timedelta(seconds=spec.timeout_s)
-        store = dist.TCPStore(
+        store = dist.TCPStore(  # type: ignore[attr-defined]  # not in torch's __all__
             "127.0.0.1", spec.store_port, spec.world_size, is_master=False, timeout=timeout
         )
         dist.init_process_group(
@@ -133,9 +133,7 @@ def _rank_main(spec: _RankSpec) -> None:
     _write_result(spec.workdir, spec.rank, {"ok": True})
 
 
-def _run_cases(
-    fn: Callable[..., None], cases: list[dict[str, Any]], args: tuple[Any, ...]
-) -> None:
+def _run_cases(fn: Callable[..., None], cases: list[dict[str, Any]], args: tuple[Any, ...]) -> None:
     for index, case in enumerate(cases, start=1):
         label = ", ".join(f"{k}={v!r}" for k, v in case.items())
         print(f"{_PROGRESS} sub-case {index}/{len(cases)}: {label}", flush=True)
@@ -241,8 +239,7 @@ def _blame_order(state: _RankState) -> tuple[int, float, int]:
 def _report(states: list[_RankState], workdir: Path, fn_name: str, world_size: int) -> str:
     failed = sorted((s for s in states if s.verdict != "ok"), key=_blame_order)
     lines = [
-        f"{fn_name} failed on {len(failed)} of {world_size} ranks "
-        f"(first: rank {failed[0].rank})."
+        f"{fn_name} failed on {len(failed)} of {world_size} ranks (first: rank {failed[0].rank})."
     ]
     for state in failed:
         log = workdir / f"rank{state.rank}.log"
@@ -289,9 +286,9 @@ def spawn(
             f"spawn needs a module-level function and picklable args; {fn!r} or its "
             f"args could not be pickled ({error}). Move the function to module level."
         ) from error
-    fn_name = name or getattr(fn, "__qualname__", repr(fn))
+    fn_name = name or str(getattr(fn, "__qualname__", repr(fn)))
     context = _forkserver()
-    store = dist.TCPStore(
+    store = dist.TCPStore(  # type: ignore[attr-defined]  # not in torch's __all__
         "127.0.0.1",
         0,
         world_size,
@@ -354,7 +351,7 @@ def run_subtests(
     "op": [ReduceOp.SUM, ReduceOp.AVG]})`` runs four sub-cases.
     """
     keys = list(cases)
-    combos = [dict(zip(keys, values)) for values in itertools.product(*cases.values())]
+    combos = [dict(zip(keys, values, strict=True)) for values in itertools.product(*cases.values())]
     if not combos:
         raise ValueError("cases produced no combinations; every option list needs a value.")
     spawn(
