@@ -11,7 +11,15 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from pc_comm import P2PKind, P2POp, ReduceOp, TorchCommunicator, all_reduce_coalesced
+from pc_comm import (
+    Communicator,
+    P2PKind,
+    P2POp,
+    ReduceOp,
+    ShmCommunicator,
+    TorchCommunicator,
+    all_reduce_coalesced,
+)
 from pc_comm.testing import run_subtests, spawn
 
 pytestmark = pytest.mark.timeout(300)
@@ -58,8 +66,27 @@ def _all_inputs(world: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
     return torch.stack([rank_input(r, numel, dtype) for r in range(world)])
 
 
-def check_collective(kind: str, dtype: torch.dtype, size: int, async_op: bool) -> None:
-    comm = TorchCommunicator()
+_COMMS: dict[str, Communicator] = {}
+
+
+def make_comm(backend: str) -> Communicator:
+    """One communicator of each kind per process, reused by every sub-case.
+    The shared-memory one gets small slots so that sizes above 4 KiB are
+    moved in several pieces."""
+    if backend not in _COMMS:
+        if backend == "torch":
+            _COMMS[backend] = TorchCommunicator()
+        elif backend == "shm_default":
+            _COMMS[backend] = ShmCommunicator()
+        else:
+            _COMMS[backend] = ShmCommunicator(slot_bytes=4096)
+    return _COMMS[backend]
+
+
+def check_collective(
+    kind: str, dtype: torch.dtype, size: int, async_op: bool, backend: str = "torch"
+) -> None:
+    comm = make_comm(backend)
     rank, world = comm.rank, comm.world_size
     assert (rank, world) == (dist.get_rank(), dist.get_world_size())
 
@@ -105,7 +132,7 @@ def check_collective(kind: str, dtype: torch.dtype, size: int, async_op: bool) -
         comm.broadcast(tensor, src, async_op=async_op).wait()
         assert_matches(tensor, rank_input(src, size, dtype))
 
-    elif kind == "send_recv":
+    elif kind == "send_recv" and backend == "torch":
         # A ring through batch_p2p, then a plain pair between ranks 0 and 1.
         nxt, prev = (rank + 1) % world, (rank - 1) % world
         got = torch.empty(size, dtype=dtype)
@@ -137,7 +164,7 @@ def check_collective(kind: str, dtype: torch.dtype, size: int, async_op: bool) -
         everyone = torch.stack([rank_input(r, size, torch.float32, salt=9) for r in range(world)])
         assert_matches(tensors[3], reference_reduce(everyone, ReduceOp.AVG))
 
-    else:
+    elif kind != "send_recv":
         raise AssertionError(f"unknown kind {kind}")
 
     comm.barrier()
@@ -155,12 +182,55 @@ KINDS = [
 ]
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_collectives_match_single_process(world_size: int) -> None:
     run_subtests(
         check_collective,
         world_size,
-        {"kind": KINDS, "dtype": DTYPES, "size": SIZES, "async_op": [False, True]},
+        {
+            "backend": ["torch", "shm"],
+            "kind": KINDS,
+            "dtype": DTYPES,
+            "size": SIZES,
+            "async_op": [False, True],
+        },
+        timeout=240,
+    )
+
+
+def check_large(kind: str, dtype: torch.dtype) -> None:
+    """64 MB messages through the shared-memory communicator's default slots
+    (16 MiB), against the same operation through torch.distributed."""
+    shm, ref = make_comm("shm_default"), make_comm("torch")
+    numel = 64 * 1024 * 1024 // dtype.itemsize
+    numel -= numel % shm.world_size
+    data = rank_input(shm.rank, numel, dtype)
+    ours, theirs = data.clone(), data.clone()
+    if kind == "all_reduce":
+        shm.all_reduce(ours, ReduceOp.AVG)
+        ref.all_reduce(theirs, ReduceOp.AVG)
+        assert_matches(ours, theirs)
+    elif kind == "reduce_scatter":
+        out_ours = torch.empty(numel // shm.world_size, dtype=dtype)
+        out_ref = torch.empty_like(out_ours)
+        shm.reduce_scatter(out_ours, data, ReduceOp.SUM)
+        ref.reduce_scatter(out_ref, data, ReduceOp.SUM)
+        assert_matches(out_ours, out_ref)
+    else:
+        part = data[: numel // shm.world_size]
+        gathered_ours = torch.empty(numel, dtype=dtype)
+        gathered_ref = torch.empty_like(gathered_ours)
+        shm.all_gather(gathered_ours, part)
+        ref.all_gather(gathered_ref, part)
+        assert torch.equal(gathered_ours, gathered_ref)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_shm_64mb_matches_torch(world_size: int) -> None:
+    run_subtests(
+        check_large,
+        world_size,
+        {"kind": ["all_reduce", "reduce_scatter", "all_gather"], "dtype": DTYPES[:2]},
         timeout=240,
     )
 

@@ -13,8 +13,10 @@ from pc_comm.communicator import (
     P2POp,
     ReduceOp,
 )
+from pc_comm.ddp import DistributedDataParallel, default_communicator
 from pc_comm.env import DistEnv, DistEnvError, read_dist_env
 from pc_comm.launch import DistContext, init_distributed, launch_from_torch
+from pc_comm.shm import ShmCommunicator, ShmPeerError
 from pc_comm.topology import Coord, ParallelDims, Subgroups, make_subgroups
 from pc_comm.torch_communicator import TorchCommunicator
 
@@ -27,14 +29,18 @@ __all__ = [
     "DistContext",
     "DistEnv",
     "DistEnvError",
+    "DistributedDataParallel",
     "Handle",
     "P2PKind",
     "P2POp",
     "ParallelDims",
     "ReduceOp",
+    "ShmCommunicator",
+    "ShmPeerError",
     "Subgroups",
     "TorchCommunicator",
     "all_reduce_coalesced",
+    "default_communicator",
     "init_distributed",
     "launch_from_torch",
     "make_subgroups",

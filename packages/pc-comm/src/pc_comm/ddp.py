@@ -1,0 +1,287 @@
+"""Data parallelism with bucketed gradient all-reduce that overlaps backward.
+
+[Note: bucket order]
+Parameters are packed into buckets in reverse registration order (backward
+produces gradients roughly from the last layer to the first). A bucket's
+all-reduce starts as soon as all its gradients are accumulated, but buckets
+are launched strictly in index order: bucket k waits for buckets < k to be
+launched. Every rank therefore issues the same collectives in the same order,
+even when gradients become ready in a different order on different ranks.
+
+[Note: end of backward]
+The first gradient hook of a backward pass queues a callback that autograd
+runs once the whole backward is done. It launches what is left (zero-filled
+slots for unused parameters, if allowed), waits for every bucket, and copies
+the averaged gradients back into ``param.grad``. So ``loss.backward()``
+returns with synchronised gradients, as with torch DDP.
+"""
+
+from __future__ import annotations
+
+import platform
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pc_comm.communicator import Communicator, Handle, ReduceOp
+from pc_comm.shm import ShmCommunicator
+from pc_comm.torch_communicator import TorchCommunicator
+
+__all__ = ["DistributedDataParallel", "Reducer", "default_communicator"]
+
+
+def default_communicator(group: dist.ProcessGroup | None = None) -> Communicator:
+    """Shared memory when every rank of ``group`` is on this host, else
+    torch.distributed."""
+    world = dist.get_world_size(group)
+    hosts: list[str] = [""] * world
+    dist.all_gather_object(hosts, platform.node(), group=group)
+    if len(set(hosts)) == 1:
+        return ShmCommunicator(group)
+    return TorchCommunicator(group)
+
+
+@dataclass
+class _Bucket:
+    params: list[nn.Parameter]
+    offsets: list[int]
+    flat: torch.Tensor  # allocated once; gradients are copied in, reduced, copied out
+    pending: int = 0  # gradients still to arrive in this backward
+    handle: Handle | None = None
+    arrived: set[int] = field(default_factory=set)  # indices (in params) that arrived
+
+
+class Reducer:
+    """The gradient machinery of one :class:`DistributedDataParallel`."""
+
+    def __init__(
+        self,
+        params: list[nn.Parameter],
+        names: dict[nn.Parameter, str],
+        comm: Communicator,
+        bucket_cap_bytes: int,
+        find_unused_parameters: bool,
+    ) -> None:
+        self.comm = comm
+        self._names = names  # for error messages about unused parameters
+        self._find_unused = find_unused_parameters
+        self.buckets = self._build_buckets(params, bucket_cap_bytes)
+        self._where: dict[nn.Parameter, tuple[int, int]] = {
+            p: (b, i) for b, bucket in enumerate(self.buckets) for i, p in enumerate(bucket.params)
+        }
+        self._next_launch = 0  # the lowest bucket not yet launched [Note: bucket order]
+        self._callback_queued = False
+        self.sync_enabled = True  # False inside no_sync()
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
+        self._reset()
+
+    @staticmethod
+    def _build_buckets(params: list[nn.Parameter], cap: int) -> list[_Bucket]:
+        buckets: list[_Bucket] = []
+        current: list[nn.Parameter] = []
+        size = 0
+        for param in reversed(params):
+            fits = current and current[0].dtype == param.dtype and current[0].device == param.device
+            if current and (not fits or size + param.numel() * param.element_size() > cap):
+                buckets.append(Reducer._make_bucket(current))
+                current, size = [], 0
+            current.append(param)
+            size += param.numel() * param.element_size()
+        if current:
+            buckets.append(Reducer._make_bucket(current))
+        return buckets
+
+    @staticmethod
+    def _make_bucket(params: list[nn.Parameter]) -> _Bucket:
+        offsets, total = [], 0
+        for p in params:
+            offsets.append(total)
+            total += p.numel()
+        flat = torch.zeros(total, dtype=params[0].dtype, device=params[0].device)
+        return _Bucket(params=params, offsets=offsets, flat=flat)
+
+    def _reset(self) -> None:
+        for bucket in self.buckets:
+            bucket.pending = len(bucket.params)
+            bucket.handle = None
+            bucket.arrived = set()
+        self._next_launch = 0
+        self._callback_queued = False
+
+    def _slot(self, bucket: _Bucket, index: int) -> torch.Tensor:
+        param, offset = bucket.params[index], bucket.offsets[index]
+        return bucket.flat[offset : offset + param.numel()].view_as(param)
+
+    def _on_grad(self, param: torch.Tensor) -> None:
+        if not self.sync_enabled:
+            return
+        if not self._callback_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+            self._callback_queued = True
+        b, i = self._where[param]  # type: ignore[index]
+        bucket = self.buckets[b]
+        if i in bucket.arrived:
+            raise RuntimeError(
+                f"parameter {self._names[bucket.params[i]]!r} received a gradient twice in one "
+                "backward pass (a module reused in a loop?); DistributedDataParallel "
+                "reduces each gradient once per backward."
+            )
+        assert param.grad is not None
+        self._slot(bucket, i).copy_(param.grad)
+        bucket.arrived.add(i)
+        bucket.pending -= 1
+        self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        while (
+            self._next_launch < len(self.buckets) and self.buckets[self._next_launch].pending == 0
+        ):
+            bucket = self.buckets[self._next_launch]
+            bucket.handle = self.comm.all_reduce(bucket.flat, ReduceOp.AVG, async_op=True)
+            self._next_launch += 1
+
+    def _finish(self) -> None:
+        try:
+            unused = self._fill_unused()
+            self._launch_ready()
+            assert self._next_launch == len(self.buckets), "a bucket was never launched"
+            used_anywhere = self._used_anywhere(unused)
+            for bucket in self.buckets:
+                assert bucket.handle is not None
+                bucket.handle.wait()
+                for i, param in enumerate(bucket.params):
+                    if param in unused and not used_anywhere[param]:
+                        continue  # unused on every rank: the gradient stays as it was
+                    if param.grad is None:
+                        param.grad = self._slot(bucket, i).clone()
+                    else:
+                        param.grad.copy_(self._slot(bucket, i))
+        finally:
+            self._reset()
+
+    def _fill_unused(self) -> set[nn.Parameter]:
+        """Zero the slots of parameters that got no gradient in this backward,
+        or raise if that is not allowed."""
+        unused: set[nn.Parameter] = set()
+        for bucket in self.buckets:
+            for i, param in enumerate(bucket.params):
+                if i not in bucket.arrived:
+                    unused.add(param)
+        if unused and not self._find_unused:
+            names = sorted(self._names[p] for p in unused)
+            raise RuntimeError(
+                f"{len(names)} parameter(s) received no gradient in this backward pass: "
+                f"{names}. Pass find_unused_parameters=True to DistributedDataParallel, or "
+                "exclude them from the module (requires_grad=False)."
+            )
+        for bucket in self.buckets:
+            for i in set(range(len(bucket.params))) - bucket.arrived:
+                self._slot(bucket, i).zero_()
+                bucket.pending -= 1
+        return unused
+
+    def _used_anywhere(self, unused: set[nn.Parameter]) -> dict[nn.Parameter, bool]:
+        """Which locally unused parameters some other rank did use: their
+        averaged gradient counts this rank's zeros, as torch DDP does."""
+        if not self._find_unused:
+            return {}
+        params = [p for bucket in self.buckets for p in bucket.params]
+        used = torch.tensor([0 if p in unused else 1 for p in params], dtype=torch.int64)
+        self.comm.all_reduce(used, ReduceOp.MAX)
+        return {p: bool(flag) for p, flag in zip(params, used.tolist(), strict=True)}
+
+    def stop(self) -> None:
+        """Remove the gradient hooks and stop the communicator's worker
+        thread, if it has one (haiscale's ``reducer.stop()``)."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        close = getattr(self.comm, "close", None)
+        if callable(close):
+            close()
+
+
+class DistributedDataParallel(nn.Module):
+    """Replicate ``module`` on every rank and average gradients during backward.
+
+    Call-compatible with haiscale's and torch's wrappers: ``ddp(x)`` runs the
+    module, ``loss.backward()`` returns with gradients averaged over ranks
+    (sum / world size, as torch DDP), ``no_sync()`` accumulates locally, and
+    ``ddp.reducer.stop()`` releases the background machinery.
+
+    ``communicator`` defaults to shared memory when every rank is on this
+    host (hfreduce-style: the reduction runs on the host, off the compute
+    stream) and to torch.distributed otherwise; ``process_group`` selects the
+    ranks. Gradients are packed into buckets of ``bucket_cap_mb`` MiB in
+    reverse registration order, each all-reduced as soon as it is full,
+    overlapping the rest of backward. A parameter that receives no gradient
+    is an error unless ``find_unused_parameters=True``.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        process_group: dist.ProcessGroup | None = None,
+        *,
+        communicator: Communicator | None = None,
+        bucket_cap_mb: float = 25.0,
+        find_unused_parameters: bool = False,
+        broadcast_buffers: bool = True,
+    ) -> None:
+        super().__init__()
+        if bucket_cap_mb <= 0:
+            raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb}.")
+        if communicator is not None and process_group is not None:
+            raise ValueError(
+                "pass either process_group or communicator, not both: a communicator "
+                "already knows its ranks."
+            )
+        self.module = module
+        self.comm = (
+            communicator if communicator is not None else default_communicator(process_group)
+        )
+        self.broadcast_buffers = broadcast_buffers
+        names = {p: n for n, p in module.named_parameters()}
+        params = [p for p in module.parameters() if p.requires_grad]
+        if not params:
+            raise ValueError("module has no parameter that requires a gradient.")
+        self._sync_from_rank0(list(module.parameters()) + list(module.buffers()))
+        self.reducer = Reducer(
+            params, names, self.comm, int(bucket_cap_mb * 1024 * 1024), find_unused_parameters
+        )
+
+    def _sync_from_rank0(self, tensors: list[torch.Tensor]) -> None:
+        by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+        for tensor in tensors:
+            by_kind.setdefault((tensor.dtype, tensor.device), []).append(tensor)
+        with torch.no_grad():
+            for group in by_kind.values():
+                flat = torch.cat([t.detach().reshape(-1) for t in group])
+                self.comm.broadcast(flat, src=0)
+                offset = 0
+                for t in group:
+                    t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                    offset += t.numel()
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.broadcast_buffers:
+            buffers = list(self.module.buffers())
+            if buffers:
+                self._sync_from_rank0(buffers)
+        return self.module(*args, **kwargs)
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally; the first backward after the block
+        reduces the accumulated sum."""
+        previous = self.reducer.sync_enabled
+        self.reducer.sync_enabled = False
+        try:
+            yield
+        finally:
+            self.reducer.sync_enabled = previous

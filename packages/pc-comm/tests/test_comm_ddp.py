@@ -1,0 +1,190 @@
+"""DistributedDataParallel against single-process training on the global
+batch: losses and parameters equal at fp32 tolerance, step after step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pc_comm import (
+    DistributedDataParallel,
+    ReduceOp,
+    ShmCommunicator,
+    TorchCommunicator,
+)
+from pc_comm.testing import run_subtests, spawn
+
+pytestmark = pytest.mark.timeout(300)
+
+STEPS, GLOBAL_BATCH = 5, 8
+
+
+class SmallCNN(nn.Module):
+    def __init__(self, with_unused: bool = False) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 8, 3, padding=1)
+        # GroupNorm, not BatchNorm: per-rank batch statistics differ from the
+        # global batch's by definition (SyncBatchNorm's business, not DDP's).
+        self.norm = nn.GroupNorm(2, 8)
+        self.register_buffer("scale", torch.ones(1))
+        self.conv2 = nn.Conv2d(8, 8, 3, padding=1)
+        self.head = nn.Linear(8 * 4 * 4, 5)
+        self.unused = nn.Linear(3, 3) if with_unused else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.norm(self.conv1(x))) * self.scale
+        x = nn.functional.max_pool2d(torch.relu(self.conv2(x)), 2)
+        return self.head(x.flatten(1))
+
+
+def _cnn_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(100 + step)
+    return torch.randn(GLOBAL_BATCH, 3, 8, 8, generator=gen), torch.randint(
+        0, 5, (GLOBAL_BATCH,), generator=gen
+    )
+
+
+def _gpt2() -> nn.Module:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(
+        vocab_size=97,
+        n_positions=16,
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+        loss_type="ForCausalLM",
+    )
+    model: nn.Module = transformers.GPT2LMHeadModel(config)
+    return model
+
+
+_COMMS: dict[str, object] = {}
+
+
+def _comm(backend: str) -> ShmCommunicator | TorchCommunicator:
+    if backend not in _COMMS:
+        _COMMS[backend] = (
+            ShmCommunicator(slot_bytes=8192) if backend == "shm" else TorchCommunicator()
+        )
+    comm = _COMMS[backend]
+    assert isinstance(comm, ShmCommunicator | TorchCommunicator)
+    return comm
+
+
+def check_ddp(model_name: str, backend: str, accumulate: int, bucket_cap_mb: float) -> None:
+    comm = _comm(backend)
+    rank, world = comm.rank, comm.world_size
+    shard = GLOBAL_BATCH // world
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        if model_name == "gpt2":
+            return _gpt2()
+        return SmallCNN(with_unused=model_name == "cnn_unused")
+
+    reference, local = build(), build()
+    if rank == 1:  # DDP must start every replica from rank 0's weights
+        with torch.no_grad():
+            for p in local.parameters():
+                p.add_(1.0)
+            for b in local.buffers():
+                b.mul_(3.0)
+    ddp = DistributedDataParallel(
+        local,
+        communicator=comm,
+        bucket_cap_mb=bucket_cap_mb,
+        find_unused_parameters=model_name == "cnn_unused",
+    )
+    if model_name == "gpt2":
+        # GPT-2's key bias has a mathematically zero gradient (softmax ignores
+        # a shift), so it holds ~1e-12 of rounding noise whose sign depends on
+        # summation order; Adam would turn that noise into full-lr steps.
+        # SGD keeps the comparison about the reduction, not about noise.
+        ref_opt: torch.optim.Optimizer = torch.optim.SGD(
+            reference.parameters(), lr=0.1, momentum=0.9
+        )
+        opt: torch.optim.Optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+    else:
+        ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+        opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+    loss_fn = nn.CrossEntropyLoss()
+
+    def loss_of(model: nn.Module, step: int, micro: int, lo: int, hi: int) -> torch.Tensor:
+        if model_name == "gpt2":
+            gen = torch.Generator().manual_seed(1000 * step + micro)
+            ids = torch.randint(0, 97, (GLOBAL_BATCH, 16), generator=gen)[lo:hi]
+            out: torch.Tensor = model(input_ids=ids, labels=ids).loss
+            return out
+        x, y = _cnn_batch(10 * step + micro)
+        return loss_fn(model(x[lo:hi]), y[lo:hi])
+
+    for step in range(STEPS):
+        ref_opt.zero_grad()
+        ref_total = torch.zeros(())
+        for micro in range(accumulate):
+            ref_loss = loss_of(reference, step, micro, 0, GLOBAL_BATCH) / accumulate
+            ref_loss.backward()
+            ref_total += ref_loss.detach()
+        ref_opt.step()
+
+        opt.zero_grad()
+        total = torch.zeros(())
+        for micro in range(accumulate):
+            loss = loss_of(ddp, step, micro, rank * shard, (rank + 1) * shard) / accumulate
+            if micro < accumulate - 1:
+                with ddp.no_sync():
+                    loss.backward()
+            else:
+                loss.backward()
+            total += loss.detach()
+        for (name, p), q in zip(ddp.module.named_parameters(), reference.parameters(), strict=True):
+            if q.grad is not None:  # the averaged gradient itself, before any optimizer
+                assert p.grad is not None, name
+                torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
+        opt.step()
+        comm.all_reduce(total, ReduceOp.AVG)
+        torch.testing.assert_close(total, ref_total, rtol=1e-5, atol=1e-6)
+        for (name, p), q in zip(ddp.module.named_parameters(), reference.parameters(), strict=True):
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=f"{name} at step {step}")
+            if model_name == "cnn_unused" and name.startswith("unused"):
+                assert p.grad is None  # unused everywhere: left alone, as torch DDP does
+    if backend == "torch":
+        ddp.reducer.stop()
+    assert dist.get_world_size() == world
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_ddp_matches_single_process(world_size: int) -> None:
+    run_subtests(
+        check_ddp,
+        world_size,
+        {
+            "model_name": ["cnn", "cnn_unused", "gpt2"],
+            "backend": ["shm", "torch"],
+            "accumulate": [1, 2],
+            "bucket_cap_mb": [0.001, 25.0],
+        },
+        timeout=280,
+    )
+
+
+def _unused_without_flag() -> None:
+    torch.manual_seed(0)
+    ddp = DistributedDataParallel(SmallCNN(with_unused=True), communicator=TorchCommunicator())
+    x, y = _cnn_batch(0)
+    loss = nn.functional.cross_entropy(ddp(x), y)
+    with pytest.raises(
+        RuntimeError, match=r"received no gradient.*unused\.weight.*find_unused_parameters=True"
+    ):
+        loss.backward()
+
+
+def test_unused_parameter_without_flag_is_a_clear_error() -> None:
+    spawn(_unused_without_flag, 2, timeout=60)
