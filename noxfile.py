@@ -91,7 +91,7 @@ def lint(session: nox.Session) -> None:
 @nox.session
 def typecheck(session: nox.Session) -> None:
     """mypy --strict on each package's sources and tests, one package at a time."""
-    _install_workspace(session, "mypy>=1.10", *TEST_DEPS)
+    _install_workspace(session, "mypy>=1.10", "nox", *TEST_DEPS)
     targets, _ = _split_targets(session)
     for target in targets:
         if target == INTEGRATION:

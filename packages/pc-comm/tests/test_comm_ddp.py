@@ -21,7 +21,13 @@ pytestmark = pytest.mark.timeout(300)
 STEPS, GLOBAL_BATCH = 5, 8
 
 
+def _backward(loss: torch.Tensor) -> None:
+    loss.backward()  # type: ignore[no-untyped-call]
+
+
 class SmallCNN(nn.Module):
+    scale: torch.Tensor
+
     def __init__(self, with_unused: bool = False) -> None:
         super().__init__()
         self.conv1 = nn.Conv2d(3, 8, 3, padding=1)
@@ -36,7 +42,8 @@ class SmallCNN(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = torch.relu(self.norm(self.conv1(x))) * self.scale
         x = nn.functional.max_pool2d(torch.relu(self.conv2(x)), 2)
-        return self.head(x.flatten(1))
+        out: torch.Tensor = self.head(x.flatten(1))
+        return out
 
 
 def _cnn_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -123,14 +130,15 @@ def check_ddp(model_name: str, backend: str, accumulate: int, bucket_cap_mb: flo
             out: torch.Tensor = model(input_ids=ids, labels=ids).loss
             return out
         x, y = _cnn_batch(10 * step + micro)
-        return loss_fn(model(x[lo:hi]), y[lo:hi])
+        cnn_loss: torch.Tensor = loss_fn(model(x[lo:hi]), y[lo:hi])
+        return cnn_loss
 
     for step in range(STEPS):
         ref_opt.zero_grad()
         ref_total = torch.zeros(())
         for micro in range(accumulate):
             ref_loss = loss_of(reference, step, micro, 0, GLOBAL_BATCH) / accumulate
-            ref_loss.backward()
+            _backward(ref_loss)
             ref_total += ref_loss.detach()
         ref_opt.step()
 
@@ -140,9 +148,9 @@ def check_ddp(model_name: str, backend: str, accumulate: int, bucket_cap_mb: flo
             loss = loss_of(ddp, step, micro, rank * shard, (rank + 1) * shard) / accumulate
             if micro < accumulate - 1:
                 with ddp.no_sync():
-                    loss.backward()
+                    _backward(loss)
             else:
-                loss.backward()
+                _backward(loss)
             total += loss.detach()
         for (name, p), q in zip(ddp.module.named_parameters(), reference.parameters(), strict=True):
             if q.grad is not None:  # the averaged gradient itself, before any optimizer
@@ -183,7 +191,7 @@ def _unused_without_flag() -> None:
     with pytest.raises(
         RuntimeError, match=r"received no gradient.*unused\.weight.*find_unused_parameters=True"
     ):
-        loss.backward()
+        _backward(loss)
 
 
 def test_unused_parameter_without_flag_is_a_clear_error() -> None:

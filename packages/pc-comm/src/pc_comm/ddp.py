@@ -77,7 +77,10 @@ class Reducer:
         self._next_launch = 0  # the lowest bucket not yet launched [Note: bucket order]
         self._callback_queued = False
         self.sync_enabled = True  # False inside no_sync()
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(self._on_grad)  # type: ignore[no-untyped-call]
+            for p in params
+        ]
         self._reset()
 
     @staticmethod

@@ -148,9 +148,10 @@ class ShmCommunicator:
         total = control + (self._world_size + 1) * slot_bytes
         names: list[str | None] = [None]
         if self._rank == 0:
-            names = [str(_shm_dir() / f"pc-comm-{uuid.uuid4().hex}")]
-            with open(names[0], "wb") as handle:
+            created = str(_shm_dir() / f"pc-comm-{uuid.uuid4().hex}")
+            with open(created, "wb") as handle:
                 handle.truncate(total)
+            names = [created]
         dist.broadcast_object_list(names, group=self.group, group_src=0)
         path = names[0]
         assert path is not None
@@ -372,13 +373,13 @@ class ShmCommunicator:
         async_op: bool,
     ) -> Handle:
         if self._stream is None:
-            self._stream = torch.cuda.Stream(device=device)
+            self._stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
         stream = self._stream
-        ready = torch.cuda.Event()
+        ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
         ready.record(torch.cuda.current_stream(device))
         host_in = [torch.empty(t.numel(), dtype=t.dtype, pin_memory=True) for t in tensors_in]
         host_out = [torch.empty(t.numel(), dtype=t.dtype, pin_memory=True) for t in tensors_out]
-        done = torch.cuda.Event()
+        done = torch.cuda.Event()  # type: ignore[no-untyped-call]
 
         def work() -> None:
             with torch.cuda.stream(stream):
