@@ -28,6 +28,8 @@ __all__ = [
     "ReduceOp",
     "check_all_gather",
     "check_all_gather_list",
+    "check_contiguous",
+    "check_reduce_op",
     "check_reduce_scatter",
     "check_reduce_scatter_list",
 ]
@@ -211,3 +213,16 @@ def check_all_gather_list(
             f"all_gather_list: input has {input.numel()} elements but this rank's slot "
             f"outputs[{rank}] has {outputs[rank].numel()}; they must match."
         )
+
+
+def check_contiguous(tensor: torch.Tensor, what: str) -> None:
+    if not tensor.is_contiguous():
+        raise ValueError(
+            f"{what} must be contiguous (collectives work on flat memory); "
+            "pass tensor.contiguous() and copy the result back."
+        )
+
+
+def check_reduce_op(op: object) -> None:
+    if not isinstance(op, ReduceOp):
+        raise TypeError(f"op must be a pc_comm.ReduceOp, got {op!r}.")

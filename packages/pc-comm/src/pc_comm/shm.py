@@ -52,6 +52,8 @@ from pc_comm.communicator import (
     ReduceOp,
     check_all_gather,
     check_all_gather_list,
+    check_contiguous,
+    check_reduce_op,
     check_reduce_scatter,
     check_reduce_scatter_list,
 )
@@ -404,8 +406,8 @@ class ShmCommunicator:
     def all_reduce(
         self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, *, async_op: bool = False
     ) -> Handle:
-        _check_op(op)
-        _check_contiguous(tensor, "all_reduce tensor")
+        check_reduce_op(op)
+        check_contiguous(tensor, "all_reduce tensor")
 
         def work(ins: list[torch.Tensor], outs: list[torch.Tensor]) -> None:
             if ins[0].data_ptr() != outs[0].data_ptr():
@@ -422,9 +424,9 @@ class ShmCommunicator:
         *,
         async_op: bool = False,
     ) -> Handle:
-        _check_op(op)
+        check_reduce_op(op)
         check_reduce_scatter(output, input, self._world_size)
-        _check_contiguous(output, "reduce_scatter output")
+        check_contiguous(output, "reduce_scatter output")
         world = self._world_size
 
         def work(ins: list[torch.Tensor], outs: list[torch.Tensor]) -> None:
@@ -440,9 +442,9 @@ class ShmCommunicator:
         *,
         async_op: bool = False,
     ) -> Handle:
-        _check_op(op)
+        check_reduce_op(op)
         check_reduce_scatter_list(output, inputs, self._rank, self._world_size)
-        _check_contiguous(output, "reduce_scatter_list output")
+        check_contiguous(output, "reduce_scatter_list output")
         slot = max(t.numel() for t in inputs)
         count = output.numel()
 
@@ -458,7 +460,7 @@ class ShmCommunicator:
         self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False
     ) -> Handle:
         check_all_gather(output, input, self._world_size)
-        _check_contiguous(output, "all_gather output")
+        check_contiguous(output, "all_gather output")
         world = self._world_size
 
         def work(ins: list[torch.Tensor], outs: list[torch.Tensor]) -> None:
@@ -471,7 +473,7 @@ class ShmCommunicator:
     ) -> Handle:
         check_all_gather_list(outputs, input, self._rank, self._world_size)
         for i, out in enumerate(outputs):
-            _check_contiguous(out, f"all_gather_list outputs[{i}]")
+            check_contiguous(out, f"all_gather_list outputs[{i}]")
 
         def work(ins: list[torch.Tensor], outs: list[torch.Tensor]) -> None:
             self._host_all_gather(outs, ins[0])
@@ -481,7 +483,7 @@ class ShmCommunicator:
     def broadcast(self, tensor: torch.Tensor, src: int, *, async_op: bool = False) -> Handle:
         if not 0 <= src < self._world_size:
             raise ValueError(f"src must be a rank in [0, {self._world_size}), got {src}.")
-        _check_contiguous(tensor, "broadcast tensor")
+        check_contiguous(tensor, "broadcast tensor")
 
         def work(ins: list[torch.Tensor], outs: list[torch.Tensor]) -> None:
             if ins[0].data_ptr() != outs[0].data_ptr():
@@ -522,16 +524,3 @@ def _padded(tensor: torch.Tensor, size: int) -> torch.Tensor:
     out = tensor.new_zeros(size)
     out[: tensor.numel()].copy_(tensor)
     return out
-
-
-def _check_op(op: object) -> None:
-    if not isinstance(op, ReduceOp):
-        raise TypeError(f"op must be a pc_comm.ReduceOp, got {op!r}.")
-
-
-def _check_contiguous(tensor: torch.Tensor, what: str) -> None:
-    if not tensor.is_contiguous():
-        raise ValueError(
-            f"{what} must be contiguous (collectives work on flat memory); "
-            "pass tensor.contiguous() and copy the result back."
-        )

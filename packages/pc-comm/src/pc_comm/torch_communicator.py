@@ -22,6 +22,8 @@ from pc_comm.communicator import (
     ReduceOp,
     check_all_gather,
     check_all_gather_list,
+    check_contiguous,
+    check_reduce_op,
     check_reduce_scatter,
     check_reduce_scatter_list,
 )
@@ -69,15 +71,6 @@ def _complete(work: dist.Work | None, finishers: list[Finisher], async_op: bool)
     return CompletedHandle()
 
 
-def _contiguous(tensor: torch.Tensor, what: str) -> torch.Tensor:
-    if not tensor.is_contiguous():
-        raise ValueError(
-            f"{what} must be contiguous (collectives work on flat memory); "
-            "pass tensor.contiguous() and copy the result back."
-        )
-    return tensor
-
-
 class TorchCommunicator:
     """A communicator over a torch.distributed process group (the default
     group when ``group`` is None)."""
@@ -118,8 +111,7 @@ class TorchCommunicator:
     ) -> tuple[dist.ReduceOp.RedOpType, list[Finisher]]:
         """The c10d op to run, and the division to apply afterwards when AVG
         is emulated for ``result``'s dtype."""
-        if not isinstance(op, ReduceOp):
-            raise TypeError(f"op must be a pc_comm.ReduceOp, got {op!r}.")
+        check_reduce_op(op)
         native = result.dtype.is_floating_point or self._native_avg_ints
         if op is not ReduceOp.AVG or native:
             return _TORCH_OPS[op], []
@@ -136,7 +128,7 @@ class TorchCommunicator:
     def all_reduce(
         self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, *, async_op: bool = False
     ) -> Handle:
-        _contiguous(tensor, "all_reduce tensor")
+        check_contiguous(tensor, "all_reduce tensor")
         torch_op, finishers = self._torch_op(op, tensor)
         work = dist.all_reduce(tensor, op=torch_op, group=self.group, async_op=async_op)
         return _complete(work, finishers, async_op)
@@ -150,8 +142,8 @@ class TorchCommunicator:
         async_op: bool = False,
     ) -> Handle:
         check_reduce_scatter(output, input, self._world_size)
-        _contiguous(output, "reduce_scatter output")
-        _contiguous(input, "reduce_scatter input")
+        check_contiguous(output, "reduce_scatter output")
+        check_contiguous(input, "reduce_scatter input")
         torch_op, finishers = self._torch_op(op, output)
         work = dist.reduce_scatter_single(
             output.view(-1), input.view(-1), op=torch_op, group=self.group, async_op=async_op
@@ -190,7 +182,7 @@ class TorchCommunicator:
         self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False
     ) -> Handle:
         check_all_gather(output, input, self._world_size)
-        _contiguous(output, "all_gather output")
+        check_contiguous(output, "all_gather output")
         work = dist.all_gather_single(
             output.view(-1), input.reshape(-1), group=self.group, async_op=async_op
         )
@@ -217,7 +209,7 @@ class TorchCommunicator:
 
     def broadcast(self, tensor: torch.Tensor, src: int, *, async_op: bool = False) -> Handle:
         self._check_peer(src, "src", allow_self=True)
-        _contiguous(tensor, "broadcast tensor")
+        check_contiguous(tensor, "broadcast tensor")
         work = dist.broadcast(tensor, group=self.group, group_src=src, async_op=async_op)
         return _complete(work, [], async_op)
 
@@ -236,7 +228,7 @@ class TorchCommunicator:
 
     def send(self, tensor: torch.Tensor, dst: int, *, async_op: bool = False) -> Handle:
         self._check_peer(dst, "dst")
-        _contiguous(tensor, "send tensor")
+        check_contiguous(tensor, "send tensor")
         if async_op:
             return _complete(dist.isend(tensor, group=self.group, group_dst=dst), [], True)
         dist.send(tensor, group=self.group, group_dst=dst)
@@ -244,7 +236,7 @@ class TorchCommunicator:
 
     def recv(self, tensor: torch.Tensor, src: int, *, async_op: bool = False) -> Handle:
         self._check_peer(src, "src")
-        _contiguous(tensor, "recv tensor")
+        check_contiguous(tensor, "recv tensor")
         if async_op:
             return _complete(dist.irecv(tensor, group=self.group, group_src=src), [], True)
         dist.recv(tensor, group=self.group, group_src=src)
@@ -254,7 +246,7 @@ class TorchCommunicator:
         torch_ops = []
         for op in ops:
             self._check_peer(op.peer, "peer")
-            _contiguous(op.tensor, f"{op.kind.value} tensor")
+            check_contiguous(op.tensor, f"{op.kind.value} tensor")
             fn = dist.isend if op.kind is P2PKind.SEND else dist.irecv
             torch_ops.append(dist.P2POp(fn, op.tensor, group=self.group, group_peer=op.peer))
         if not torch_ops:
