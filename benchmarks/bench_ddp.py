@@ -42,9 +42,12 @@ def _bandwidth(out: str) -> None:
     rows = []
     for size_mb in SIZES_MB:
         buf = torch.randn(size_mb * 1024 * 1024 // 4)
+        sym = shm.alloc(buf.numel())
+        sym.copy_(buf)
         iters = 5 if size_mb <= 64 else 3
         fns: dict[str, Callable[[], None]] = {
             "pc shm": lambda b=buf: shm.all_reduce(b, ReduceOp.SUM).wait(),  # type: ignore[misc]
+            "pc shm symmetric": lambda b=sym: shm.all_reduce(b, ReduceOp.SUM).wait(),  # type: ignore[misc]
             "gloo": lambda b=buf: dist.all_reduce(b),  # type: ignore[misc]
         }
         samples: dict[str, list[float]] = {name: [] for name in fns}
@@ -63,8 +66,10 @@ def _bandwidth(out: str) -> None:
                 "world": world,
                 "size_mb": size_mb,
                 "pc_gbps": factor / times["pc shm"],
+                "sym_gbps": factor / times["pc shm symmetric"],
                 "gloo_gbps": factor / times["gloo"],
                 "speedup": times["gloo"] / times["pc shm"],
+                "sym_speedup": times["gloo"] / times["pc shm symmetric"],
             }
         )
     shm.close()
@@ -103,11 +108,22 @@ def _step_fn(model: torch.nn.Module, seed: int) -> Callable[[], None]:
 
 
 def _ddp_steps(iters: int, out: str) -> None:
+    """Samples alternate between the three setups, so drift on a shared
+    machine hits them alike. The single-process step runs on rank 0 alone
+    while the other ranks sleep in a barrier; "2 processes, no
+    communication" shows what sharing the machine costs before any gradient
+    moves (memory bandwidth and caches are shared between cores)."""
     torch.set_num_threads(1)
     rank = dist.get_rank()
     ours = DistributedDataParallel(_gpt2(), communicator=ShmCommunicator())
     peer = torch.nn.parallel.DistributedDataParallel(_gpt2())
-    steps = {"pc DDP (shm)": _step_fn(ours, rank), "torch DDP (gloo)": _step_fn(peer, rank)}
+    alone = _step_fn(_gpt2(), rank)
+    steps: dict[str, Callable[[], None]] = {
+        "single process": alone if rank == 0 else lambda: None,
+        "2 processes, no communication": alone,
+        "pc DDP (shm)": _step_fn(ours, rank),
+        "torch DDP (gloo)": _step_fn(peer, rank),
+    }
     for fn in steps.values():
         fn()
     samples: dict[str, list[float]] = {name: [] for name in steps}
@@ -117,22 +133,14 @@ def _ddp_steps(iters: int, out: str) -> None:
             start = time.perf_counter()
             steps[name]()
             samples[name].append(time.perf_counter() - start)
-    times = {name: _median_max(s) for name, s in samples.items()}
+    times = {name: statistics.median(s) for name, s in samples.items()}
+    times = {
+        name: t if name == "single process" else _median_max(samples[name])
+        for name, t in times.items()
+    }
     ours.reducer.stop()
     if rank == 0:
         Path(out).write_text(json.dumps(times))
-
-
-def _single(iters: int) -> float:
-    torch.set_num_threads(1)
-    step = _step_fn(_gpt2(), 0)
-    step()
-    samples = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        step()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
 
 
 def main() -> None:
@@ -140,34 +148,35 @@ def main() -> None:
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--ddp-iters", type=int, default=6)
     parser.add_argument("--skip-ddp", action="store_true")
+    parser.add_argument("--skip-bandwidth", action="store_true")
     args = parser.parse_args()
     RESULTS.mkdir(exist_ok=True)
     rows: list[dict[str, float]] = []
-    for world in args.world_sizes:
+    for world in [] if args.skip_bandwidth else args.world_sizes:
         out = RESULTS / f"bandwidth_w{world}.json"
         spawn(_bandwidth, world, args=(str(out),), timeout=1200)
         rows += json.loads(out.read_text())
     print("\n## All-reduce bus bandwidth, fp32 on the CPU (GB/s)\n")
-    print("| ranks | size | pc shm | gloo | pc / gloo |")
-    print("|---:|---:|---:|---:|---:|")
+    print("| ranks | size | gloo | pc shm | pc / gloo | pc symmetric | symmetric / gloo |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
     for row in rows:
         print(
-            f"| {row['world']} | {row['size_mb']} MB | {row['pc_gbps']:.2f} | "
-            f"{row['gloo_gbps']:.2f} | {row['speedup']:.2f}x |"
+            f"| {row['world']} | {row['size_mb']} MB | {row['gloo_gbps']:.2f} | "
+            f"{row['pc_gbps']:.2f} | {row['speedup']:.2f}x | "
+            f"{row['sym_gbps']:.2f} | {row['sym_speedup']:.2f}x |"
         )
     result: dict[str, object] = {"bandwidth": rows}
     if not args.skip_ddp:
-        single = _single(args.ddp_iters)
         out = RESULTS / "ddp_step.json"
         spawn(_ddp_steps, 2, args=(args.ddp_iters, str(out)), timeout=1800)
         times = json.loads(out.read_text())
+        single = times["single process"]
         print("\n## DDP step, GPT-2 6x512, batch 4x256 per rank, 2 ranks, 1 thread each\n")
         print("| | step (s) | / single process |")
         print("|---|---:|---:|")
-        print(f"| single process | {single:.3f} | 1.00 |")
         for name, seconds in times.items():
-            print(f"| {name} | {seconds:.3f} | {seconds / single:.2f} |")
-        result["ddp"] = {"single": single, **times}
+            print(f"| {name} | {seconds:.3f} | {seconds / single:.3f} |")
+        result["ddp"] = times
     (RESULTS / "bench_ddp.json").write_text(json.dumps(result, indent=2))
 
 

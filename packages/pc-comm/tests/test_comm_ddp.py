@@ -85,7 +85,14 @@ def _comm(backend: str) -> ShmCommunicator | TorchCommunicator:
     return comm
 
 
-def check_ddp(model_name: str, backend: str, accumulate: int, bucket_cap_mb: float) -> None:
+def check_ddp(
+    model_name: str,
+    backend: str,
+    accumulate: int,
+    bucket_cap_mb: float,
+    as_view: bool = True,
+    set_to_none: bool = True,
+) -> None:
     comm = _comm(backend)
     rank, world = comm.rank, comm.world_size
     shard = GLOBAL_BATCH // world
@@ -108,6 +115,7 @@ def check_ddp(model_name: str, backend: str, accumulate: int, bucket_cap_mb: flo
         communicator=comm,
         bucket_cap_mb=bucket_cap_mb,
         find_unused_parameters=model_name == "cnn_unused",
+        gradient_as_bucket_view=as_view,
     )
     if model_name == "gpt2":
         # GPT-2's key bias has a mathematically zero gradient (softmax ignores
@@ -142,7 +150,7 @@ def check_ddp(model_name: str, backend: str, accumulate: int, bucket_cap_mb: flo
             ref_total += ref_loss.detach()
         ref_opt.step()
 
-        opt.zero_grad()
+        opt.zero_grad(set_to_none=set_to_none)
         total = torch.zeros(())
         for micro in range(accumulate):
             loss = loss_of(ddp, step, micro, rank * shard, (rank + 1) * shard) / accumulate
@@ -178,6 +186,24 @@ def test_ddp_matches_single_process(world_size: int) -> None:
             "backend": ["shm", "torch"],
             "accumulate": [1, 2],
             "bucket_cap_mb": [0.001, 25.0],
+        },
+        timeout=280,
+    )
+
+
+def test_ddp_gradient_layouts_match_single_process() -> None:
+    """Separate gradient tensors, and gradients zeroed in place (so backward
+    accumulates straight into the bucket views)."""
+    run_subtests(
+        check_ddp,
+        2,
+        {
+            "model_name": ["cnn_unused", "gpt2"],
+            "backend": ["shm", "torch"],
+            "accumulate": [2],
+            "bucket_cap_mb": [0.001],
+            "as_view": [False, True],
+            "set_to_none": [False],
         },
         timeout=280,
     )

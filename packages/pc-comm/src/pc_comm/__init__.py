@@ -12,6 +12,7 @@ from pc_comm.communicator import (
     P2PKind,
     P2POp,
     ReduceOp,
+    SymmetricAllocator,
 )
 from pc_comm.ddp import DistributedDataParallel, default_communicator
 from pc_comm.env import DistEnv, DistEnvError, read_dist_env
@@ -38,6 +39,7 @@ __all__ = [
     "ShmCommunicator",
     "ShmPeerError",
     "Subgroups",
+    "SymmetricAllocator",
     "TorchCommunicator",
     "all_reduce_coalesced",
     "default_communicator",

@@ -26,6 +26,7 @@ __all__ = [
     "P2PKind",
     "P2POp",
     "ReduceOp",
+    "SymmetricAllocator",
     "check_all_gather",
     "check_all_gather_list",
     "check_contiguous",
@@ -147,6 +148,16 @@ class Communicator(Protocol):
         ...
 
     def barrier(self) -> None: ...
+
+
+@runtime_checkable
+class SymmetricAllocator(Protocol):
+    """A communicator that can place tensors in memory its peers can reach
+    directly; all-reducing such a tensor skips staging copies."""
+
+    def alloc(self, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Collective: a zero-filled 1-D host tensor of ``numel`` elements."""
+        ...
 
 
 # Shape checks shared by every implementation, so each one rejects bad input

@@ -14,6 +14,17 @@ runs once the whole backward is done. It launches what is left (zero-filled
 slots for unused parameters, if allowed), waits for every bucket, and copies
 the averaged gradients back into ``param.grad``. So ``loss.backward()``
 returns with synchronised gradients, as with torch DDP.
+
+[Note: gradients as bucket views]
+With ``gradient_as_bucket_view=True`` (the default) each ``param.grad``
+becomes a view into its bucket the first time it is reduced, so the reduced
+gradient never needs copying back, and a later backward that accumulates
+into an existing gradient (``zero_grad(set_to_none=False)``, ``no_sync``)
+writes straight into the bucket: no copy in either. On host memory, buckets
+come from the communicator's symmetric allocator when it has one (shared
+memory), so the all-reduce itself needs no staging copies. A gradient set to
+None by ``zero_grad()`` arrives as a fresh tensor, is copied into the bucket
+once, and becomes a view again.
 """
 
 from __future__ import annotations
@@ -28,7 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pc_comm.communicator import Communicator, Handle, ReduceOp
+from pc_comm.communicator import Communicator, Handle, ReduceOp, SymmetricAllocator
 from pc_comm.shm import ShmCommunicator
 from pc_comm.torch_communicator import TorchCommunicator
 
@@ -50,7 +61,7 @@ def default_communicator(group: dist.ProcessGroup | None = None) -> Communicator
 class _Bucket:
     params: list[nn.Parameter]
     offsets: list[int]
-    flat: torch.Tensor  # allocated once; gradients are copied in, reduced, copied out
+    flat: torch.Tensor  # allocated once; gradients live in it [Note: gradients as bucket views]
     pending: int = 0  # gradients still to arrive in this backward
     handle: Handle | None = None
     arrived: set[int] = field(default_factory=set)  # indices (in params) that arrived
@@ -66,11 +77,13 @@ class Reducer:
         comm: Communicator,
         bucket_cap_bytes: int,
         find_unused_parameters: bool,
+        gradient_as_bucket_view: bool = True,
     ) -> None:
         self.comm = comm
         self._names = names  # for error messages about unused parameters
         self._find_unused = find_unused_parameters
-        self.buckets = self._build_buckets(params, bucket_cap_bytes)
+        self._as_view = gradient_as_bucket_view
+        self.buckets = self._build_buckets(params, bucket_cap_bytes, comm)
         self._where: dict[nn.Parameter, tuple[int, int]] = {
             p: (b, i) for b, bucket in enumerate(self.buckets) for i, p in enumerate(bucket.params)
         }
@@ -84,29 +97,41 @@ class Reducer:
         self._reset()
 
     @staticmethod
-    def _build_buckets(params: list[nn.Parameter], cap: int) -> list[_Bucket]:
-        buckets: list[_Bucket] = []
+    def _build_buckets(params: list[nn.Parameter], cap: int, comm: Communicator) -> list[_Bucket]:
+        groups: list[list[nn.Parameter]] = []
         current: list[nn.Parameter] = []
         size = 0
         for param in reversed(params):
             fits = current and current[0].dtype == param.dtype and current[0].device == param.device
             if current and (not fits or size + param.numel() * param.element_size() > cap):
-                buckets.append(Reducer._make_bucket(current))
+                groups.append(current)
                 current, size = [], 0
             current.append(param)
             size += param.numel() * param.element_size()
         if current:
-            buckets.append(Reducer._make_bucket(current))
+            groups.append(current)
+        # One flat tensor per (dtype, device); every bucket is a slice of it.
+        totals: dict[tuple[torch.dtype, torch.device], int] = {}
+        for group in groups:
+            key = (group[0].dtype, group[0].device)
+            totals[key] = totals.get(key, 0) + sum(p.numel() for p in group)
+        storage: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+        for (dtype, device), total in totals.items():
+            if device.type == "cpu" and isinstance(comm, SymmetricAllocator):
+                storage[dtype, device] = comm.alloc(total, dtype)  # collective, same on all ranks
+            else:
+                storage[dtype, device] = torch.zeros(total, dtype=dtype, device=device)
+        buckets, used = [], dict.fromkeys(totals, 0)
+        for group in groups:
+            key = (group[0].dtype, group[0].device)
+            offsets, count = [], 0
+            for p in group:
+                offsets.append(count)
+                count += p.numel()
+            flat = storage[key][used[key] : used[key] + count]
+            used[key] += count
+            buckets.append(_Bucket(params=group, offsets=offsets, flat=flat))
         return buckets
-
-    @staticmethod
-    def _make_bucket(params: list[nn.Parameter]) -> _Bucket:
-        offsets, total = [], 0
-        for p in params:
-            offsets.append(total)
-            total += p.numel()
-        flat = torch.zeros(total, dtype=params[0].dtype, device=params[0].device)
-        return _Bucket(params=params, offsets=offsets, flat=flat)
 
     def _reset(self) -> None:
         for bucket in self.buckets:
@@ -135,7 +160,11 @@ class Reducer:
                 "reduces each gradient once per backward."
             )
         assert param.grad is not None
-        self._slot(bucket, i).copy_(param.grad)
+        slot = self._slot(bucket, i)
+        if not _is_view_of(param.grad, slot):
+            slot.copy_(param.grad)
+            if self._as_view:
+                param.grad = slot  # [Note: gradients as bucket views]
         bucket.arrived.add(i)
         bucket.pending -= 1
         self._launch_ready()
@@ -160,10 +189,13 @@ class Reducer:
                 for i, param in enumerate(bucket.params):
                     if param in unused and not used_anywhere[param]:
                         continue  # unused on every rank: the gradient stays as it was
-                    if param.grad is None:
-                        param.grad = self._slot(bucket, i).clone()
+                    slot = self._slot(bucket, i)
+                    if self._as_view:
+                        param.grad = slot
+                    elif param.grad is None:
+                        param.grad = slot.clone()
                     else:
-                        param.grad.copy_(self._slot(bucket, i))
+                        param.grad.copy_(slot)
         finally:
             self._reset()
 
@@ -184,7 +216,10 @@ class Reducer:
             )
         for bucket in self.buckets:
             for i in set(range(len(bucket.params))) - bucket.arrived:
-                self._slot(bucket, i).zero_()
+                slot, param = self._slot(bucket, i), bucket.params[i]
+                if param.grad is not None and _is_view_of(param.grad, slot):
+                    param.grad = param.grad.clone()  # keep it if no rank used the parameter
+                slot.zero_()
                 bucket.pending -= 1
         return unused
 
@@ -223,7 +258,10 @@ class DistributedDataParallel(nn.Module):
     ranks. Gradients are packed into buckets of ``bucket_cap_mb`` MiB in
     reverse registration order, each all-reduced as soon as it is full,
     overlapping the rest of backward. A parameter that receives no gradient
-    is an error unless ``find_unused_parameters=True``.
+    is an error unless ``find_unused_parameters=True``. With
+    ``gradient_as_bucket_view`` (default True, unlike torch) gradients are
+    views into the buckets, which saves two copies per step; pass False to
+    keep separate gradient tensors.
     """
 
     def __init__(
@@ -235,6 +273,7 @@ class DistributedDataParallel(nn.Module):
         bucket_cap_mb: float = 25.0,
         find_unused_parameters: bool = False,
         broadcast_buffers: bool = True,
+        gradient_as_bucket_view: bool = True,
     ) -> None:
         super().__init__()
         if bucket_cap_mb <= 0:
@@ -255,7 +294,12 @@ class DistributedDataParallel(nn.Module):
             raise ValueError("module has no parameter that requires a gradient.")
         self._sync_from_rank0(list(module.parameters()) + list(module.buffers()))
         self.reducer = Reducer(
-            params, names, self.comm, int(bucket_cap_mb * 1024 * 1024), find_unused_parameters
+            params,
+            names,
+            self.comm,
+            int(bucket_cap_mb * 1024 * 1024),
+            find_unused_parameters,
+            gradient_as_bucket_view,
         )
 
     def _sync_from_rank0(self, tensors: list[torch.Tensor]) -> None:
@@ -288,3 +332,12 @@ class DistributedDataParallel(nn.Module):
             yield
         finally:
             self.reducer.sync_enabled = previous
+
+
+def _is_view_of(tensor: torch.Tensor, slot: torch.Tensor) -> bool:
+    return (
+        tensor.data_ptr() == slot.data_ptr()
+        and tensor.shape == slot.shape
+        and tensor.stride() == slot.stride()
+        and tensor.dtype == slot.dtype
+    )

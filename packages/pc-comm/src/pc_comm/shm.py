@@ -22,12 +22,33 @@ checks that the missing ranks' processes are alive, so a dead peer is named
 at once; a live but stuck peer raises after ``timeout``.
 
 [Note: one collective step]
-Data moves in pieces of at most ``slot_bytes`` per rank. For each piece:
-every rank writes its input into its own slot; barrier; each rank computes
-its share (reduces its 1/L slice of all slots, or reads what it needs);
-barrier; ranks read the result. The second barrier guarantees nobody
-overwrites a slot or the result area while a peer still reads it, so one set
-of buffers serves every call: no allocation per call.
+Data moves in pieces of at most ``slot_bytes`` per rank; the segment holds
+one input slot per rank and one shared result area. An all-reduce of a piece
+moves as little as it can: each rank writes into its slot only the slices
+that other ranks own (its own slice stays in the caller's tensor); barrier;
+each rank reduces its own 1/L slice in place in the caller's tensor, adding
+the peers' slot slices, and publishes it in the result area; barrier; each
+rank copies the other slices of the result into its tensor. Every write to a
+slot happens before a barrier that every read of it precedes, and the result
+area is written only after the first barrier of the next piece, when all
+ranks have finished reading it, so one set of buffers serves every call.
+
+[Note: symmetric buffers]
+``alloc`` (collective) maps one more segment holding L equal regions, one
+per rank, and hands each rank a tensor over its own region. An all-reduce
+of such a tensor needs no copy in and no result area: each rank reduces its
+slice of every region into its own region, barrier, copies the other slices
+straight from their owners' regions, barrier. DDP keeps its gradient
+buckets there. A third barrier ends the call, so a rank may overwrite its
+region as soon as the call returns.
+
+[Note: matching calls]
+With its first barrier, each operation publishes what it is (kind, element
+count, detail) in the rank's control line, and checks the peers' after the
+barrier: ranks that issue different collectives fail with an error naming
+both calls instead of silently mixing data. A line is rewritten only before
+a rank's next first barrier, which it reaches only after passing a later
+barrier that every peer must also reach, so the check never races.
 """
 
 from __future__ import annotations
@@ -38,8 +59,10 @@ import queue
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
@@ -89,21 +112,88 @@ def _shm_dir() -> Path:
     return path if path.is_dir() else Path(os.environ.get("TMPDIR", "/tmp"))
 
 
-def _reduce(stacked: torch.Tensor, op: ReduceOp, out: torch.Tensor) -> None:
-    """Reduce ``stacked`` ([L, n]) over dim 0 into ``out`` ([n])."""
+_KINDS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_reduce(symmetric)")
+_OPS = tuple(ReduceOp)
+_DTYPES = (
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+)
+_Signature = tuple[int, int, int, int]
+
+
+def _signature(
+    kind: str, count: int, dtype: torch.dtype, op: ReduceOp | None = None, extra: int = 0
+) -> _Signature:
+    dtype_code = _DTYPES.index(dtype) if dtype in _DTYPES else len(_DTYPES)
+    op_code = _OPS.index(op) + 1 if op is not None else 0
+    return (_KINDS.index(kind) + 1, count, op_code * 64 + dtype_code, extra)
+
+
+def _describe(line: Sequence[int]) -> str:
+    kind, count, detail, extra = line[:4]
+    if not 1 <= kind <= len(_KINDS):
+        return "nothing yet"
+    op_code, dtype_code = divmod(detail, 64)
+    dtype = str(_DTYPES[dtype_code]) if dtype_code < len(_DTYPES) else "another dtype"
+    parts = [f"count={count}", f"dtype={dtype.removeprefix('torch.')}"]
+    if op_code:
+        parts.append(f"op={_OPS[op_code - 1].value}")
+    if extra:
+        parts.append(f"at={extra}")
+    return f"{_KINDS[kind - 1]}({', '.join(parts)})"
+
+
+@dataclass(frozen=True)
+class _Symmetric:
+    """One segment of L equal regions, region r owned by rank r. Held by a
+    weak reference: the segment lives as long as the tensors over it."""
+
+    storage: weakref.ref[torch.UntypedStorage]
+    region_bytes: int
+
+    def region(self, rank: int) -> torch.Tensor:
+        storage = self.storage()
+        assert storage is not None, "a symmetric buffer was freed while in use"
+        whole = torch.empty(0, dtype=torch.uint8).set_(storage)
+        return whole[rank * self.region_bytes : (rank + 1) * self.region_bytes]
+
+
+def _reduce_into(
+    acc: torch.Tensor, others: Sequence[torch.Tensor], op: ReduceOp, world: int
+) -> None:
+    """``acc = op(acc, *others)`` in place; AVG divides the sum by ``world``.
+    Half-precision sums of more than two terms accumulate in fp32."""
     if op is ReduceOp.SUM or op is ReduceOp.AVG:
-        torch.sum(stacked, dim=0, out=out)
+        if len(others) > 1 and acc.dtype in (torch.float16, torch.bfloat16):
+            total = acc.float()
+            for other in others:
+                total.add_(other)
+            acc.copy_(total)
+        else:
+            for other in others:
+                acc.add_(other)
         if op is ReduceOp.AVG:
-            if out.dtype.is_floating_point:
-                out.div_(stacked.shape[0])
+            if acc.dtype.is_floating_point:
+                acc.div_(world)
             else:
-                out.copy_(torch.div(out, stacked.shape[0], rounding_mode="trunc"))
+                acc.copy_(torch.div(acc, world, rounding_mode="trunc"))
     elif op is ReduceOp.MAX:
-        torch.amax(stacked, dim=0, out=out)
+        for other in others:
+            torch.maximum(acc, other, out=acc)
     elif op is ReduceOp.MIN:
-        torch.amin(stacked, dim=0, out=out)
+        for other in others:
+            torch.minimum(acc, other, out=acc)
     elif op is ReduceOp.PRODUCT:
-        torch.prod(stacked, dim=0, out=out)
+        for other in others:
+            acc.mul_(other)
     else:
         raise TypeError(f"op must be a pc_comm.ReduceOp, got {op!r}.")
 
@@ -147,26 +237,13 @@ class ShmCommunicator:
         self._check_same_host()
 
         control = self._world_size * _LINE
-        total = control + (self._world_size + 1) * slot_bytes
-        names: list[str | None] = [None]
-        if self._rank == 0:
-            created = str(_shm_dir() / f"pc-comm-{uuid.uuid4().hex}")
-            with open(created, "wb") as handle:
-                handle.truncate(total)
-            names = [created]
-        dist.broadcast_object_list(names, group=self.group, group_src=0)
-        path = names[0]
-        assert path is not None
-        try:
-            self._segment = torch.from_file(path, shared=True, size=total, dtype=torch.uint8)
-            dist.barrier(group=self.group)  # every rank has mapped the file
-        finally:
-            if self._rank == 0 and os.path.exists(path):
-                os.unlink(path)  # [Note: segment lifetime]
-        # Generation counters: element 0 of each rank's 64-byte line.
-        self._arrivals = self._segment[:control].view(torch.int64).view(self._world_size, -1)[:, 0]
+        self._segment = self._map_shared(control + (self._world_size + 1) * slot_bytes)
+        # Control lines: [generation, kind, count, detail, ...] per rank, int64.
+        self._lines = self._segment[:control].view(torch.int64).view(self._world_size, -1)
+        self._arrivals = self._lines[:, 0]
         self._data = self._segment[control:]
         self._generation = 0
+        self._symmetric: list[_Symmetric] = []
         pids = [0] * self._world_size
         dist.all_gather_object(pids, os.getpid(), group=self.group)
         self._pids = pids
@@ -187,6 +264,64 @@ class ShmCommunicator:
                 f"{sorted(set(hosts))}. "
                 "Use HierarchicalCommunicator across nodes."
             )
+
+    def _map_shared(self, nbytes: int) -> torch.Tensor:
+        """Collective: a segment of ``nbytes`` mapped by every rank, whose name
+        is gone from the file system when this returns [Note: segment lifetime]."""
+        names: list[str | None] = [None]
+        if self._rank == 0:
+            created = str(_shm_dir() / f"pc-comm-{uuid.uuid4().hex}")
+            with open(created, "wb") as handle:
+                handle.truncate(nbytes)
+            names = [created]
+        dist.broadcast_object_list(names, group=self.group, group_src=0)
+        path = names[0]
+        assert path is not None
+        try:
+            segment = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+            dist.barrier(group=self.group)  # every rank has mapped the file
+        finally:
+            if self._rank == 0 and os.path.exists(path):
+                os.unlink(path)
+        return segment
+
+    def alloc(self, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Collective: a zero-filled 1-D tensor of ``numel`` elements in shared
+        memory, one per rank at the same place [Note: symmetric buffers].
+        All-reducing it, or any contiguous slice of it (the same slice on
+        every rank), skips the copy into and out of the communicator's slots.
+        Every rank must call ``alloc`` with the same arguments, in the same order."""
+        if numel < 0:
+            raise ValueError(f"numel must be >= 0, got {numel}.")
+        shape = [numel, dtype.itemsize, self._world_size]
+        shapes: list[list[int] | None] = [None] * self._world_size
+        dist.all_gather_object(shapes, shape, group=self.group)
+        if any(other != shape for other in shapes):
+            raise ValueError(
+                "ShmCommunicator.alloc must be called with the same numel and dtype on "
+                f"every rank; got [numel, itemsize, world] = {shapes}."
+            )
+        region = -(-max(1, numel * dtype.itemsize) // _LINE) * _LINE
+        segment = self._map_shared(region * self._world_size)
+        self._symmetric = [s for s in self._symmetric if s.storage() is not None]
+        symmetric = _Symmetric(weakref.ref(segment.untyped_storage()), region)
+        self._symmetric.append(symmetric)
+        return symmetric.region(self._rank).view(dtype)[:numel]
+
+    def _symmetric_of(self, tensor: torch.Tensor) -> tuple[_Symmetric, int] | None:
+        """The symmetric buffer that holds ``tensor`` in this rank's region,
+        and its byte offset there, or None."""
+        if tensor.is_cuda or not self._symmetric:
+            return None
+        storage = tensor.untyped_storage()
+        for symmetric in self._symmetric:
+            if symmetric.storage() is storage:
+                own = storage.data_ptr() + self._rank * symmetric.region_bytes
+                start = tensor.data_ptr()
+                end = start + tensor.numel() * tensor.element_size()
+                if own <= start and end <= own + symmetric.region_bytes:
+                    return symmetric, start - own
+        return None
 
     @property
     def rank(self) -> int:
@@ -231,23 +366,44 @@ class ShmCommunicator:
 
     # -- synchronisation -------------------------------------------------
 
-    def _barrier(self, what: str) -> None:
+    def _barrier(self, what: str, signature: _Signature | None = None) -> None:
+        """Wait until every rank got here. With a ``signature`` (kind, count,
+        detail, offset), also check that every rank is in the same call [Note:
+        matching calls]."""
         self._generation += 1
         generation = self._generation
+        if signature is not None:
+            for i, value in enumerate(signature):
+                self._lines[self._rank, 1 + i] = value
         if not _TSO:
             dist.barrier(group=self.group)
+        else:
+            self._arrivals[self._rank] = generation
+            deadline = time.monotonic() + self._timeout_s
+            spins, nap = 0, 20e-6
+            while int(self._arrivals.min()) < generation:
+                spins += 1
+                if spins < 100:
+                    os.sched_yield()
+                    continue
+                # Back off to at most 1 ms between polls: a waiting rank
+                # shares its core with the compute of its own process.
+                time.sleep(nap)
+                nap = min(nap * 1.5, 1e-3)
+                if spins % 64 == 0:
+                    self._check_peers(generation, what, deadline)
+        if signature is not None:
+            self._check_signatures(signature, what)
+
+    def _check_signatures(self, signature: _Signature, what: str) -> None:
+        lines = self._lines[:, 1:5].tolist()
+        if all(tuple(line) == signature for line in lines):
             return
-        self._arrivals[self._rank] = generation
-        deadline = time.monotonic() + self._timeout_s
-        spins = 0
-        while int(self._arrivals.min()) < generation:
-            spins += 1
-            if spins < 64:
-                os.sched_yield()
-                continue
-            time.sleep(0.0001 if spins < 4096 else 0.001)
-            if spins % 256 == 0:
-                self._check_peers(generation, what, deadline)
+        calls = ", ".join(f"rank {r}: {_describe(line)}" for r, line in enumerate(lines))
+        raise ShmPeerError(
+            f"ranks issued different collectives at shared-memory {what}: {calls}. "
+            "Every rank must make the same calls, with the same sizes, in the same order."
+        )
 
     def _check_peers(self, generation: int, what: str, deadline: float) -> None:
         missing = [r for r in range(self._world_size) if int(self._arrivals[r]) < generation]
@@ -278,26 +434,63 @@ class ShmCommunicator:
     def _piece(self, dtype: torch.dtype) -> int:
         return self.slot_bytes // dtype.itemsize
 
-    def _share(self, count: int) -> tuple[int, int]:
-        """This rank's [lo, hi) of ``count`` elements, split as evenly as can be."""
+    def _share(self, count: int, rank: int) -> tuple[int, int]:
+        """Rank ``rank``'s [lo, hi) of ``count`` elements, split as evenly as can be."""
         base, extra = divmod(count, self._world_size)
-        lo = self._rank * base + min(self._rank, extra)
-        return lo, lo + base + (1 if self._rank < extra else 0)
+        lo = rank * base + min(rank, extra)
+        return lo, lo + base + (1 if rank < extra else 0)
 
     # -- host-side algorithms (run on the worker thread) -----------------------
 
+    def _others(self) -> list[int]:
+        return [r for r in range(self._world_size) if r != self._rank]
+
     def _host_all_reduce(self, flat: torch.Tensor, op: ReduceOp) -> None:
+        """[Note: one collective step]"""
+        found = self._symmetric_of(flat)
+        if found is not None:
+            self._symmetric_all_reduce(flat, op, *found)
+            return
         slots, result = self._slots(flat.dtype), self._result(flat.dtype)
         piece = self._piece(flat.dtype)
+        me, others = self._rank, self._others()
+        signature = _signature("all_reduce", flat.numel(), flat.dtype, op)
         for start in range(0, flat.numel(), piece):
             count = min(piece, flat.numel() - start)
-            slots[self._rank, :count].copy_(flat[start : start + count])
+            x = flat[start : start + count]
+            lo, hi = self._share(count, me)
+            slots[me, :lo].copy_(x[:lo])
+            slots[me, hi:count].copy_(x[hi:])
+            self._barrier("all_reduce", signature if start == 0 else None)
+            own = x[lo:hi]
+            _reduce_into(own, [slots[r, lo:hi] for r in others], op, self._world_size)
+            result[lo:hi].copy_(own)
             self._barrier("all_reduce")
-            lo, hi = self._share(count)
-            if hi > lo:
-                _reduce(slots[:, lo:hi], op, result[lo:hi])
-            self._barrier("all_reduce")
-            flat[start : start + count].copy_(result[:count])
+            for r in others:
+                r_lo, r_hi = self._share(count, r)
+                x[r_lo:r_hi].copy_(result[r_lo:r_hi])
+
+    def _symmetric_all_reduce(
+        self, flat: torch.Tensor, op: ReduceOp, symmetric: _Symmetric, offset: int
+    ) -> None:
+        """[Note: symmetric buffers]"""
+        count = flat.numel()
+        nbytes = count * flat.element_size()
+        regions = [
+            symmetric.region(r)[offset : offset + nbytes].view(flat.dtype)
+            for r in range(self._world_size)
+        ]
+        me, others = self._rank, self._others()
+        lo, hi = self._share(count, me)
+        self._barrier(
+            "all_reduce", _signature("all_reduce(symmetric)", count, flat.dtype, op, offset + 1)
+        )
+        _reduce_into(flat[lo:hi], [regions[r][lo:hi] for r in others], op, self._world_size)
+        self._barrier("all_reduce")
+        for r in others:
+            r_lo, r_hi = self._share(count, r)
+            flat[r_lo:r_hi].copy_(regions[r][r_lo:r_hi])
+        self._barrier("all_reduce")
 
     def _host_reduce_scatter(
         self, out: torch.Tensor, chunks: Sequence[torch.Tensor], op: ReduceOp
@@ -306,16 +499,21 @@ class ShmCommunicator:
         slots = self._slots(out.dtype)
         size = chunks[0].numel()
         piece = max(1, self._piece(out.dtype) // self._world_size)
+        signature = _signature("reduce_scatter", size, out.dtype, op)
         for start in range(0, size, piece):
             count = min(piece, size - start)
             mine = slots[self._rank, : self._world_size * count].view(self._world_size, count)
             for r, chunk in enumerate(chunks):
-                mine[r].copy_(chunk[start : start + count])
-            self._barrier("reduce_scatter")
+                if r != self._rank:
+                    mine[r].copy_(chunk[start : start + count])
+            self._barrier("reduce_scatter", signature if start == 0 else None)
             everyone = slots[:, : self._world_size * count].view(
                 self._world_size, self._world_size, count
             )
-            _reduce(everyone[:, self._rank], op, out[start : start + count])
+            own = out[start : start + count]
+            own.copy_(chunks[self._rank][start : start + count])
+            peers = [everyone[r, self._rank] for r in self._others()]
+            _reduce_into(own, peers, op, self._world_size)
             self._barrier("reduce_scatter")
 
     def _host_all_gather(self, outs: Sequence[torch.Tensor], inp: torch.Tensor) -> None:
@@ -323,23 +521,28 @@ class ShmCommunicator:
         slots = self._slots(inp.dtype)
         piece = self._piece(inp.dtype)
         longest = max(o.numel() for o in outs)
+        signature = _signature("all_gather", longest, inp.dtype)
         for start in range(0, longest, piece):
             count = min(piece, max(0, inp.numel() - start))
             slots[self._rank, :count].copy_(inp[start : start + count])
-            self._barrier("all_gather")
+            self._barrier("all_gather", signature if start == 0 else None)
             for r, out in enumerate(outs):
                 n = min(piece, max(0, out.numel() - start))
-                out[start : start + n].copy_(slots[r, :n])
+                if r == self._rank:
+                    out[start : start + n].copy_(inp[start : start + n])
+                else:
+                    out[start : start + n].copy_(slots[r, :n])
             self._barrier("all_gather")
 
     def _host_broadcast(self, flat: torch.Tensor, src: int) -> None:
         slots = self._slots(flat.dtype)
         piece = self._piece(flat.dtype)
+        signature = _signature("broadcast", flat.numel(), flat.dtype, extra=src + 1)
         for start in range(0, flat.numel(), piece):
             count = min(piece, flat.numel() - start)
             if self._rank == src:
                 slots[src, :count].copy_(flat[start : start + count])
-            self._barrier("broadcast")
+            self._barrier("broadcast", signature if start == 0 else None)
             if self._rank != src:
                 flat[start : start + count].copy_(slots[src, :count])
             self._barrier("broadcast")
