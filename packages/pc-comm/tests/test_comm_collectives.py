@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from pc_comm import (
     Communicator,
+    HierarchicalCommunicator,
     P2PKind,
     P2POp,
     ReduceOp,
@@ -71,13 +72,23 @@ _COMMS: dict[str, Communicator] = {}
 
 def make_comm(backend: str) -> Communicator:
     """One communicator of each kind per process, reused by every sub-case.
-    The shared-memory one gets small slots so that sizes above 4 KiB are
-    moved in several pieces."""
+    The shared-memory ones get small slots so that sizes above 4 KiB are
+    moved in several pieces. "hier" simulates nodes: 2 ranks per node at
+    world 4 (2 nodes x 2), one node of 2 at world 2, three nodes of 1 at
+    world 3; "hier_env" finds the nodes from torchrun's environment."""
     if backend not in _COMMS:
+        world = dist.get_world_size()
         if backend == "torch":
             _COMMS[backend] = TorchCommunicator()
         elif backend == "shm_default":
             _COMMS[backend] = ShmCommunicator()
+        elif backend == "hier":
+            local = {2: 2, 3: 1}.get(world, 2)
+            _COMMS[backend] = HierarchicalCommunicator(local_size=local, slot_bytes=4096)
+        elif backend == "hier_default":
+            _COMMS[backend] = HierarchicalCommunicator(local_size=2)
+        elif backend == "hier_env":
+            _COMMS[backend] = HierarchicalCommunicator(slot_bytes=4096)
         else:
             _COMMS[backend] = ShmCommunicator(slot_bytes=4096)
     return _COMMS[backend]
@@ -132,7 +143,7 @@ def check_collective(
         comm.broadcast(tensor, src, async_op=async_op).wait()
         assert_matches(tensor, rank_input(src, size, dtype))
 
-    elif kind == "send_recv" and backend == "torch":
+    elif kind == "send_recv" and backend.startswith(("torch", "hier")):
         # A ring through batch_p2p, then a plain pair between ranks 0 and 1.
         nxt, prev = (rank + 1) % world, (rank - 1) % world
         got = torch.empty(size, dtype=dtype)
@@ -188,7 +199,7 @@ def test_collectives_match_single_process(world_size: int) -> None:
         check_collective,
         world_size,
         {
-            "backend": ["torch", "shm"],
+            "backend": ["torch", "shm", "hier"],
             "kind": KINDS,
             "dtype": DTYPES,
             "size": SIZES,
@@ -198,10 +209,11 @@ def test_collectives_match_single_process(world_size: int) -> None:
     )
 
 
-def check_large(kind: str, dtype: torch.dtype) -> None:
+def check_large(kind: str, dtype: torch.dtype, backend: str = "shm_default") -> None:
     """64 MB messages through the shared-memory communicator's default slots
-    (16 MiB), against the same operation through torch.distributed."""
-    shm, ref = make_comm("shm_default"), make_comm("torch")
+    (16 MiB), or the hierarchical one, against the same operation through
+    torch.distributed."""
+    shm, ref = make_comm(backend), make_comm("torch")
     numel = 64 * 1024 * 1024 // dtype.itemsize
     numel -= numel % shm.world_size
     data = rank_input(shm.rank, numel, dtype)
@@ -226,11 +238,15 @@ def check_large(kind: str, dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_shm_64mb_matches_torch(world_size: int) -> None:
+def test_shm_and_hierarchical_64mb_match_torch(world_size: int) -> None:
     run_subtests(
         check_large,
         world_size,
-        {"kind": ["all_reduce", "reduce_scatter", "all_gather"], "dtype": DTYPES[:2]},
+        {
+            "kind": ["all_reduce", "reduce_scatter", "all_gather"],
+            "dtype": DTYPES[:2],
+            "backend": ["shm_default", "hier_default"],
+        },
         timeout=240,
     )
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from pc_comm import ReduceOp, ShmCommunicator
+from pc_comm import ReduceOp, ShmCommunicator, ShmPeerError
 from pc_comm.testing import DistributedTestError, spawn
 
 pytestmark = pytest.mark.timeout(180)
@@ -118,3 +118,77 @@ def _bad_input() -> None:
 
 def test_bad_input_is_rejected() -> None:
     spawn(_bad_input, 2, timeout=60)
+
+
+def _mismatched_calls() -> None:
+    comm = ShmCommunicator(timeout=timedelta(seconds=20))
+    rank = dist.get_rank()
+
+    def mismatch() -> None:
+        if rank == 0:
+            comm.all_reduce(torch.ones(10), ReduceOp.SUM)
+        else:
+            comm.all_gather(torch.empty(20), torch.ones(10))
+
+    with pytest.raises(ShmPeerError) as info:
+        mismatch()
+    message = str(info.value)
+    assert "rank 0: all_reduce(count=10, dtype=float32, op=sum)" in message, message
+    assert "rank 1: all_gather(count=10, dtype=float32)" in message, message
+    with pytest.raises(ShmPeerError, match=r"count=7.*count=8"):
+        comm.broadcast(torch.ones(7 + rank), src=0)
+
+
+def test_mismatched_collectives_are_named() -> None:
+    spawn(_mismatched_calls, 2, timeout=60)
+
+
+def _symmetric_buffers() -> None:
+    """All-reduce of tensors from ``alloc`` (zero-copy path) against the
+    single-process result, whole buffers and sub-slices, at world 3."""
+    comm = ShmCommunicator(slot_bytes=4096)
+    rank, world = comm.rank, comm.world_size
+    for numel, dtype, op in [
+        (1, torch.float32, ReduceOp.SUM),
+        (1031, torch.float32, ReduceOp.AVG),
+        (100_003, torch.float32, ReduceOp.MAX),
+        (1031, torch.bfloat16, ReduceOp.SUM),
+        (1031, torch.int64, ReduceOp.AVG),
+        (517, torch.float64, ReduceOp.MIN),
+    ]:
+        buffer = comm.alloc(numel + 10, dtype)
+        assert torch.all(buffer == 0)
+        inputs = [
+            torch.randint(-8, 9, (numel,), generator=torch.Generator().manual_seed(r)).to(dtype)
+            for r in range(world)
+        ]
+        view = buffer[5 : 5 + numel]  # a slice: the same offset on every rank
+        view.copy_(inputs[rank])
+        comm.all_reduce(view, op)
+        stacked = torch.stack(inputs)
+        if op is ReduceOp.SUM:
+            expected = stacked.sum(0)
+        elif op is ReduceOp.AVG:
+            total = stacked.sum(0)
+            expected = (
+                total / world
+                if dtype.is_floating_point
+                else torch.div(total, world, rounding_mode="trunc")
+            )
+        elif op is ReduceOp.MAX:
+            expected = stacked.max(0).values
+        else:
+            expected = stacked.min(0).values
+        torch.testing.assert_close(view, expected.to(dtype), rtol=1e-6, atol=0)
+        assert torch.all(buffer[:5] == 0)
+        assert torch.all(buffer[5 + numel :] == 0)
+    assert len(comm._symmetric) == 2  # the last two; earlier ones died and were pruned
+    del buffer, view
+    comm.alloc(8)  # dead buffers are forgotten
+    assert len(comm._symmetric) == 1
+    with pytest.raises(ValueError, match="same numel and dtype on every rank"):
+        comm.alloc(8 + rank)
+
+
+def test_symmetric_buffers_reduce_in_place() -> None:
+    spawn(_symmetric_buffers, 3, timeout=90)

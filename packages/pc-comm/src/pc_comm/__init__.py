@@ -16,6 +16,7 @@ from pc_comm.communicator import (
 )
 from pc_comm.ddp import DistributedDataParallel, default_communicator
 from pc_comm.env import DistEnv, DistEnvError, read_dist_env
+from pc_comm.hierarchical import HierarchicalCommunicator
 from pc_comm.launch import DistContext, init_distributed, launch_from_torch
 from pc_comm.shm import ShmCommunicator, ShmPeerError
 from pc_comm.topology import Coord, ParallelDims, Subgroups, make_subgroups
@@ -32,6 +33,7 @@ __all__ = [
     "DistEnvError",
     "DistributedDataParallel",
     "Handle",
+    "HierarchicalCommunicator",
     "P2PKind",
     "P2POp",
     "ParallelDims",

@@ -40,21 +40,21 @@ import torch.distributed as dist
 from torch import nn
 
 from pc_comm.communicator import Communicator, Handle, ReduceOp, SymmetricAllocator
+from pc_comm.hierarchical import HierarchicalCommunicator
 from pc_comm.shm import ShmCommunicator
-from pc_comm.torch_communicator import TorchCommunicator
 
 __all__ = ["DistributedDataParallel", "Reducer", "default_communicator"]
 
 
 def default_communicator(group: dist.ProcessGroup | None = None) -> Communicator:
-    """Shared memory when every rank of ``group`` is on this host, else
-    torch.distributed."""
+    """Shared memory when every rank of ``group`` is on this host; otherwise
+    shared memory inside each node and torch.distributed between nodes."""
     world = dist.get_world_size(group)
     hosts: list[str] = [""] * world
     dist.all_gather_object(hosts, platform.node(), group=group)
     if len(set(hosts)) == 1:
         return ShmCommunicator(group)
-    return TorchCommunicator(group)
+    return HierarchicalCommunicator(group)
 
 
 @dataclass

@@ -55,13 +55,10 @@ from __future__ import annotations
 
 import os
 import platform
-import queue
-import threading
 import time
 import uuid
 import weakref
-from collections.abc import Callable, Sequence
-from concurrent.futures import Future
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -69,6 +66,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from pc_comm._host import HostExecutor, padded
 from pc_comm.communicator import (
     Handle,
     P2POp,
@@ -90,21 +88,6 @@ _DEFAULT_SLOT_BYTES = 16 * 1024 * 1024
 
 class ShmPeerError(RuntimeError):
     """A peer died or did not arrive at a shared-memory collective in time."""
-
-
-class _FutureHandle:
-    def __init__(self, future: Future[None], after: Callable[[], None] | None = None) -> None:
-        self._future = future
-        self._after = after  # runs on the caller's thread once the work is done
-
-    def wait(self) -> None:
-        self._future.result()
-        if self._after is not None:
-            self._after()
-            self._after = None
-
-    def is_completed(self) -> bool:
-        return self._future.done()
 
 
 def _shm_dir() -> Path:
@@ -198,7 +181,7 @@ def _reduce_into(
         raise TypeError(f"op must be a pc_comm.ReduceOp, got {op!r}.")
 
 
-class ShmCommunicator:
+class ShmCommunicator(HostExecutor):
     """A :class:`~pc_comm.communicator.Communicator` over the ranks of one
     host, moving data through one shared-memory segment.
 
@@ -247,13 +230,7 @@ class ShmCommunicator:
         pids = [0] * self._world_size
         dist.all_gather_object(pids, os.getpid(), group=self.group)
         self._pids = pids
-        # Pinned staging for CUDA tensors and the side stream they move on.
-        self._staging: torch.Tensor | None = None
-        self._stream: torch.cuda.Stream | None = None
-        self._queue: queue.SimpleQueue[tuple[Callable[[], None], Future[None]] | None]
-        self._queue = queue.SimpleQueue()
-        self._worker = threading.Thread(target=self._serve, name="pc-shm-comm", daemon=True)
-        self._worker.start()
+        HostExecutor.__init__(self, "pc-shm-comm")
 
     def _check_same_host(self) -> None:
         hosts: list[str] = [""] * self._world_size
@@ -333,36 +310,6 @@ class ShmCommunicator:
 
     def __repr__(self) -> str:
         return f"ShmCommunicator(rank={self._rank}, world_size={self._world_size})"
-
-    # -- the worker thread ---------------------------------------------------
-
-    def _serve(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            work, future = item
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                work()
-            except BaseException as error:  # delivered to whoever waits
-                future.set_exception(error)
-            else:
-                future.set_result(None)
-
-    def _submit(self, work: Callable[[], None], async_op: bool) -> Handle:
-        future: Future[None] = Future()
-        self._queue.put((work, future))
-        handle = _FutureHandle(future)
-        if not async_op:
-            handle.wait()
-        return handle
-
-    def close(self) -> None:
-        """Stop the worker thread (the segment goes with the last mapping)."""
-        self._queue.put(None)
-        self._worker.join(timeout=5)
 
     # -- synchronisation -------------------------------------------------
 
@@ -547,63 +494,6 @@ class ShmCommunicator:
                 flat[start : start + count].copy_(slots[src, :count])
             self._barrier("broadcast")
 
-    # -- device staging ------------------------------------------------------
-
-    def _run_staged(
-        self,
-        tensors_in: Sequence[torch.Tensor],
-        tensors_out: Sequence[torch.Tensor],
-        host_work: Callable[[list[torch.Tensor], list[torch.Tensor]], None],
-        async_op: bool,
-    ) -> Handle:
-        """Run ``host_work`` on host views of the given tensors. CPU tensors are
-        used in place; CUDA tensors go device -> pinned host -> device on a
-        side stream ordered after the caller's current stream."""
-        device = next((t.device for t in [*tensors_in, *tensors_out] if t.is_cuda), None)
-        if device is None:
-            return self._submit(
-                lambda: host_work(
-                    [t.reshape(-1) for t in tensors_in], [_flat(t) for t in tensors_out]
-                ),
-                async_op,
-            )
-        return self._run_cuda(tensors_in, tensors_out, host_work, device, async_op)
-
-    def _run_cuda(
-        self,
-        tensors_in: Sequence[torch.Tensor],
-        tensors_out: Sequence[torch.Tensor],
-        host_work: Callable[[list[torch.Tensor], list[torch.Tensor]], None],
-        device: torch.device,
-        async_op: bool,
-    ) -> Handle:
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
-        stream = self._stream
-        ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
-        ready.record(torch.cuda.current_stream(device))
-        host_in = [torch.empty(t.numel(), dtype=t.dtype, pin_memory=True) for t in tensors_in]
-        host_out = [torch.empty(t.numel(), dtype=t.dtype, pin_memory=True) for t in tensors_out]
-        done = torch.cuda.Event()  # type: ignore[no-untyped-call]
-
-        def work() -> None:
-            with torch.cuda.stream(stream):
-                stream.wait_event(ready)
-                for host, t in zip(host_in, tensors_in, strict=True):
-                    host.copy_(t.reshape(-1), non_blocking=True)
-                stream.synchronize()
-                host_work(host_in, host_out)
-                for host, t in zip(host_out, tensors_out, strict=True):
-                    t.view(-1).copy_(host, non_blocking=True)
-                done.record(stream)
-
-        future: Future[None] = Future()
-        self._queue.put((work, future))
-        handle = _FutureHandle(future, lambda: torch.cuda.current_stream(device).wait_event(done))
-        if not async_op:
-            handle.wait()
-        return handle
-
     # -- the Communicator protocol ----------------------------------------
 
     def all_reduce(
@@ -652,9 +542,9 @@ class ShmCommunicator:
         count = output.numel()
 
         def work(ins: list[torch.Tensor], outs: list[torch.Tensor]) -> None:
-            padded = [_padded(t, slot) for t in ins]
+            stretched = [padded(t, slot) for t in ins]
             mine = outs[0].new_empty(slot)
-            self._host_reduce_scatter(mine, padded, op)
+            self._host_reduce_scatter(mine, stretched, op)
             outs[0].copy_(mine[:count])
 
         return self._run_staged(list(inputs), [output], work, async_op)
@@ -715,15 +605,3 @@ class ShmCommunicator:
 
     def barrier(self) -> None:
         self._submit(lambda: self._barrier("barrier"), async_op=False)
-
-
-def _flat(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.view(-1)
-
-
-def _padded(tensor: torch.Tensor, size: int) -> torch.Tensor:
-    if tensor.numel() == size:
-        return tensor
-    out = tensor.new_zeros(size)
-    out[: tensor.numel()].copy_(tensor)
-    return out

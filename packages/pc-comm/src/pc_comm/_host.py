@@ -1,0 +1,150 @@
+"""Host-side execution shared by the communicators that compute on the CPU.
+
+A :class:`HostExecutor` owns one worker thread that runs operations in call
+order (so every rank issues its collectives in the same order, and an
+``async_op=True`` call overlaps the caller's work), and stages CUDA tensors
+through pinned host memory on a side stream ordered after the caller's
+current stream.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+
+import torch
+
+from pc_comm.communicator import Handle
+
+__all__ = ["HostExecutor", "padded"]
+
+
+class _FutureHandle:
+    def __init__(self, future: Future[None], after: Callable[[], None] | None = None) -> None:
+        self._future = future
+        self._after = after  # runs on the caller's thread once the work is done
+
+    def wait(self) -> None:
+        self._future.result()
+        if self._after is not None:
+            self._after()
+            self._after = None
+
+    def is_completed(self) -> bool:
+        return self._future.done()
+
+
+class HostExecutor:
+    """The worker thread and CUDA staging of a host-side communicator."""
+
+    def __init__(self, thread_name: str) -> None:
+        self._stream: torch.cuda.Stream | None = None
+        self._queue: queue.SimpleQueue[tuple[Callable[[], None], Future[None]] | None]
+        self._queue = queue.SimpleQueue()
+        self._worker = threading.Thread(target=self._serve, name=thread_name, daemon=True)
+        self._worker.start()
+
+    # -- the worker thread ---------------------------------------------------
+
+    def _serve(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            self._run_one(*item)
+            del item  # the work's tensors must not outlive it in this frame
+
+    @staticmethod
+    def _run_one(work: Callable[[], None], future: Future[None]) -> None:
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            work()
+        except BaseException as error:  # delivered to whoever waits
+            future.set_exception(error)
+        else:
+            future.set_result(None)
+
+    def _submit(self, work: Callable[[], None], async_op: bool) -> Handle:
+        future: Future[None] = Future()
+        self._queue.put((work, future))
+        handle = _FutureHandle(future)
+        if not async_op:
+            handle.wait()
+        return handle
+
+    def close(self) -> None:
+        """Stop the worker thread (the segment goes with the last mapping)."""
+        self._queue.put(None)
+        self._worker.join(timeout=5)
+
+    # -- device staging ------------------------------------------------------
+
+    def _run_staged(
+        self,
+        tensors_in: Sequence[torch.Tensor],
+        tensors_out: Sequence[torch.Tensor],
+        host_work: Callable[[list[torch.Tensor], list[torch.Tensor]], None],
+        async_op: bool,
+    ) -> Handle:
+        """Run ``host_work`` on host views of the given tensors. CPU tensors are
+        used in place; CUDA tensors go device -> pinned host -> device on a
+        side stream ordered after the caller's current stream."""
+        device = next((t.device for t in [*tensors_in, *tensors_out] if t.is_cuda), None)
+        if device is None:
+            return self._submit(
+                lambda: host_work(
+                    [t.reshape(-1) for t in tensors_in], [_flat(t) for t in tensors_out]
+                ),
+                async_op,
+            )
+        return self._run_cuda(tensors_in, tensors_out, host_work, device, async_op)
+
+    def _run_cuda(
+        self,
+        tensors_in: Sequence[torch.Tensor],
+        tensors_out: Sequence[torch.Tensor],
+        host_work: Callable[[list[torch.Tensor], list[torch.Tensor]], None],
+        device: torch.device,
+        async_op: bool,
+    ) -> Handle:
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
+        stream = self._stream
+        ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        ready.record(torch.cuda.current_stream(device))
+        host_in = [torch.empty(t.numel(), dtype=t.dtype, pin_memory=True) for t in tensors_in]
+        host_out = [torch.empty(t.numel(), dtype=t.dtype, pin_memory=True) for t in tensors_out]
+        done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+
+        def work() -> None:
+            with torch.cuda.stream(stream):
+                stream.wait_event(ready)
+                for host, t in zip(host_in, tensors_in, strict=True):
+                    host.copy_(t.reshape(-1), non_blocking=True)
+                stream.synchronize()
+                host_work(host_in, host_out)
+                for host, t in zip(host_out, tensors_out, strict=True):
+                    t.view(-1).copy_(host, non_blocking=True)
+                done.record(stream)
+
+        future: Future[None] = Future()
+        self._queue.put((work, future))
+        handle = _FutureHandle(future, lambda: torch.cuda.current_stream(device).wait_event(done))
+        if not async_op:
+            handle.wait()
+        return handle
+
+
+def _flat(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.view(-1)
+
+
+def padded(tensor: torch.Tensor, size: int) -> torch.Tensor:
+    if tensor.numel() == size:
+        return tensor
+    out = tensor.new_zeros(size)
+    out[: tensor.numel()].copy_(tensor)
+    return out
