@@ -1,0 +1,231 @@
+"""A bounded pool of (pinned) host buffers and an engine for asynchronous
+copies between host and device.
+
+[Note: pool]
+Buffers are kept per size class (powers of two bytes, at least 4 KiB), so a
+released buffer serves any later request of its class without touching the
+allocator; pinning memory is slow (it maps and locks pages), so reuse is the
+point. The pool never holds more than ``max_bytes`` in all, in use or free:
+a request that would exceed it first frees idle buffers of other classes,
+and then raises :class:`PoolExhausted` naming what is held. Host memory is
+pinned only where pinning means something (CUDA is available); otherwise
+buffers are ordinary host memory and ``pinned`` says so.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["CopyEngine", "PinnedPool", "PoolExhausted", "PoolStats", "Transfer"]
+
+_MIN_CLASS = 4096
+
+
+class PoolExhausted(MemoryError):
+    """The pool would grow past its bound."""
+
+
+@dataclass(frozen=True)
+class PoolStats:
+    """What the pool holds, in bytes."""
+
+    max_bytes: int
+    reserved_bytes: int  # allocated by the pool, in use or idle
+    in_use_bytes: int
+    peak_reserved_bytes: int
+    allocations: int  # buffers ever allocated
+    reuses: int  # requests served from an idle buffer
+    pinned: bool
+
+
+def _size_class(nbytes: int) -> int:
+    return max(_MIN_CLASS, 1 << max(0, nbytes - 1).bit_length())
+
+
+class PinnedPool:
+    """Reusable host buffers, bounded by ``max_bytes`` [Note: pool].
+
+    ``acquire(shape, dtype)`` returns a host tensor; ``release`` gives it
+    back. ``pin=None`` pins when CUDA is available.
+    """
+
+    def __init__(self, max_bytes: int = 4 << 30, *, pin: bool | None = None) -> None:
+        if max_bytes <= 0:
+            raise ValueError(f"max_bytes must be positive, got {max_bytes}.")
+        self.max_bytes = max_bytes
+        self.pinned = torch.cuda.is_available() if pin is None else pin
+        if self.pinned and not torch.cuda.is_available():
+            raise ValueError("pin=True needs CUDA: pinned memory only matters for device copies.")
+        self._free: dict[int, list[torch.Tensor]] = {}
+        self._in_use: dict[int, int] = {}  # data_ptr -> size class
+        self._reserved = 0
+        self._peak = 0
+        self._allocations = 0
+        self._reuses = 0
+        self._lock = threading.Lock()
+
+    def acquire(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        numel = 1
+        for dim in shape:
+            numel *= dim
+        nbytes = numel * dtype.itemsize
+        size = _size_class(nbytes)
+        with self._lock:
+            free = self._free.get(size)
+            if free:
+                raw = free.pop()
+                self._reuses += 1
+            else:
+                self._make_room(size, nbytes)
+                raw = torch.empty(size, dtype=torch.uint8, pin_memory=self.pinned)
+                self._reserved += size
+                self._peak = max(self._peak, self._reserved)
+                self._allocations += 1
+            self._in_use[raw.data_ptr()] = size
+        return raw[:nbytes].view(dtype).view(shape)
+
+    def release(self, tensor: torch.Tensor) -> None:
+        with self._lock:
+            size = self._in_use.pop(tensor.data_ptr(), None)
+            if size is None:
+                raise ValueError(
+                    "release() got a tensor this pool did not hand out (or released twice); "
+                    "pass the tensor acquire() returned."
+                )
+            raw = torch.empty(0, dtype=torch.uint8).set_(tensor.untyped_storage())[:size]
+            self._free.setdefault(size, []).append(raw)
+
+    def _make_room(self, size: int, nbytes: int) -> None:
+        if self._reserved + size <= self.max_bytes:
+            return
+        for other in sorted(self._free, reverse=True):  # drop idle buffers, largest first
+            while self._free[other] and self._reserved + size > self.max_bytes:
+                self._free[other].pop()
+                self._reserved -= other
+        if self._reserved + size > self.max_bytes:
+            in_use = sum(self._in_use.values())
+            raise PoolExhausted(
+                f"pinned pool: a {nbytes}-byte request (a {size}-byte buffer) would exceed "
+                f"max_bytes={self.max_bytes}; {in_use} bytes are in use. Release buffers "
+                "sooner, or create the pool with a larger max_bytes."
+            )
+
+    def empty_cache(self) -> None:
+        """Free every idle buffer."""
+        with self._lock:
+            for size, free in self._free.items():
+                self._reserved -= size * len(free)
+            self._free.clear()
+
+    def stats(self) -> PoolStats:
+        with self._lock:
+            return PoolStats(
+                max_bytes=self.max_bytes,
+                reserved_bytes=self._reserved,
+                in_use_bytes=sum(self._in_use.values()),
+                peak_reserved_bytes=self._peak,
+                allocations=self._allocations,
+                reuses=self._reuses,
+                pinned=self.pinned,
+            )
+
+
+class Transfer:
+    """A copy in flight. ``wait()`` orders the caller's current stream after
+    it (CUDA) and returns the destination tensor."""
+
+    def __init__(self, result: torch.Tensor, event: torch.cuda.Event | None) -> None:
+        self.result = result
+        self._event = event
+
+    def wait(self) -> torch.Tensor:
+        if self._event is not None:
+            torch.cuda.current_stream().wait_event(self._event)
+        return self.result
+
+    def is_completed(self) -> bool:
+        return self._event is None or bool(self._event.query())
+
+    def synchronize(self) -> None:
+        """Block the host until the copy is done."""
+        if self._event is not None:
+            self._event.synchronize()
+
+
+class CopyEngine:
+    """Moves tensors between device and host through a :class:`PinnedPool`.
+
+    On CUDA each copy runs on a side stream, ordered after the caller's
+    current stream at the time of the call, so it overlaps the caller's
+    later kernels; the source is protected from reuse by
+    ``record_stream``. On the CPU copies are immediate and the transfer is
+    complete on return.
+    """
+
+    def __init__(self, pool: PinnedPool | None = None) -> None:
+        self.pool = pool if pool is not None else PinnedPool()
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._pending: list[tuple[Transfer, torch.Tensor]] = []
+
+    def _stream(self, device: torch.device) -> torch.cuda.Stream:
+        if device not in self._streams:
+            self._streams[device] = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
+        return self._streams[device]
+
+    def _run(
+        self, device: torch.device, copy: Callable[[], None], result: torch.Tensor, keep: torch.Tensor
+    ) -> Transfer:
+        if device.type != "cuda":
+            copy()
+            return Transfer(result, None)
+        stream = self._stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            copy()
+            keep.record_stream(stream)
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            event.record(stream)
+        return Transfer(result, event)
+
+    def to_host(self, tensor: torch.Tensor) -> Transfer:
+        """Copy ``tensor`` into a pool buffer (release it with ``pool.release``)."""
+        host = self.pool.acquire(tensor.shape, tensor.dtype)
+        return self._run(
+            tensor.device, lambda: host.copy_(tensor, non_blocking=True), host, tensor
+        )
+
+    def to_device(self, host: torch.Tensor, device: torch.device) -> Transfer:
+        """Copy a host tensor to ``device`` (a fresh tensor there)."""
+        # Allocated on the caller's stream, which will use it; the side
+        # stream's write is recorded so the memory is not reused too early.
+        out = torch.empty_like(host, device=device)
+        return self._run(device, lambda: out.copy_(host, non_blocking=True), out, out)
+
+    def release_after(self, transfer: Transfer, host: torch.Tensor) -> None:
+        """Give ``host`` back to the pool once ``transfer`` (which reads or
+        writes it) has finished; on the CPU, at once."""
+        if transfer.is_completed():
+            self.pool.release(host)
+        else:
+            self._pending.append((transfer, host))
+        self._reap()
+
+    def _reap(self) -> None:
+        still = []
+        for transfer, host in self._pending:
+            if transfer.is_completed():
+                self.pool.release(host)
+            else:
+                still.append((transfer, host))
+        self._pending = still
+
+    def synchronize(self) -> None:
+        """Wait for every copy and release every buffer waiting on one."""
+        for transfer, host in self._pending:
+            transfer.synchronize()
+            self.pool.release(host)
+        self._pending = []
