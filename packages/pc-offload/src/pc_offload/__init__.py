@@ -1,8 +1,22 @@
-"""Activation CPU offload, fast CPU optimizers and a pinned-memory pool.
+"""pc-offload: activation CPU offload, Adam optimizers that step fp32 master
+weights on the host (or wherever each parameter lives), and a bounded pool
+of pinned host buffers with an asynchronous copy engine."""
 
-Status: skeleton. Nothing is exported yet; issue 4: `CPUOffload`,
-`CPUAdam`/`CPUAdamW`/`HybridAdam`, the pinned-memory pool and async copy engine
-land here.
-"""
+from pc_offload.activation import CPUOffload, OffloadStats
+from pc_offload.optim import CPUAdam, CPUAdamW, HybridAdam
+from pc_offload.pool import CopyEngine, PinnedPool, PoolExhaustedError, PoolStats, Transfer
 
-__all__: list[str] = []
+__version__ = "0.1.0"
+
+__all__ = [
+    "CPUAdam",
+    "CPUAdamW",
+    "CPUOffload",
+    "CopyEngine",
+    "HybridAdam",
+    "OffloadStats",
+    "PinnedPool",
+    "PoolExhaustedError",
+    "PoolStats",
+    "Transfer",
+]

@@ -120,7 +120,7 @@ class CPUOffload:
         self.engine = engine
         self.stats = OffloadStats(0, 0, 0, 0)
         self._hooks: Any = None
-        self._records: list[_Offloaded] = []
+        self._records: list[weakref.ref[_Offloaded]] = []  # weak: autograd owns them
         self._saved = 0
         self._offloaded = 0
         self._kept = 0
@@ -178,7 +178,7 @@ class CPUOffload:
                 self._offloaded = after
                 engine = self.engine if self.engine is not None else _default_engine()
                 record = _Offloaded(engine, tensor, len(self._records))
-                self._records.append(record)
+                self._records.append(weakref.ref(record))
                 return record
         self._kept += 1
         return tensor
@@ -189,6 +189,7 @@ class CPUOffload:
             return tensor
         records = self._records
         for ahead in range(packed.index - 1, max(-1, packed.index - 1 - self.prefetch), -1):
-            if ahead < len(records):
-                records[ahead].prefetch()
+            record = records[ahead]() if ahead < len(records) else None
+            if record is not None:
+                record.prefetch()
         return packed.take()

@@ -7,7 +7,7 @@ released buffer serves any later request of its class without touching the
 allocator; pinning memory is slow (it maps and locks pages), so reuse is the
 point. The pool never holds more than ``max_bytes`` in all, in use or free:
 a request that would exceed it first frees idle buffers of other classes,
-and then raises :class:`PoolExhausted` naming what is held. Host memory is
+and then raises :class:`PoolExhaustedError` naming what is held. Host memory is
 pinned only where pinning means something (CUDA is available); otherwise
 buffers are ordinary host memory and ``pinned`` says so.
 """
@@ -20,12 +20,12 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["CopyEngine", "PinnedPool", "PoolExhausted", "PoolStats", "Transfer"]
+__all__ = ["CopyEngine", "PinnedPool", "PoolExhaustedError", "PoolStats", "Transfer"]
 
 _MIN_CLASS = 4096
 
 
-class PoolExhausted(MemoryError):
+class PoolExhaustedError(MemoryError):
     """The pool would grow past its bound."""
 
 
@@ -108,7 +108,7 @@ class PinnedPool:
                 self._reserved -= other
         if self._reserved + size > self.max_bytes:
             in_use = sum(self._in_use.values())
-            raise PoolExhausted(
+            raise PoolExhaustedError(
                 f"pinned pool: a {nbytes}-byte request (a {size}-byte buffer) would exceed "
                 f"max_bytes={self.max_bytes}; {in_use} bytes are in use. Release buffers "
                 "sooner, or create the pool with a larger max_bytes."
@@ -148,7 +148,7 @@ class Transfer:
         return self.result
 
     def is_completed(self) -> bool:
-        return self._event is None or bool(self._event.query())
+        return self._event is None or bool(self._event.query())  # type: ignore[no-untyped-call]
 
     def synchronize(self) -> None:
         """Block the host until the copy is done."""
@@ -177,7 +177,11 @@ class CopyEngine:
         return self._streams[device]
 
     def _run(
-        self, device: torch.device, copy: Callable[[], None], result: torch.Tensor, keep: torch.Tensor
+        self,
+        device: torch.device,
+        copy: Callable[[], object],
+        result: torch.Tensor,
+        keep: torch.Tensor,
     ) -> Transfer:
         if device.type != "cuda":
             copy()
@@ -194,9 +198,7 @@ class CopyEngine:
     def to_host(self, tensor: torch.Tensor) -> Transfer:
         """Copy ``tensor`` into a pool buffer (release it with ``pool.release``)."""
         host = self.pool.acquire(tensor.shape, tensor.dtype)
-        return self._run(
-            tensor.device, lambda: host.copy_(tensor, non_blocking=True), host, tensor
-        )
+        return self._run(tensor.device, lambda: host.copy_(tensor, non_blocking=True), host, tensor)
 
     def to_device(self, host: torch.Tensor, device: torch.device) -> Transfer:
         """Copy a host tensor to ``device`` (a fresh tensor there)."""
