@@ -49,12 +49,12 @@ def _bench(millions: int, iters: int) -> dict[str, float]:
     }
     steps: dict[str, Callable[[], None]] = {}
     for name, make in setups.items():
-        params = [torch.nn.Parameter(p.clone()) for p in base]
+        params: list[torch.Tensor] = [torch.nn.Parameter(p.clone()) for p in base]
         for p in params:
             p.grad = torch.randn_like(p) * 1e-3
         optimizer = make(params)
         optimizer.step()  # states allocated outside the timing
-        steps[name] = optimizer.step  # type: ignore[assignment]
+        steps[name] = optimizer.step
     samples: dict[str, list[float]] = {name: [] for name in steps}
     for i in range(iters):
         for name in steps if i % 2 == 0 else reversed(list(steps)):
