@@ -15,7 +15,7 @@ from pc_comm import (
     ShmCommunicator,
     TorchCommunicator,
 )
-from pc_comm.testing import run_subtests, spawn
+from pc_comm.testing import run_subtests, spawn, tiny_gpt2
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -55,22 +55,8 @@ def _cnn_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _gpt2() -> nn.Module:
-    transformers = pytest.importorskip("transformers")
-    config = transformers.GPT2Config(
-        vocab_size=97,
-        n_positions=16,
-        n_embd=32,
-        n_layer=2,
-        n_head=4,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        bos_token_id=0,
-        eos_token_id=0,
-        loss_type="ForCausalLM",
-    )
-    model: nn.Module = transformers.GPT2LMHeadModel(config)
-    return model
+    pytest.importorskip("transformers")
+    return tiny_gpt2()
 
 
 _COMMS: dict[str, Communicator] = {}  # test_comm_hierarchical adds its own

@@ -4,14 +4,12 @@ collective, and DDP training, against the single-process result."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 
-from pc_comm.testing import find_free_port
+from pc_comm.testing import find_free_port, run_torchrun_agents
 
 pytestmark = [pytest.mark.timeout(400), pytest.mark.slow]
 
@@ -51,28 +49,15 @@ def test_two_agents_pass_hierarchical_parity(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
     script = tmp_path / "job.py"
     script.write_text(JOB)
-    port = find_free_port()
-    logs = [tmp_path / f"agent{node}.log" for node in range(2)]
-    procs = []
-    for node, log in enumerate(logs):
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            *("--nnodes", "2", "--nproc-per-node", "2", "--node-rank", str(node)),
-            *("--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}"),
-            *("--rdzv-id", "pc-hier", "--max-restarts", "0"),
-            str(script),
-        ]
-        with log.open("w") as sink:  # files, not pipes: see test_comm_launch
-            procs.append(subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT))
-    try:
-        for proc in procs:
-            proc.wait(timeout=360)
-    finally:
-        for proc in procs:
-            proc.kill()
-    output = "".join(log.read_text() for log in logs)
-    assert all(proc.returncode == 0 for proc in procs), output[-5000:]
+    codes, output = run_torchrun_agents(
+        script,
+        nodes=2,
+        nproc_per_node=2,
+        port=find_free_port(),
+        logs=tmp_path,
+        timeout=360,
+        run_id="pc-hier",
+    )
+    assert codes == [0, 0], output[-5000:]
     for rank in range(4):
         assert f"hierarchical parity OK on rank {rank}" in output, output[-5000:]

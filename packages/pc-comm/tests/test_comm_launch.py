@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from pc_comm import init_distributed
-from pc_comm.testing import find_free_port
+from pc_comm.testing import find_free_port, run_torchrun_agents
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
 
@@ -57,28 +57,18 @@ def test_init_distributed_under_torchrun(tmp_path: Path) -> None:
 
 def test_two_torchrun_agents_form_two_nodes(tmp_path: Path) -> None:
     """Multi-node on one machine: two agents, two local ranks each."""
-    port = find_free_port()
-    logs = [tmp_path / f"agent{node}.log" for node in range(2)]
-    procs = []
-    for node, log in enumerate(logs):
-        cmd = _torchrun(
-            tmp_path,
-            *("--nnodes", "2", "--nproc-per-node", "2", "--node-rank", str(node)),
-            *("--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}"),
-            *("--rdzv-id", "pc-two-nodes"),
-        )
-        # Output goes to files, not pipes: an agent blocked on a full pipe
-        # that nobody drains would stall its ranks and hang the other node.
-        with log.open("w") as sink:
-            procs.append(subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT))
-    try:
-        for proc in procs:
-            proc.wait(timeout=150)
-    finally:
-        for proc in procs:
-            proc.kill()
-    output = "".join(log.read_text() for log in logs)
-    assert all(proc.returncode == 0 for proc in procs), output[-3000:]
+    script = tmp_path / "job.py"
+    script.write_text(SCRIPT)
+    codes, output = run_torchrun_agents(
+        script,
+        nodes=2,
+        nproc_per_node=2,
+        port=find_free_port(),
+        logs=tmp_path,
+        timeout=150,
+        run_id="pc-two-nodes",
+    )
+    assert codes == [0, 0], output[-3000:]
     for rank in range(4):
         assert f"rank {rank}/4 node {rank // 2} local {rank % 2}/2 sum 6.0" in output, output
 

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from pc_comm.testing import tiny_gpt2
 from pc_offload import CopyEngine, CPUOffload, PinnedPool
 
 pytestmark = pytest.mark.timeout(120)
@@ -35,21 +36,8 @@ class CNN(nn.Module):
 
 
 def _gpt2(use_checkpoint: bool) -> nn.Module:
-    transformers = pytest.importorskip("transformers")
-    config = transformers.GPT2Config(
-        vocab_size=97,
-        n_positions=16,
-        n_embd=32,
-        n_layer=2,
-        n_head=4,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        bos_token_id=0,
-        eos_token_id=0,
-        loss_type="ForCausalLM",
-    )
-    model: nn.Module = transformers.GPT2LMHeadModel(config)
+    pytest.importorskip("transformers")
+    model = tiny_gpt2()
     if use_checkpoint:
         kwargs = {"use_reentrant": False}
         hf: Any = model

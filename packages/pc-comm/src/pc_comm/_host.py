@@ -4,7 +4,10 @@ A :class:`HostExecutor` owns one worker thread that runs operations in call
 order (so every rank issues its collectives in the same order, and an
 ``async_op=True`` call overlaps the caller's work), and stages CUDA tensors
 through pinned host memory on a side stream ordered after the caller's
-current stream.
+current stream. It implements the collectives of the Communicator protocol
+(input checks, staging, uneven lists) over four host algorithms a subclass
+provides: ``_host_all_reduce``, ``_host_reduce_scatter``,
+``_host_all_gather`` and ``_host_broadcast``.
 """
 
 from __future__ import annotations
@@ -16,7 +19,16 @@ from concurrent.futures import Future
 
 import torch
 
-from pc_comm.communicator import Handle
+from pc_comm.communicator import (
+    Handle,
+    ReduceOp,
+    check_all_gather,
+    check_all_gather_list,
+    check_contiguous,
+    check_reduce_op,
+    check_reduce_scatter,
+    check_reduce_scatter_list,
+)
 
 __all__ = ["HostExecutor", "padded"]
 
@@ -37,7 +49,13 @@ class _FutureHandle:
 
 
 class HostExecutor:
-    """The worker thread and CUDA staging of a host-side communicator."""
+    """The worker thread, CUDA staging and collectives of a host-side
+    communicator. Subclasses set ``_rank`` and ``_world_size`` and provide
+    the ``_host_*`` algorithms, which run on the worker thread on flat host
+    tensors."""
+
+    _rank: int
+    _world_size: int
 
     def __init__(self, thread_name: str) -> None:
         self._stream: torch.cuda.Stream | None = None
@@ -136,6 +154,123 @@ class HostExecutor:
         if not async_op:
             handle.wait()
         return handle
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        return self._world_size
+
+    # -- host algorithms (subclasses) ------------------------------------------
+
+    def _host_all_reduce(self, flat: torch.Tensor, op: ReduceOp) -> None:
+        raise NotImplementedError
+
+    def _host_reduce_scatter(
+        self, out: torch.Tensor, chunks: Sequence[torch.Tensor], op: ReduceOp
+    ) -> None:
+        """``chunks[r]`` (all of one size) is reduced across ranks into rank r's ``out``."""
+        raise NotImplementedError
+
+    def _host_all_gather(self, outs: Sequence[torch.Tensor], inp: torch.Tensor) -> None:
+        """``outs[r]`` receives rank r's ``inp`` (sizes may differ by rank)."""
+        raise NotImplementedError
+
+    def _host_broadcast(self, flat: torch.Tensor, src: int) -> None:
+        raise NotImplementedError
+
+    # -- the Communicator protocol ----------------------------------------
+
+    def all_reduce(
+        self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, *, async_op: bool = False
+    ) -> Handle:
+        check_reduce_op(op)
+        check_contiguous(tensor, "all_reduce tensor")
+
+        def work(ins: list[torch.Tensor], outs: list[torch.Tensor]) -> None:
+            if ins[0].data_ptr() != outs[0].data_ptr():
+                outs[0].copy_(ins[0])
+            self._host_all_reduce(outs[0], op)
+
+        return self._run_staged([tensor], [tensor], work, async_op)
+
+    def reduce_scatter(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        op: ReduceOp = ReduceOp.SUM,
+        *,
+        async_op: bool = False,
+    ) -> Handle:
+        check_reduce_op(op)
+        check_reduce_scatter(output, input, self._world_size)
+        check_contiguous(output, "reduce_scatter output")
+        world = self._world_size
+
+        def work(ins: list[torch.Tensor], outs: list[torch.Tensor]) -> None:
+            self._host_reduce_scatter(outs[0], list(ins[0].view(world, -1)), op)
+
+        return self._run_staged([input], [output], work, async_op)
+
+    def reduce_scatter_list(
+        self,
+        output: torch.Tensor,
+        inputs: Sequence[torch.Tensor],
+        op: ReduceOp = ReduceOp.SUM,
+        *,
+        async_op: bool = False,
+    ) -> Handle:
+        check_reduce_op(op)
+        check_reduce_scatter_list(output, inputs, self._rank, self._world_size)
+        check_contiguous(output, "reduce_scatter_list output")
+        slot = max(t.numel() for t in inputs)
+        count = output.numel()
+
+        def work(ins: list[torch.Tensor], outs: list[torch.Tensor]) -> None:
+            stretched = [padded(t, slot) for t in ins]
+            mine = outs[0].new_empty(slot)
+            self._host_reduce_scatter(mine, stretched, op)
+            outs[0].copy_(mine[:count])
+
+        return self._run_staged(list(inputs), [output], work, async_op)
+
+    def all_gather(
+        self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False
+    ) -> Handle:
+        check_all_gather(output, input, self._world_size)
+        check_contiguous(output, "all_gather output")
+        world = self._world_size
+
+        def work(ins: list[torch.Tensor], outs: list[torch.Tensor]) -> None:
+            self._host_all_gather(list(outs[0].view(world, -1)), ins[0])
+
+        return self._run_staged([input], [output], work, async_op)
+
+    def all_gather_list(
+        self, outputs: Sequence[torch.Tensor], input: torch.Tensor, *, async_op: bool = False
+    ) -> Handle:
+        check_all_gather_list(outputs, input, self._rank, self._world_size)
+        for i, out in enumerate(outputs):
+            check_contiguous(out, f"all_gather_list outputs[{i}]")
+
+        def work(ins: list[torch.Tensor], outs: list[torch.Tensor]) -> None:
+            self._host_all_gather(outs, ins[0])
+
+        return self._run_staged([input], list(outputs), work, async_op)
+
+    def broadcast(self, tensor: torch.Tensor, src: int, *, async_op: bool = False) -> Handle:
+        if not 0 <= src < self._world_size:
+            raise ValueError(f"src must be a rank in [0, {self._world_size}), got {src}.")
+        check_contiguous(tensor, "broadcast tensor")
+
+        def work(ins: list[torch.Tensor], outs: list[torch.Tensor]) -> None:
+            if ins[0].data_ptr() != outs[0].data_ptr():
+                outs[0].copy_(ins[0])
+            self._host_broadcast(outs[0], src)
+
+        return self._run_staged([tensor], [tensor], work, async_op)
 
 
 def _flat(tensor: torch.Tensor) -> torch.Tensor:

@@ -35,12 +35,6 @@ from pc_comm.communicator import (
     Handle,
     P2POp,
     ReduceOp,
-    check_all_gather,
-    check_all_gather_list,
-    check_contiguous,
-    check_reduce_op,
-    check_reduce_scatter,
-    check_reduce_scatter_list,
 )
 from pc_comm.shm import ShmCommunicator
 from pc_comm.torch_communicator import TorchCommunicator
@@ -123,16 +117,8 @@ class HierarchicalCommunicator(HostExecutor):
         self._full = TorchCommunicator(self.group)
         # Chunk order that makes both levels contiguous: row (l, k) is the
         # chunk of rank cross[l][k].
-        self._order = torch.tensor([r for ranks in self._cross for r in ranks])
+        self._order = [r for ranks in self._cross for r in ranks]
         HostExecutor.__init__(self, "pc-hier-comm")
-
-    @property
-    def rank(self) -> int:
-        return self._rank
-
-    @property
-    def world_size(self) -> int:
-        return self._world_size
 
     def __repr__(self) -> str:
         return (
@@ -169,24 +155,26 @@ class HierarchicalCommunicator(HostExecutor):
         if whole is not flat:
             flat.copy_(whole[: flat.numel()])
 
-    def _host_reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op: ReduceOp) -> None:
+    def _host_reduce_scatter(
+        self, out: torch.Tensor, chunks: Sequence[torch.Tensor], op: ReduceOp
+    ) -> None:
         level = self._level_op(op)
-        chunk = out.numel()
-        staged = inp.view(self._world_size, chunk).index_select(0, self._order).view(-1)
-        part = out.new_empty(self.num_nodes * chunk)
+        staged = torch.cat([chunks[r] for r in self._order])  # [Note: two levels]
+        part = out.new_empty(self.num_nodes * out.numel())
         self.intra.reduce_scatter(part, staged, level)
         self.inter.reduce_scatter(out, part, level)
         self._finish_avg(out, op)
 
-    def _host_all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> None:
-        chunk = inp.numel()
-        across = inp.new_empty(self.num_nodes * chunk)
-        self.inter.all_gather(across, inp)
-        everything = inp.new_empty(self._world_size * chunk)
+    def _host_all_gather(self, outs: Sequence[torch.Tensor], inp: torch.Tensor) -> None:
+        slot = max(out.numel() for out in outs)
+        mine = padded(inp, slot)
+        across = inp.new_empty(self.num_nodes * slot)
+        self.inter.all_gather(across, mine)
+        everything = inp.new_empty(self._world_size * slot)
         self.intra.all_gather(everything, across)
-        out.view(self._world_size, chunk).index_copy_(
-            0, self._order, everything.view(self._world_size, chunk)
-        )
+        rows = everything.view(self._world_size, slot)
+        for row, rank in enumerate(self._order):
+            outs[rank].copy_(rows[row, : outs[rank].numel()])
 
     def _host_broadcast(self, flat: torch.Tensor, src: int) -> None:
         local = self._local[src]
@@ -194,98 +182,7 @@ class HierarchicalCommunicator(HostExecutor):
             self.inter.broadcast(flat, self._cross[local].index(src))
         self.intra.broadcast(flat, local)
 
-    # -- the Communicator protocol ----------------------------------------
-
-    def all_reduce(
-        self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, *, async_op: bool = False
-    ) -> Handle:
-        check_reduce_op(op)
-        check_contiguous(tensor, "all_reduce tensor")
-
-        def work(ins: list[torch.Tensor], outs: list[torch.Tensor]) -> None:
-            if ins[0].data_ptr() != outs[0].data_ptr():
-                outs[0].copy_(ins[0])
-            self._host_all_reduce(outs[0], op)
-
-        return self._run_staged([tensor], [tensor], work, async_op)
-
-    def reduce_scatter(
-        self,
-        output: torch.Tensor,
-        input: torch.Tensor,
-        op: ReduceOp = ReduceOp.SUM,
-        *,
-        async_op: bool = False,
-    ) -> Handle:
-        check_reduce_op(op)
-        check_reduce_scatter(output, input, self._world_size)
-        check_contiguous(output, "reduce_scatter output")
-
-        def work(ins: list[torch.Tensor], outs: list[torch.Tensor]) -> None:
-            self._host_reduce_scatter(outs[0], ins[0], op)
-
-        return self._run_staged([input], [output], work, async_op)
-
-    def reduce_scatter_list(
-        self,
-        output: torch.Tensor,
-        inputs: Sequence[torch.Tensor],
-        op: ReduceOp = ReduceOp.SUM,
-        *,
-        async_op: bool = False,
-    ) -> Handle:
-        check_reduce_op(op)
-        check_reduce_scatter_list(output, inputs, self._rank, self._world_size)
-        check_contiguous(output, "reduce_scatter_list output")
-        slot = max(t.numel() for t in inputs)
-        count = output.numel()
-
-        def work(ins: list[torch.Tensor], outs: list[torch.Tensor]) -> None:
-            whole = torch.cat([padded(t, slot) for t in ins])
-            mine = outs[0].new_empty(slot)
-            self._host_reduce_scatter(mine, whole, op)
-            outs[0].copy_(mine[:count])
-
-        return self._run_staged(list(inputs), [output], work, async_op)
-
-    def all_gather(
-        self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False
-    ) -> Handle:
-        check_all_gather(output, input, self._world_size)
-        check_contiguous(output, "all_gather output")
-
-        def work(ins: list[torch.Tensor], outs: list[torch.Tensor]) -> None:
-            self._host_all_gather(outs[0], ins[0])
-
-        return self._run_staged([input], [output], work, async_op)
-
-    def all_gather_list(
-        self, outputs: Sequence[torch.Tensor], input: torch.Tensor, *, async_op: bool = False
-    ) -> Handle:
-        check_all_gather_list(outputs, input, self._rank, self._world_size)
-        for i, out in enumerate(outputs):
-            check_contiguous(out, f"all_gather_list outputs[{i}]")
-        slot = max(t.numel() for t in outputs)
-
-        def work(ins: list[torch.Tensor], outs: list[torch.Tensor]) -> None:
-            everything = ins[0].new_empty(self._world_size * slot)
-            self._host_all_gather(everything, padded(ins[0], slot))
-            for r, out in enumerate(outs):
-                out.copy_(everything[r * slot : r * slot + out.numel()])
-
-        return self._run_staged([input], list(outputs), work, async_op)
-
-    def broadcast(self, tensor: torch.Tensor, src: int, *, async_op: bool = False) -> Handle:
-        if not 0 <= src < self._world_size:
-            raise ValueError(f"src must be a rank in [0, {self._world_size}), got {src}.")
-        check_contiguous(tensor, "broadcast tensor")
-
-        def work(ins: list[torch.Tensor], outs: list[torch.Tensor]) -> None:
-            if ins[0].data_ptr() != outs[0].data_ptr():
-                outs[0].copy_(ins[0])
-            self._host_broadcast(outs[0], src)
-
-        return self._run_staged([tensor], [tensor], work, async_op)
+    # -- the rest of the Communicator protocol ----------------------------
 
     def send(self, tensor: torch.Tensor, dst: int, *, async_op: bool = False) -> Handle:
         return self._full.send(tensor, dst, async_op=async_op)

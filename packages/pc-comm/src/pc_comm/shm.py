@@ -66,17 +66,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from pc_comm._host import HostExecutor, padded
+from pc_comm._host import HostExecutor
 from pc_comm.communicator import (
     Handle,
     P2POp,
     ReduceOp,
-    check_all_gather,
-    check_all_gather_list,
-    check_contiguous,
-    check_reduce_op,
-    check_reduce_scatter,
-    check_reduce_scatter_list,
 )
 
 __all__ = ["ShmCommunicator", "ShmPeerError"]
@@ -300,14 +294,6 @@ class ShmCommunicator(HostExecutor):
                     return symmetric, start - own
         return None
 
-    @property
-    def rank(self) -> int:
-        return self._rank
-
-    @property
-    def world_size(self) -> int:
-        return self._world_size
-
     def __repr__(self) -> str:
         return f"ShmCommunicator(rank={self._rank}, world_size={self._world_size})"
 
@@ -494,96 +480,7 @@ class ShmCommunicator(HostExecutor):
                 flat[start : start + count].copy_(slots[src, :count])
             self._barrier("broadcast")
 
-    # -- the Communicator protocol ----------------------------------------
-
-    def all_reduce(
-        self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, *, async_op: bool = False
-    ) -> Handle:
-        check_reduce_op(op)
-        check_contiguous(tensor, "all_reduce tensor")
-
-        def work(ins: list[torch.Tensor], outs: list[torch.Tensor]) -> None:
-            if ins[0].data_ptr() != outs[0].data_ptr():
-                outs[0].copy_(ins[0])
-            self._host_all_reduce(outs[0], op)
-
-        return self._run_staged([tensor], [tensor], work, async_op)
-
-    def reduce_scatter(
-        self,
-        output: torch.Tensor,
-        input: torch.Tensor,
-        op: ReduceOp = ReduceOp.SUM,
-        *,
-        async_op: bool = False,
-    ) -> Handle:
-        check_reduce_op(op)
-        check_reduce_scatter(output, input, self._world_size)
-        check_contiguous(output, "reduce_scatter output")
-        world = self._world_size
-
-        def work(ins: list[torch.Tensor], outs: list[torch.Tensor]) -> None:
-            self._host_reduce_scatter(outs[0], list(ins[0].view(world, -1)), op)
-
-        return self._run_staged([input], [output], work, async_op)
-
-    def reduce_scatter_list(
-        self,
-        output: torch.Tensor,
-        inputs: Sequence[torch.Tensor],
-        op: ReduceOp = ReduceOp.SUM,
-        *,
-        async_op: bool = False,
-    ) -> Handle:
-        check_reduce_op(op)
-        check_reduce_scatter_list(output, inputs, self._rank, self._world_size)
-        check_contiguous(output, "reduce_scatter_list output")
-        slot = max(t.numel() for t in inputs)
-        count = output.numel()
-
-        def work(ins: list[torch.Tensor], outs: list[torch.Tensor]) -> None:
-            stretched = [padded(t, slot) for t in ins]
-            mine = outs[0].new_empty(slot)
-            self._host_reduce_scatter(mine, stretched, op)
-            outs[0].copy_(mine[:count])
-
-        return self._run_staged(list(inputs), [output], work, async_op)
-
-    def all_gather(
-        self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False
-    ) -> Handle:
-        check_all_gather(output, input, self._world_size)
-        check_contiguous(output, "all_gather output")
-        world = self._world_size
-
-        def work(ins: list[torch.Tensor], outs: list[torch.Tensor]) -> None:
-            self._host_all_gather(list(outs[0].view(world, -1)), ins[0])
-
-        return self._run_staged([input], [output], work, async_op)
-
-    def all_gather_list(
-        self, outputs: Sequence[torch.Tensor], input: torch.Tensor, *, async_op: bool = False
-    ) -> Handle:
-        check_all_gather_list(outputs, input, self._rank, self._world_size)
-        for i, out in enumerate(outputs):
-            check_contiguous(out, f"all_gather_list outputs[{i}]")
-
-        def work(ins: list[torch.Tensor], outs: list[torch.Tensor]) -> None:
-            self._host_all_gather(outs, ins[0])
-
-        return self._run_staged([input], list(outputs), work, async_op)
-
-    def broadcast(self, tensor: torch.Tensor, src: int, *, async_op: bool = False) -> Handle:
-        if not 0 <= src < self._world_size:
-            raise ValueError(f"src must be a rank in [0, {self._world_size}), got {src}.")
-        check_contiguous(tensor, "broadcast tensor")
-
-        def work(ins: list[torch.Tensor], outs: list[torch.Tensor]) -> None:
-            if ins[0].data_ptr() != outs[0].data_ptr():
-                outs[0].copy_(ins[0])
-            self._host_broadcast(outs[0], src)
-
-        return self._run_staged([tensor], [tensor], work, async_op)
+    # -- the rest of the Communicator protocol ----------------------------
 
     def send(self, tensor: torch.Tensor, dst: int, *, async_op: bool = False) -> Handle:
         raise NotImplementedError(

@@ -3,9 +3,12 @@
 ``spawn(fn, world_size)`` runs ``fn`` on a fresh gloo process group;
 ``run_subtests(fn, world_size, cases)`` runs many option combinations in one
 group. A rank that raises, dies or hangs fails the test within its timeout
-with that rank's traceback or stack. See docs/packages/pc-comm.md.
+with that rank's traceback or stack. ``run_torchrun_agents`` starts real
+torchrun agents as simulated nodes; ``tiny_gpt2`` is the small model the
+parity tests train. See docs/testing.md.
 """
 
+from pc_comm.testing._fixtures import run_torchrun_agents, tiny_gpt2
 from pc_comm.testing._harness import (
     DistributedTestError,
     SubcaseError,
@@ -14,4 +17,12 @@ from pc_comm.testing._harness import (
     spawn,
 )
 
-__all__ = ["DistributedTestError", "SubcaseError", "find_free_port", "run_subtests", "spawn"]
+__all__ = [
+    "DistributedTestError",
+    "SubcaseError",
+    "find_free_port",
+    "run_subtests",
+    "run_torchrun_agents",
+    "spawn",
+    "tiny_gpt2",
+]

@@ -1,0 +1,74 @@
+"""Small models and launchers that tests across the pc packages share."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+__all__ = ["run_torchrun_agents", "tiny_gpt2"]
+
+
+def tiny_gpt2(vocab_size: int = 97, positions: int = 16, **overrides: Any) -> nn.Module:
+    """A 2-layer, 32-wide GPT-2 without dropout, so runs are deterministic.
+    Needs transformers (``pip install pc-booster[hf]``)."""
+    import transformers
+
+    settings: dict[str, Any] = {
+        "vocab_size": vocab_size,
+        "n_positions": positions,
+        "n_embd": 32,
+        "n_layer": 2,
+        "n_head": 4,
+        "resid_pdrop": 0.0,
+        "embd_pdrop": 0.0,
+        "attn_pdrop": 0.0,
+        "bos_token_id": 0,
+        "eos_token_id": 0,
+        "loss_type": "ForCausalLM",
+    }
+    settings.update(overrides)
+    model: nn.Module = transformers.GPT2LMHeadModel(transformers.GPT2Config(**settings))
+    return model
+
+
+def run_torchrun_agents(
+    script: Path,
+    *,
+    nodes: int,
+    nproc_per_node: int,
+    port: int,
+    logs: Path,
+    timeout: float,
+    run_id: str = "pc-test",
+) -> tuple[list[int | None], str]:
+    """Start one torchrun agent per simulated node on this machine, running
+    ``script``; return their exit codes and their combined output. Output goes
+    to files in ``logs``, not pipes: an agent blocked on a full pipe that
+    nobody drains would stall its ranks and hang the other nodes."""
+    procs, files = [], []
+    for node in range(nodes):
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            *("--nnodes", str(nodes), "--nproc-per-node", str(nproc_per_node)),
+            *("--node-rank", str(node), "--max-restarts", "0"),
+            *("--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}"),
+            *("--rdzv-id", run_id),
+            str(script),
+        ]
+        log = logs / f"agent{node}.log"
+        files.append(log)
+        with log.open("w") as sink:
+            procs.append(subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT))
+    try:
+        for proc in procs:
+            proc.wait(timeout=timeout)
+    finally:
+        for proc in procs:
+            proc.kill()
+    return [proc.returncode for proc in procs], "".join(f.read_text() for f in files)
