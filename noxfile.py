@@ -25,7 +25,7 @@ PACKAGES = [
     "pc-booster",
 ]
 INTEGRATION = "integration"
-TEST_DEPS = ["pytest>=8", "pytest-timeout>=2.3"]
+TEST_DEPS = ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6"]
 
 nox.options.sessions = ["lint", "typecheck", "tests"]
 nox.options.reuse_venv = "yes"

@@ -1,7 +1,26 @@
-"""Gemini-style chunk memory manager.
+"""pc-chunk: parameters packed in execution order into equal contiguous
+chunks (Colossal-AI's Gemini design), sharded across ranks, placed on the
+device or the host against an accounted budget, with a chunk-size search and
+a memory tracer."""
 
-Status: skeleton. Nothing is exported yet; issue 5: `Chunk`, `ChunkManager`,
-`search_chunk_size`, `MemoryTracer` and placement policies land here.
-"""
+from pc_chunk.budget import BudgetExceededError, DeviceBudget
+from pc_chunk.chunk import Chunk, ChunkState, ChunkStateError
+from pc_chunk.manager import AutoPlacement, ChunkManager, StaticPlacement, execution_order
+from pc_chunk.search import ChunkSizeResult, packing_waste, search_chunk_size
 
-__all__: list[str] = []
+__version__ = "0.1.0"
+
+__all__ = [
+    "AutoPlacement",
+    "BudgetExceededError",
+    "Chunk",
+    "ChunkManager",
+    "ChunkSizeResult",
+    "ChunkState",
+    "ChunkStateError",
+    "DeviceBudget",
+    "StaticPlacement",
+    "execution_order",
+    "packing_waste",
+    "search_chunk_size",
+]

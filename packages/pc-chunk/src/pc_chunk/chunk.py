@@ -1,0 +1,342 @@
+"""A chunk: one flat buffer holding several parameters, sharded across ranks.
+
+[Note: chunk states]
+    FREE            only this rank's shard exists; the parameters are empty
+    HOLD            the full payload is gathered and the parameters view it,
+                    but no operator is using it: it may be released
+    COMPUTE         an operator (forward or backward of a module) uses it
+    HOLD_AFTER_FWD  forward is done with it; backward will need it again
+    HOLD_AFTER_BWD  backward is done with it; its gradients are complete and
+                    wait for the reduce-scatter
+
+    FREE --gather--> HOLD --access--> COMPUTE --done(fwd)--> HOLD_AFTER_FWD
+    HOLD_AFTER_FWD --access--> COMPUTE --done(bwd)--> HOLD_AFTER_BWD
+    HOLD_AFTER_BWD --reduce_scatter_grads--> HOLD --release--> FREE
+
+A chunk in COMPUTE or HOLD_AFTER_BWD cannot be released (an operator reads
+it, or its gradients are not reduced yet); every illegal transition raises.
+Colossal-AI's Gemini uses the same set; we keep it because each state
+answers a placement question: FREE and HOLD* chunks are eviction
+candidates, COMPUTE ones are pinned, and HOLD_AFTER_BWD marks gradients
+that are ready to be reduced.
+
+[Note: shards]
+With N ranks, chunk size C is a multiple of N and rank r owns elements
+[r C/N, (r + 1) C/N): its shard, the only copy that persists. ``gather``
+all-gathers the shards into the payload; ``release`` drops it.
+``reduce_scatter_grads`` packs the parameters' gradients into one flat
+buffer (in ``reduce_dtype``, fp32 by default, so a bf16 model still sums in
+fp32), reduce-scatters it, and keeps this rank's part as an fp32 gradient
+shard for the optimizer. ``set_shard`` writes updated master values back.
+
+Every byte a chunk holds on the compute device (payload, shard, gradient
+shard) is reserved in a :class:`~pc_chunk.budget.DeviceBudget` when given,
+which refuses to exceed its limit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+import torch
+from torch import nn
+
+from pc_chunk.budget import DeviceBudget
+from pc_comm import Communicator, ReduceOp
+
+__all__ = ["Chunk", "ChunkState", "ChunkStateError"]
+
+
+class ChunkState(Enum):
+    FREE = "free"
+    HOLD = "hold"
+    COMPUTE = "compute"
+    HOLD_AFTER_FWD = "hold_after_fwd"
+    HOLD_AFTER_BWD = "hold_after_bwd"
+
+
+class ChunkStateError(RuntimeError):
+    """An operation that the chunk's state does not allow."""
+
+
+@dataclass(frozen=True)
+class _Slot:
+    param: nn.Parameter
+    offset: int
+    numel: int
+    shape: torch.Size
+
+
+_EMPTY_CACHE: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def _empty(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    key = (dtype, device)
+    if key not in _EMPTY_CACHE:
+        _EMPTY_CACHE[key] = torch.empty(0, dtype=dtype, device=device)
+    return _EMPTY_CACHE[key]
+
+
+class Chunk:
+    """``size`` elements of ``dtype`` on ``device``, sharded over ``comm``
+    [Note: shards], moving through [Note: chunk states]."""
+
+    def __init__(
+        self,
+        size: int,
+        dtype: torch.dtype,
+        *,
+        comm: Communicator | None = None,
+        device: torch.device | str = "cpu",
+        budget: DeviceBudget | None = None,
+        reduce_dtype: torch.dtype = torch.float32,
+        name: str = "chunk",
+    ) -> None:
+        self.world_size = comm.world_size if comm is not None else 1
+        self.rank = comm.rank if comm is not None else 0
+        if size <= 0 or size % self.world_size:
+            raise ValueError(
+                f"chunk size must be a positive multiple of the world size "
+                f"({self.world_size}); got {size}."
+            )
+        self.size = size
+        self.dtype = dtype
+        self.comm = comm
+        self.device = torch.device(device)
+        self.budget = budget
+        self.reduce_dtype = reduce_dtype
+        self.name = name
+        self.slots: list[_Slot] = []
+        self.used = 0
+        self.closed = False
+        self.shard_size = size // self.world_size
+        self.payload: torch.Tensor | None = self._new_payload()
+        self.shard: torch.Tensor | None = None
+        self.shard_on_device = False
+        self.grad_shard: torch.Tensor | None = None
+        self.state = ChunkState.HOLD
+        self.users = 0  # operators between access() and done()
+
+    def __repr__(self) -> str:
+        return (
+            f"Chunk({self.name}, size={self.size}, used={self.used}, "
+            f"params={len(self.slots)}, state={self.state.value})"
+        )
+
+    @property
+    def payload_bytes(self) -> int:
+        return self.size * self.dtype.itemsize
+
+    @property
+    def shard_bytes(self) -> int:
+        return self.shard_size * self.dtype.itemsize
+
+    @property
+    def reduce_bytes(self) -> int:
+        """Device bytes ``reduce_scatter_grads`` needs at its peak."""
+        grad_shard = 0 if self.grad_shard is not None or not self.shard_on_device else 4
+        return self.size * self.reduce_dtype.itemsize + self.shard_size * grad_shard
+
+    def _reserve(self, nbytes: int, what: str) -> None:
+        if self.budget is not None:
+            self.budget.reserve(nbytes, f"{self.name} {what}")
+
+    def _free(self, nbytes: int, what: str) -> None:
+        if self.budget is not None:
+            self.budget.free(nbytes, f"{self.name} {what}")
+
+    def _new_payload(self) -> torch.Tensor:
+        self._reserve(self.payload_bytes, "payload")
+        return torch.zeros(self.size, dtype=self.dtype, device=self.device)
+
+    # -- filling -------------------------------------------------------------
+
+    def can_fit(self, param: torch.Tensor) -> bool:
+        return not self.closed and self.used + param.numel() <= self.size
+
+    def append(self, param: nn.Parameter) -> None:
+        """Move ``param`` into the chunk: its data becomes a view of the payload."""
+        if self.closed:
+            raise ChunkStateError(f"{self.name} is closed; parameters go in before close().")
+        if param.dtype != self.dtype:
+            raise ValueError(f"{self.name} holds {self.dtype}; the parameter is {param.dtype}.")
+        numel = param.numel()
+        if self.used + numel > self.size:
+            raise ValueError(
+                f"{self.name} has {self.size - self.used} free elements; the parameter needs "
+                f"{numel}."
+            )
+        assert self.payload is not None
+        view = self.payload[self.used : self.used + numel]
+        view.copy_(param.detach().reshape(-1))
+        slot = _Slot(param, self.used, numel, param.shape)
+        self.slots.append(slot)
+        self.used += numel
+        param.data = view.view(slot.shape)
+
+    def close(self, *, shard_on_device: bool = True, release: bool = False) -> None:
+        """No more parameters: cut this rank's shard out of the payload and
+        keep it on the device or the host; ``release`` drops the payload at
+        once (before the shard is reserved, so a tight budget suffices)."""
+        if self.closed:
+            return
+        assert self.payload is not None
+        lo = self.rank * self.shard_size
+        target = self.device if shard_on_device else torch.device("cpu")
+        self.shard = self.payload[lo : lo + self.shard_size].to(target, copy=True)
+        self.closed = True
+        if release:
+            self.release()
+        self.shard_on_device = shard_on_device
+        if shard_on_device:
+            self._reserve(self.shard_bytes, "shard")
+
+    # -- residency -------------------------------------------------------------
+
+    def _point_params(self) -> None:
+        for slot in self.slots:
+            if self.payload is None:
+                slot.param.data = _empty(self.dtype, self.device)
+            else:
+                view = self.payload[slot.offset : slot.offset + slot.numel]
+                slot.param.data = view.view(slot.shape)
+
+    def _shard_for_compute(self) -> torch.Tensor:
+        assert self.shard is not None
+        if self.shard.device == self.device:
+            return self.shard
+        return self.shard.to(self.device, non_blocking=True)
+
+    def gather(self) -> None:
+        """FREE -> HOLD: all-gather the shards into a full payload."""
+        self._need_closed("gather")
+        if self.state is not ChunkState.FREE:
+            return
+        self.payload = self._new_payload()
+        shard = self._shard_for_compute()
+        if self.comm is None:
+            self.payload.copy_(shard)
+        else:
+            self.comm.all_gather(self.payload, shard)
+        self._point_params()
+        self.state = ChunkState.HOLD
+
+    def release(self) -> None:
+        """HOLD / HOLD_AFTER_FWD -> FREE: drop the payload (the shard stays)."""
+        self._need_closed("release")
+        if self.state is ChunkState.FREE:
+            return
+        if self.state in (ChunkState.COMPUTE, ChunkState.HOLD_AFTER_BWD):
+            raise ChunkStateError(
+                f"{self.name} cannot be released in state {self.state.value}: "
+                + (
+                    "an operator is using it."
+                    if self.state is ChunkState.COMPUTE
+                    else "its gradients are not reduced yet (call reduce_scatter_grads)."
+                )
+            )
+        self.payload = None
+        self._free(self.payload_bytes, "payload")
+        self._point_params()
+        self.state = ChunkState.FREE
+
+    def access(self) -> None:
+        """-> COMPUTE, gathering first if needed. Several operators may use
+        a chunk at once; each access() is matched by one done()."""
+        self.gather()
+        self.users += 1
+        self.state = ChunkState.COMPUTE
+
+    def done(self, phase: str) -> None:
+        """COMPUTE -> HOLD_AFTER_FWD (``phase="forward"``) or HOLD_AFTER_BWD,
+        once the last user is done."""
+        if phase not in ("forward", "backward"):
+            raise ValueError(f"phase must be 'forward' or 'backward', got {phase!r}.")
+        if phase == "backward":  # gradients complete: every user is done
+            if self.state is ChunkState.FREE:
+                raise ChunkStateError(f"{self.name}: done('backward') on a released chunk.")
+            self.users = 0
+            self.state = ChunkState.HOLD_AFTER_BWD
+            return
+        if self.state is not ChunkState.COMPUTE or self.users == 0:
+            raise ChunkStateError(f"{self.name}: done() in state {self.state.value}, not compute.")
+        self.users -= 1
+        if self.users == 0:
+            self.state = ChunkState.HOLD_AFTER_FWD
+
+    def move_shard(self, to_device: bool) -> None:
+        """Keep this rank's shard (and its gradient shard) on the compute
+        device or on the host, with the budget accounting the move."""
+        self._need_closed("move_shard")
+        if to_device == self.shard_on_device:
+            return
+        assert self.shard is not None
+        nbytes = self.shard_bytes + (
+            self.grad_shard.numel() * 4 if self.grad_shard is not None else 0
+        )
+        if to_device:
+            self._reserve(nbytes, "shard")
+        target = self.device if to_device else torch.device("cpu")
+        self.shard = self.shard.to(target)
+        if self.grad_shard is not None:
+            self.grad_shard = self.grad_shard.to(target)
+        if not to_device:
+            self._free(nbytes, "shard")
+        self.shard_on_device = to_device
+
+    # -- gradients and updates -------------------------------------------------
+
+    def reduce_scatter_grads(self, op: ReduceOp = ReduceOp.AVG) -> torch.Tensor:
+        """HOLD_AFTER_BWD (or any gathered state) -> HOLD: reduce the
+        parameters' gradients across ranks; this rank keeps its part as an
+        fp32 gradient shard. Parameters' ``.grad`` are cleared."""
+        self._need_closed("reduce_scatter_grads")
+        if self.state is ChunkState.FREE:
+            raise ChunkStateError(f"{self.name}: gradients need the chunk gathered.")
+        flat_bytes = self.size * self.reduce_dtype.itemsize
+        self._reserve(flat_bytes, "gradient buffer")
+        flat = torch.zeros(self.size, dtype=self.reduce_dtype, device=self.device)
+        for slot in self.slots:
+            grad = slot.param.grad
+            if grad is not None:
+                flat[slot.offset : slot.offset + slot.numel].copy_(grad.reshape(-1))
+                slot.param.grad = None
+        out = torch.empty(self.shard_size, dtype=self.reduce_dtype, device=self.device)
+        if self.comm is None:
+            out.copy_(flat)  # one rank: the sum and the average are the gradient itself
+        else:
+            self.comm.reduce_scatter(out, flat, op)
+        del flat
+        self._free(flat_bytes, "gradient buffer")
+        grad_shard = out.float()
+        if self.grad_shard is None and self.shard_on_device:
+            self._reserve(grad_shard.numel() * 4, "grad shard")
+        if not self.shard_on_device:
+            grad_shard = grad_shard.cpu()
+        self.grad_shard = grad_shard
+        self.state = ChunkState.HOLD
+        return grad_shard
+
+    def clear_grad(self) -> None:
+        """Drop the gradient shard (after the optimizer consumed it)."""
+        if self.grad_shard is not None and self.shard_on_device:
+            self._free(self.grad_shard.numel() * 4, "grad shard")
+        self.grad_shard = None
+
+    def set_shard(self, values: torch.Tensor) -> None:
+        """Write updated master values (this rank's shard) into the chunk,
+        and into the payload if it is gathered."""
+        self._need_closed("set_shard")
+        assert self.shard is not None
+        self.shard.copy_(values)
+        if self.payload is not None:
+            lo = self.rank * self.shard_size
+            self.payload[lo : lo + self.shard_size].copy_(values)
+            # Other ranks' parts of a held payload are stale until regathered.
+            if self.world_size > 1 and self.state is not ChunkState.COMPUTE:
+                self.release()
+
+    def _need_closed(self, what: str) -> None:
+        if not self.closed:
+            raise ChunkStateError(f"{self.name}: {what}() before close().")

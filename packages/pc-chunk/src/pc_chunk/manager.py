@@ -1,0 +1,325 @@
+"""The chunk manager: packs a module's parameters into chunks in execution
+order, places them, and drives their states through forward and backward.
+
+[Note: execution order]
+``execution_order(module, *inputs)`` runs one forward pass without
+gradients, with a pre-hook on every module that records its own parameters
+the first time it runs. Parameters packed in that order put what one block
+uses into one chunk, so one gather serves the whole block. Parameters the
+pass never touched follow in module order; without example inputs, module
+order is used throughout. A parameter shared by two modules (tied
+embeddings) is packed once, where it is first used.
+
+[Note: driving a step]
+``attach()`` installs hooks: before a module's forward, the chunks holding
+its parameters are accessed (gathered); after it, they are released again,
+so only the chunks of the running module (and those the placement keeps)
+are full. Before a module's backward they are gathered again; when every
+gradient of a chunk has been accumulated, its gradients are reduce-scattered
+into an fp32 shard and the payload is released. A callback at the end of
+backward finishes chunks some of whose parameters got no gradient. This is
+what ZeRO-3 does; pc-zero builds its optimizer on top.
+
+[Note: placement]
+``StaticPlacement(shard_fraction, optim_fraction)`` keeps the shards of the
+first ``shard_fraction`` of the chunks (in execution order) on the device,
+the rest on the host, and says which chunks' optimizer states go on the
+device. ``AutoPlacement`` decides chunk by chunk as the step runs: before a
+module runs, it makes room in the budget for the chunks it needs plus the
+non-model memory the :class:`~pc_chunk.tracer.MemoryTracer` recorded for
+that module, releasing idle payloads and then moving idle shards to the
+host, those needed furthest in the future first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from pc_chunk.budget import DeviceBudget
+from pc_chunk.chunk import Chunk, ChunkState
+from pc_chunk.search import search_chunk_size
+from pc_comm import Communicator
+
+__all__ = ["AutoPlacement", "ChunkManager", "StaticPlacement", "execution_order"]
+
+
+def execution_order(module: nn.Module, *args: Any, **kwargs: Any) -> list[nn.Parameter]:
+    """The module's parameters in order of first use [Note: execution order]."""
+    seen: dict[nn.Parameter, None] = {}
+    handles: list[RemovableHandle] = []
+
+    def record(mod: nn.Module, _args: Any) -> None:
+        for param in mod.parameters(recurse=False):
+            seen.setdefault(param, None)
+
+    for mod in module.modules():
+        handles.append(mod.register_forward_pre_hook(record))
+    try:
+        if args or kwargs:
+            with torch.no_grad():
+                module(*args, **kwargs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    for param in module.parameters():
+        seen.setdefault(param, None)
+    return list(seen)
+
+
+@dataclass(frozen=True)
+class StaticPlacement:
+    """Fixed fractions of shards and optimizer states on the device."""
+
+    shard_fraction: float = 1.0
+    optim_fraction: float = 1.0
+
+    def __post_init__(self) -> None:
+        for name in ("shard_fraction", "optim_fraction"):
+            value = getattr(self, name)
+            if not 0.0 <= value <= 1.0:
+                raise ValueError(f"{name} must be in [0, 1], got {value}.")
+
+    def shard_on_device(self, index: int, count: int) -> bool:
+        return index < round(self.shard_fraction * count)
+
+    def optim_on_device(self, index: int, count: int) -> bool:
+        return index < round(self.optim_fraction * count)
+
+
+@dataclass(frozen=True)
+class AutoPlacement:
+    """Room made chunk by chunk from the tracer's non-model figures
+    [Note: placement]; ``non_model_bytes`` maps a module's qualified name
+    to the peak non-model memory recorded while it ran."""
+
+    non_model_bytes: dict[str, int] | None = None
+    optim_on_host: bool = True
+
+    def shard_on_device(self, index: int, count: int) -> bool:
+        return True  # start on the device; evicted as room is needed
+
+    def optim_on_device(self, index: int, count: int) -> bool:
+        return not self.optim_on_host
+
+
+Placement = StaticPlacement | AutoPlacement
+
+
+class ChunkManager:
+    """Owns the chunks of ``module`` and answers which chunk holds a
+    parameter. ``chunk_size=None`` searches for the size with the least
+    padding (see :func:`~pc_chunk.search.search_chunk_size`)."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        example_inputs: tuple[Any, ...] = (),
+        chunk_size: int | None = None,
+        comm: Communicator | None = None,
+        device: torch.device | str = "cpu",
+        budget: DeviceBudget | None = None,
+        placement: Placement | None = None,
+        reduce_dtype: torch.dtype = torch.float32,
+        search_range: int = 64 * 1024 * 1024,
+        min_chunk_size: int = 1024,
+    ) -> None:
+        self.module = module
+        self.comm = comm
+        self.device = torch.device(device)
+        self.budget = budget
+        self.placement: Placement = placement if placement is not None else StaticPlacement()
+        world = comm.world_size if comm is not None else 1
+        self.order = [p for p in execution_order(module, *example_inputs) if p.requires_grad]
+        if chunk_size is None:
+            granularity = 64 * world
+            chunk_size = search_chunk_size(
+                self.order, search_range, min_chunk_size, granularity
+            ).chunk_size
+        if chunk_size % world:
+            raise ValueError(
+                f"chunk_size {chunk_size} is not a multiple of the world size {world}."
+            )
+        largest = max(p.numel() for p in self.order)
+        if chunk_size < largest:
+            raise ValueError(
+                f"chunk_size {chunk_size} is smaller than the largest parameter ({largest} "
+                "elements); pass chunk_size=None to search for one."
+            )
+        self.chunk_size = chunk_size
+        self.chunks: list[Chunk] = []
+        self._where: dict[nn.Parameter, Chunk] = {}
+        open_chunks: dict[torch.dtype, Chunk] = {}
+        for param in self.order:
+            chunk = open_chunks.get(param.dtype)
+            if chunk is None or not chunk.can_fit(param):
+                if chunk is not None:
+                    self._finish(chunk)
+                chunk = Chunk(
+                    chunk_size,
+                    param.dtype,
+                    comm=comm,
+                    device=self.device,
+                    budget=budget,
+                    reduce_dtype=reduce_dtype,
+                    name=f"chunk{len(self.chunks)}",
+                )
+                self.chunks.append(chunk)
+                open_chunks[param.dtype] = chunk
+            chunk.append(param)
+            self._where[param] = chunk
+        for chunk in open_chunks.values():
+            self._finish(chunk)
+        self._hooks: list[Any] = []
+        self._arrived: dict[Chunk, int] = {}
+        self._callback_queued = False
+        self._next_use: dict[Chunk, int] = {c: i for i, c in enumerate(self.chunks)}
+        self._module_names = {m: n for n, m in module.named_modules()}
+        self._workspace = 0  # non-model bytes reserved for the running module (auto)
+
+    def _finish(self, chunk: Chunk) -> None:
+        # [Note: shards]: only the shard persists between uses. The number of
+        # chunks is not known yet; static placement needs it, so it counts
+        # from the parameters' total.
+        index = len(self.chunks) - 1
+        total = sum(p.numel() for p in self.order)
+        count = -(-total // self.chunk_size)
+        on_device = self.placement.shard_on_device(index, count)
+        if isinstance(self.placement, AutoPlacement) and self.budget is not None:
+            # Shards go on the device while room stays for a step's working
+            # set: one payload, a gradient buffer and a gradient shard.
+            headroom = chunk.payload_bytes + chunk.reduce_bytes
+            available = self.budget.available_bytes + chunk.payload_bytes - chunk.shard_bytes
+            on_device = available >= headroom
+        chunk.close(shard_on_device=on_device, release=True)
+
+    def chunk_of(self, param: nn.Parameter) -> Chunk:
+        try:
+            return self._where[param]
+        except KeyError:
+            raise KeyError(
+                "this parameter is not managed by the ChunkManager (not in the module, or "
+                "requires_grad=False)."
+            ) from None
+
+    def optim_on_device(self, chunk: Chunk) -> bool:
+        return self.placement.optim_on_device(self.chunks.index(chunk), len(self.chunks))
+
+    # -- making room (auto placement) ----------------------------------------
+
+    def _make_room(self, needed: list[Chunk], module: nn.Module | None, extra: int = 0) -> None:
+        if self.budget is None or not isinstance(self.placement, AutoPlacement):
+            return
+        figures = self.placement.non_model_bytes or {}
+        workspace = figures.get(self._module_names.get(module, ""), 0) if module else 0
+        want = workspace + extra
+        want += sum(c.payload_bytes for c in needed if c.state is ChunkState.FREE)
+        idle = [c for c in self.chunks if c not in needed and c.users == 0]
+        idle.sort(key=lambda c: -self._next_use[c])
+        for chunk in idle:  # first drop idle payloads, then move idle shards out
+            if self.budget.available_bytes >= want:
+                break
+            if chunk.state in (ChunkState.HOLD, ChunkState.HOLD_AFTER_FWD):
+                chunk.release()
+        for chunk in idle:
+            if self.budget.available_bytes >= want:
+                break
+            chunk.move_shard(False)
+        self._release_workspace()
+        if workspace and module is not None:
+            self.budget.reserve(workspace, f"non-model memory of {self._module_names[module]}")
+            self._workspace = workspace
+
+    def _release_workspace(self) -> None:
+        if self.budget is not None and self._workspace:
+            self.budget.free(self._workspace, "non-model memory")
+            self._workspace = 0
+
+    # -- driving a step [Note: driving a step] ----------------------------------
+
+    def _chunks_of(self, module: nn.Module) -> list[Chunk]:
+        found: dict[Chunk, None] = {}
+        for param in module.parameters(recurse=False):
+            if param in self._where:
+                found.setdefault(self._where[param], None)
+        return list(found)
+
+    def attach(self) -> None:
+        """Install the forward/backward hooks that drive the chunks."""
+        if self._hooks:
+            return
+        for module in self.module.modules():
+            if not self._chunks_of(module):
+                continue
+            self._hooks.append(module.register_forward_pre_hook(self._pre_forward))
+            self._hooks.append(module.register_forward_hook(self._post_forward))
+            self._hooks.append(module.register_full_backward_pre_hook(self._pre_backward))
+        for param in self._where:
+            hook = param.register_post_accumulate_grad_hook(self._on_grad)  # type: ignore[no-untyped-call]
+            self._hooks.append(hook)
+
+    def detach(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+
+    def _pre_forward(self, module: nn.Module, _args: Any) -> None:
+        chunks = self._chunks_of(module)
+        self._make_room(chunks, module)
+        for chunk in chunks:
+            chunk.access()
+
+    def _post_forward(self, module: nn.Module, _args: Any, _out: Any) -> None:
+        self._release_workspace()
+        for chunk in self._chunks_of(module):
+            chunk.done("forward")
+            if chunk.users == 0:
+                chunk.release()
+
+    def _pre_backward(self, module: nn.Module, _grad: Any) -> None:
+        if not self._callback_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+            self._callback_queued = True
+        chunks = self._chunks_of(module)
+        self._make_room(chunks, module)
+        for chunk in chunks:
+            chunk.access()
+
+    def _on_grad(self, param: torch.Tensor) -> None:
+        chunk = self._where[param]  # type: ignore[index]
+        self._arrived[chunk] = self._arrived.get(chunk, 0) + 1
+        if self._arrived[chunk] == len(chunk.slots):
+            self._reduce(chunk)
+
+    def _reduce(self, chunk: Chunk) -> None:
+        self._make_room([chunk], None, chunk.reduce_bytes)
+        chunk.gather()  # a no-op unless the chunk was evicted meanwhile
+        chunk.done("backward")
+        chunk.reduce_scatter_grads()
+        chunk.release()
+        self._arrived.pop(chunk, None)
+
+    def _end_backward(self) -> None:
+        self._release_workspace()
+        for chunk in self.chunks:
+            if chunk in self._arrived or chunk.state is not ChunkState.FREE:
+                self._reduce(chunk)
+        self._arrived = {}
+        self._callback_queued = False
+
+    # -- optimizer side -------------------------------------------------------
+
+    def step(self, update: Callable[[Chunk, torch.Tensor], torch.Tensor]) -> None:
+        """For every chunk with a gradient shard: ``update(chunk, grad_shard)``
+        returns the new fp32 master values of this rank's shard, which are
+        written back into the chunk; the gradient shard is then dropped."""
+        for chunk in self.chunks:
+            if chunk.grad_shard is not None:
+                chunk.set_shard(update(chunk, chunk.grad_shard))
+                chunk.clear_grad()

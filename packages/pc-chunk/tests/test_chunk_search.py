@@ -1,0 +1,57 @@
+"""search_chunk_size finds the least padding, checked against brute force."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pc_chunk import packing_waste, search_chunk_size
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    sizes=st.lists(st.integers(1, 300), min_size=1, max_size=40),
+    min_chunk=st.integers(1, 400),
+    search_range=st.integers(0, 600),
+    granularity=st.integers(1, 16),
+)
+def test_matches_brute_force(
+    sizes: list[int], min_chunk: int, search_range: int, granularity: int
+) -> None:
+    candidates = [
+        c
+        for c in range(min_chunk, min_chunk + search_range + 1)
+        if c % granularity == 0 and c >= max(sizes)
+    ]
+    if not candidates:
+        with pytest.raises(ValueError, match="raise search_range"):
+            search_chunk_size(sizes, search_range, min_chunk, granularity)
+        return
+    best = min(candidates, key=lambda c: (packing_waste(sizes, c)[1], c))
+    result = search_chunk_size(sizes, search_range, min_chunk, granularity)
+    assert result.chunk_size == best
+    assert (result.num_chunks, result.waste) == packing_waste(sizes, best)
+    assert result.total == sum(sizes)
+
+
+def test_fast_on_thousands_of_parameters() -> None:
+    import random
+
+    rng = random.Random(0)
+    sizes = [rng.choice([768 * 768, 768 * 3072, 768, 3072, 50257 * 768]) for _ in range(3000)]
+    start = time.perf_counter()
+    result = search_chunk_size(sizes, 64 * 1024 * 1024, 32 * 1024 * 1024, 1024)
+    assert time.perf_counter() - start < 20  # a generous bound; typically well under 1 s
+    assert result.waste == packing_waste(sizes, result.chunk_size)[1]
+
+
+def test_bad_arguments_are_explained() -> None:
+    with pytest.raises(ValueError, match="at least one parameter"):
+        search_chunk_size([], 10, 10)
+    with pytest.raises(ValueError, match="largest parameter"):
+        search_chunk_size([5000], 100, 1000, 10)
