@@ -7,6 +7,7 @@ from pc_chunk.budget import BudgetExceededError, DeviceBudget
 from pc_chunk.chunk import Chunk, ChunkState, ChunkStateError
 from pc_chunk.manager import AutoPlacement, ChunkManager, StaticPlacement, execution_order
 from pc_chunk.search import ChunkSizeResult, packing_waste, search_chunk_size
+from pc_chunk.tracer import MemoryTracer, OpRecord
 
 __version__ = "0.1.0"
 
@@ -19,6 +20,8 @@ __all__ = [
     "ChunkState",
     "ChunkStateError",
     "DeviceBudget",
+    "MemoryTracer",
+    "OpRecord",
     "StaticPlacement",
     "execution_order",
     "packing_waste",
