@@ -19,6 +19,7 @@ from pc_chunk import (
 )
 from pc_comm import TorchCommunicator
 from pc_comm.testing import run_subtests
+from pc_offload import CopyEngine, PinnedPool
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -43,6 +44,7 @@ def check_step_under_budget(placement: str, world: int) -> None:
     # whose chunks (and so the working set of one gathered chunk) are twice as big.
     budget = DeviceBudget(limit_bytes=size // 2 if world == 1 else size * 3 // 4, record=True)
     policy = StaticPlacement(0.125) if placement == "static" else AutoPlacement()
+    engine = CopyEngine(PinnedPool(1 << 20))  # host shards live in pc-offload's pool
     manager = ChunkManager(
         model,
         example_inputs=(_batch(0),),
@@ -50,7 +52,11 @@ def check_step_under_budget(placement: str, world: int) -> None:
         comm=comm,
         budget=budget,
         placement=policy,
+        engine=engine,
     )
+    on_host = [c for c in manager.chunks if not c.shard_on_device]
+    assert on_host, "the budget forces some shards to the host"
+    assert all(engine.pool.owns(c.shard) for c in on_host)  # type: ignore[arg-type]
     manager.attach()
     ref_opt = torch.optim.SGD(reference.parameters(), lr=LR)
     shard = GLOBAL_BATCH // world
@@ -67,6 +73,14 @@ def check_step_under_budget(placement: str, world: int) -> None:
     assert budget.peak_bytes <= budget.limit_bytes
     assert max(used for _, _, used in budget.log) == budget.peak_bytes
     assert budget.peak_bytes > 0
+    # The pool buffers in use are exactly the host shards (gradient shards
+    # went back when the step consumed them): nothing leaked.
+    host_bytes = sum(
+        max(4096, 1 << (c.shard_bytes - 1).bit_length())  # the pool's size classes
+        for c in manager.chunks
+        if not c.shard_on_device
+    )
+    assert engine.pool.stats().in_use_bytes == host_bytes
     manager.detach()
     budget.limit_bytes = 10**9  # to compare, gather everything
     for chunk in manager.chunks:

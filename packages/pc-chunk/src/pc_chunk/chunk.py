@@ -44,6 +44,7 @@ from torch import nn
 
 from pc_chunk.budget import DeviceBudget
 from pc_comm import Communicator, ReduceOp
+from pc_offload import CopyEngine
 
 __all__ = ["Chunk", "ChunkState", "ChunkStateError"]
 
@@ -91,8 +92,10 @@ class Chunk:
         device: torch.device | str = "cpu",
         budget: DeviceBudget | None = None,
         reduce_dtype: torch.dtype = torch.float32,
+        engine: CopyEngine | None = None,
         name: str = "chunk",
     ) -> None:
+        self.engine = engine  # host <-> device moves through pc-offload's pinned pool
         self.world_size = comm.world_size if comm is not None else 1
         self.rank = comm.rank if comm is not None else 0
         if size <= 0 or size % self.world_size:
@@ -183,8 +186,8 @@ class Chunk:
             return
         assert self.payload is not None
         lo = self.rank * self.shard_size
-        target = self.device if shard_on_device else torch.device("cpu")
-        self.shard = self.payload[lo : lo + self.shard_size].to(target, copy=True)
+        mine = self.payload[lo : lo + self.shard_size]
+        self.shard = mine.clone() if shard_on_device else self._move(mine, False)
         self.closed = True
         if release:
             self.release()
@@ -277,13 +280,30 @@ class Chunk:
         )
         if to_device:
             self._reserve(nbytes, "shard")
-        target = self.device if to_device else torch.device("cpu")
-        self.shard = self.shard.to(target)
+        self.shard = self._move(self.shard, to_device)
         if self.grad_shard is not None:
-            self.grad_shard = self.grad_shard.to(target)
+            self.grad_shard = self._move(self.grad_shard, to_device)
         if not to_device:
             self._free(nbytes, "shard")
         self.shard_on_device = to_device
+
+    def _move(self, tensor: torch.Tensor, to_device: bool) -> torch.Tensor:
+        """Through the copy engine's pinned pool when there is one: host
+        copies live in pool buffers, returned once copied back."""
+        if self.engine is None:
+            return tensor.to(self.device if to_device else torch.device("cpu"), copy=True)
+        if to_device:
+            transfer = self.engine.to_device(tensor, self.device)
+            moved = transfer.wait()
+            if self.engine.pool.owns(tensor):
+                self.engine.release_after(transfer, tensor)
+            return moved
+        return self.engine.to_host(tensor).wait()
+
+    def _drop(self, tensor: torch.Tensor | None) -> None:
+        """Give a host buffer back to the pool, if it came from there."""
+        if tensor is not None and self.engine is not None and self.engine.pool.owns(tensor):
+            self.engine.pool.release(tensor)
 
     # -- gradients and updates -------------------------------------------------
 
@@ -313,7 +333,8 @@ class Chunk:
         if self.grad_shard is None and self.shard_on_device:
             self._reserve(grad_shard.numel() * 4, "grad shard")
         if not self.shard_on_device:
-            grad_shard = grad_shard.cpu()
+            grad_shard = self._move(grad_shard, False)
+        self._drop(self.grad_shard)
         self.grad_shard = grad_shard
         self.state = ChunkState.HOLD
         return grad_shard
@@ -322,6 +343,7 @@ class Chunk:
         """Drop the gradient shard (after the optimizer consumed it)."""
         if self.grad_shard is not None and self.shard_on_device:
             self._free(self.grad_shard.numel() * 4, "grad shard")
+        self._drop(self.grad_shard)
         self.grad_shard = None
 
     def set_shard(self, values: torch.Tensor) -> None:

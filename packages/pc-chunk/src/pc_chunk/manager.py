@@ -45,6 +45,7 @@ from pc_chunk.budget import DeviceBudget
 from pc_chunk.chunk import Chunk, ChunkState
 from pc_chunk.search import search_chunk_size
 from pc_comm import Communicator
+from pc_offload import CopyEngine
 
 __all__ = ["AutoPlacement", "ChunkManager", "StaticPlacement", "execution_order"]
 
@@ -114,7 +115,9 @@ Placement = StaticPlacement | AutoPlacement
 class ChunkManager:
     """Owns the chunks of ``module`` and answers which chunk holds a
     parameter. ``chunk_size=None`` searches for the size with the least
-    padding (see :func:`~pc_chunk.search.search_chunk_size`)."""
+    padding (see :func:`~pc_chunk.search.search_chunk_size`). With an
+    ``engine`` (pc-offload's :class:`~pc_offload.CopyEngine`), shards moved
+    to the host live in its pinned pool."""
 
     def __init__(
         self,
@@ -127,6 +130,7 @@ class ChunkManager:
         budget: DeviceBudget | None = None,
         placement: Placement | None = None,
         reduce_dtype: torch.dtype = torch.float32,
+        engine: CopyEngine | None = None,
         search_range: int = 64 * 1024 * 1024,
         min_chunk_size: int = 1024,
     ) -> None:
@@ -168,6 +172,7 @@ class ChunkManager:
                     device=self.device,
                     budget=budget,
                     reduce_dtype=reduce_dtype,
+                    engine=engine,
                     name=f"chunk{len(self.chunks)}",
                 )
                 self.chunks.append(chunk)

@@ -88,6 +88,11 @@ class PinnedPool:
             self._in_use[raw.data_ptr()] = size
         return raw[:nbytes].view(dtype).view(shape)
 
+    def owns(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` is a buffer this pool handed out and not yet got back."""
+        with self._lock:
+            return tensor.data_ptr() in self._in_use
+
     def release(self, tensor: torch.Tensor) -> None:
         with self._lock:
             size = self._in_use.pop(tensor.data_ptr(), None)
