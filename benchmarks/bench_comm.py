@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from _common import alternate, gpt2
 
 from pc_comm import ReduceOp, TorchCommunicator, all_reduce_coalesced
 from pc_comm.testing import spawn
@@ -50,16 +51,11 @@ def _time_pair(
     probe = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
     dist.all_reduce(probe, op=dist.ReduceOp.MAX)
     reps = max(1, int(0.02 / max(float(probe), 1e-6)))
-    samples: tuple[list[float], list[float]] = ([], [])
-    for i in range(iters):
-        for side in (0, 1) if i % 2 == 0 else (1, 0):
-            fn = (ours, peer)[side]
-            dist.barrier()
-            start = time.perf_counter()
-            for _ in range(reps):
-                fn()
-            samples[side].append((time.perf_counter() - start) / reps)
-    medians = torch.tensor([statistics.median(s) for s in samples], dtype=torch.float64)
+    samples = alternate({"ours": ours, "peer": peer}, iters, reps=reps, sync=True)
+    medians = torch.tensor(
+        [statistics.median(samples["ours"]), statistics.median(samples["peer"])],
+        dtype=torch.float64,
+    )
     dist.all_reduce(medians, op=dist.ReduceOp.MAX)
     return float(medians[0]), float(medians[1])
 
@@ -107,21 +103,7 @@ def _collectives(iters: int) -> list[dict[str, object]]:
 
 
 def _gpt2() -> torch.nn.Module:
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(0)
-    config = GPT2Config(
-        vocab_size=256,
-        n_positions=64,
-        n_embd=128,
-        n_layer=4,
-        n_head=4,
-        bos_token_id=0,
-        eos_token_id=0,
-        loss_type="ForCausalLM",
-    )
-    model: torch.nn.Module = GPT2LMHeadModel(config)
-    return model
+    return gpt2(vocab_size=256, positions=64, width=128, layers=4, heads=4)
 
 
 def _training_step(iters: int) -> list[dict[str, object]]:

@@ -15,24 +15,18 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from _common import alternate, gpt2, median_max
 
 from pc_comm import DistributedDataParallel, ReduceOp, ShmCommunicator
 from pc_comm.testing import spawn
 
 RESULTS = Path(__file__).resolve().parent.parent / "bench-results"
 SIZES_MB = (1, 16, 64, 256)
-
-
-def _median_max(samples: list[float]) -> float:
-    value = torch.tensor([statistics.median(samples)], dtype=torch.float64)
-    dist.all_reduce(value, op=dist.ReduceOp.MAX)
-    return float(value)
 
 
 def _bandwidth(out: str) -> None:
@@ -50,16 +44,10 @@ def _bandwidth(out: str) -> None:
             "pc shm symmetric": lambda b=sym: shm.all_reduce(b, ReduceOp.SUM).wait(),  # type: ignore[misc]
             "gloo": lambda b=buf: dist.all_reduce(b),  # type: ignore[misc]
         }
-        samples: dict[str, list[float]] = {name: [] for name in fns}
-        for name in fns:
-            fns[name]()  # warm-up
-        for i in range(iters):
-            for name in fns if i % 2 == 0 else reversed(list(fns)):
-                dist.barrier()
-                start = time.perf_counter()
-                fns[name]()
-                samples[name].append(time.perf_counter() - start)
-        times = {name: _median_max(s) for name, s in samples.items()}
+        for fn in fns.values():
+            fn()  # warm-up
+        samples = alternate(fns, iters, sync=True)
+        times = {name: median_max(s) for name, s in samples.items()}
         factor = 2 * (world - 1) / world * size_mb * 1024 * 1024 / 1e9
         rows.append(
             {
@@ -78,21 +66,7 @@ def _bandwidth(out: str) -> None:
 
 
 def _gpt2() -> torch.nn.Module:
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(0)
-    config = GPT2Config(
-        vocab_size=8192,
-        n_positions=256,
-        n_embd=512,
-        n_layer=6,
-        n_head=8,
-        bos_token_id=0,
-        eos_token_id=0,
-        loss_type="ForCausalLM",
-    )
-    model: torch.nn.Module = GPT2LMHeadModel(config)
-    return model
+    return gpt2(vocab_size=8192, positions=256, width=512, layers=6, heads=8)
 
 
 def _step_fn(model: torch.nn.Module, seed: int) -> Callable[[], None]:
@@ -126,16 +100,10 @@ def _ddp_steps(iters: int, out: str) -> None:
     }
     for fn in steps.values():
         fn()
-    samples: dict[str, list[float]] = {name: [] for name in steps}
-    for i in range(iters):
-        for name in steps if i % 2 == 0 else reversed(list(steps)):
-            dist.barrier()
-            start = time.perf_counter()
-            steps[name]()
-            samples[name].append(time.perf_counter() - start)
+    samples = alternate(steps, iters, sync=True)
     times = {name: statistics.median(s) for name, s in samples.items()}
     times = {
-        name: t if name == "single process" else _median_max(samples[name])
+        name: t if name == "single process" else median_max(samples[name])
         for name, t in times.items()
     }
     ours.reducer.stop()

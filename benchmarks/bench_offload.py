@@ -12,11 +12,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from _common import alternate
 
 from pc_offload import CPUAdamW
 
@@ -55,12 +55,7 @@ def _bench(millions: int, iters: int) -> dict[str, float]:
         optimizer = make(params)
         optimizer.step()  # states allocated outside the timing
         steps[name] = optimizer.step
-    samples: dict[str, list[float]] = {name: [] for name in steps}
-    for i in range(iters):
-        for name in steps if i % 2 == 0 else reversed(list(steps)):
-            start = time.perf_counter()
-            steps[name]()
-            samples[name].append(time.perf_counter() - start)
+    samples = alternate(steps, iters)
     return {name: statistics.median(s) for name, s in samples.items()}
 
 
