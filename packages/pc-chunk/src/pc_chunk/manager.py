@@ -28,7 +28,8 @@ device. ``AutoPlacement`` decides chunk by chunk as the step runs: before a
 module runs, it makes room in the budget for the chunks it needs plus the
 non-model memory the :class:`~pc_chunk.tracer.MemoryTracer` recorded for
 that module, releasing idle payloads and then moving idle shards to the
-host, those needed furthest in the future first.
+host, latest in execution order first (a simple stand-in for "needed
+furthest ahead"; it does not yet look at where in the step we are).
 """
 
 from __future__ import annotations
@@ -158,6 +159,10 @@ class ChunkManager:
             )
         self.chunk_size = chunk_size
         self.chunks: list[Chunk] = []
+        self._index: dict[Chunk, int] = {}  # position in execution order
+        # Static placement needs the chunk count before packing ends; the
+        # parameters' total estimates it.
+        self._expected_chunks = -(-sum(p.numel() for p in self.order) // chunk_size)
         self._where: dict[nn.Parameter, Chunk] = {}
         open_chunks: dict[torch.dtype, Chunk] = {}
         for param in self.order:
@@ -175,6 +180,7 @@ class ChunkManager:
                     engine=engine,
                     name=f"chunk{len(self.chunks)}",
                 )
+                self._index[chunk] = len(self.chunks)
                 self.chunks.append(chunk)
                 open_chunks[param.dtype] = chunk
             chunk.append(param)
@@ -184,18 +190,12 @@ class ChunkManager:
         self._hooks: list[Any] = []
         self._arrived: dict[Chunk, int] = {}
         self._callback_queued = False
-        self._next_use: dict[Chunk, int] = {c: i for i, c in enumerate(self.chunks)}
         self._module_names = {m: n for n, m in module.named_modules()}
         self._workspace = 0  # non-model bytes reserved for the running module (auto)
 
     def _finish(self, chunk: Chunk) -> None:
-        # [Note: shards]: only the shard persists between uses. The number of
-        # chunks is not known yet; static placement needs it, so it counts
-        # from the parameters' total.
-        index = len(self.chunks) - 1
-        total = sum(p.numel() for p in self.order)
-        count = -(-total // self.chunk_size)
-        on_device = self.placement.shard_on_device(index, count)
+        # [Note: shards]: only the shard persists between uses.
+        on_device = self.placement.shard_on_device(self._index[chunk], self._expected_chunks)
         if isinstance(self.placement, AutoPlacement) and self.budget is not None:
             # Shards go on the device while room stays for a step's working
             # set: one payload, a gradient buffer and a gradient shard.
@@ -214,7 +214,7 @@ class ChunkManager:
             ) from None
 
     def optim_on_device(self, chunk: Chunk) -> bool:
-        return self.placement.optim_on_device(self.chunks.index(chunk), len(self.chunks))
+        return self.placement.optim_on_device(self._index[chunk], len(self.chunks))
 
     # -- making room (auto placement) ----------------------------------------
 
@@ -226,7 +226,7 @@ class ChunkManager:
         want = workspace + extra
         want += sum(c.payload_bytes for c in needed if c.state is ChunkState.FREE)
         idle = [c for c in self.chunks if c not in needed and c.users == 0]
-        idle.sort(key=lambda c: -self._next_use[c])
+        idle.sort(key=lambda c: -self._index[c])  # latest in execution order first
         for chunk in idle:  # first drop idle payloads, then move idle shards out
             if self.budget.available_bytes >= want:
                 break

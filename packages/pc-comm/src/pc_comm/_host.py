@@ -59,6 +59,7 @@ class HostExecutor:
 
     def __init__(self, thread_name: str) -> None:
         self._stream: torch.cuda.Stream | None = None
+        self._staging: torch.Tensor | None = None  # pinned, reused by every CUDA operation
         self._queue: queue.SimpleQueue[tuple[Callable[[], None], Future[None]] | None]
         self._queue = queue.SimpleQueue()
         self._worker = threading.Thread(target=self._serve, name=thread_name, daemon=True)
@@ -100,6 +101,33 @@ class HostExecutor:
 
     # -- device staging ------------------------------------------------------
 
+    def _staging_views(
+        self, tensors_in: Sequence[torch.Tensor], tensors_out: Sequence[torch.Tensor]
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Host views for the tensors of one operation, carved from one pinned
+        buffer that grows but is never reallocated per call (pinning is slow).
+        A tensor that is both input and output gets one view. Reuse is safe:
+        operations run one at a time on the worker thread, and each waits
+        for its side stream before touching the host copies, so the previous
+        operation's copies out of the buffer have finished."""
+        views: dict[tuple[int, int, torch.dtype], tuple[int, int]] = {}
+        offset = 0
+        for t in [*tensors_in, *tensors_out]:
+            key = (t.data_ptr(), t.numel(), t.dtype)
+            if key not in views:
+                offset = -(-offset // 64) * 64
+                views[key] = (offset, t.numel() * t.element_size())
+                offset += t.numel() * t.element_size()
+        if self._staging is None or self._staging.numel() < offset:
+            self._staging = torch.empty(max(offset, 1), dtype=torch.uint8, pin_memory=True)
+        staging = self._staging
+
+        def view(t: torch.Tensor) -> torch.Tensor:
+            start, nbytes = views[(t.data_ptr(), t.numel(), t.dtype)]
+            return staging[start : start + nbytes].view(t.dtype)
+
+        return [view(t) for t in tensors_in], [view(t) for t in tensors_out]
+
     def _run_staged(
         self,
         tensors_in: Sequence[torch.Tensor],
@@ -133,8 +161,7 @@ class HostExecutor:
         stream = self._stream
         ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
         ready.record(torch.cuda.current_stream(device))
-        host_in = [torch.empty(t.numel(), dtype=t.dtype, pin_memory=True) for t in tensors_in]
-        host_out = [torch.empty(t.numel(), dtype=t.dtype, pin_memory=True) for t in tensors_out]
+        host_in, host_out = self._staging_views(tensors_in, tensors_out)
         done = torch.cuda.Event()  # type: ignore[no-untyped-call]
 
         def work() -> None:

@@ -33,6 +33,7 @@ __all__ = [
     "check_reduce_op",
     "check_reduce_scatter",
     "check_reduce_scatter_list",
+    "divide_for_average",
 ]
 
 
@@ -45,6 +46,15 @@ class ReduceOp(Enum):
     MAX = "max"
     MIN = "min"
     PRODUCT = "product"
+
+
+def divide_for_average(total: torch.Tensor, world_size: int) -> None:
+    """Turn a sum over ``world_size`` ranks into ``ReduceOp.AVG``, in place:
+    true division on floating tensors, rounding toward zero on integers."""
+    if total.dtype.is_floating_point or total.dtype.is_complex:
+        total.div_(world_size)
+    else:
+        total.copy_(torch.div(total, world_size, rounding_mode="trunc"))
 
 
 @runtime_checkable

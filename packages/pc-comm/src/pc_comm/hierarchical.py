@@ -35,6 +35,7 @@ from pc_comm.communicator import (
     Handle,
     P2POp,
     ReduceOp,
+    divide_for_average,
 )
 from pc_comm.shm import ShmCommunicator
 from pc_comm.torch_communicator import TorchCommunicator
@@ -136,12 +137,8 @@ class HierarchicalCommunicator(HostExecutor):
         return ReduceOp.SUM if op is ReduceOp.AVG else op
 
     def _finish_avg(self, tensor: torch.Tensor, op: ReduceOp) -> None:
-        if op is not ReduceOp.AVG:
-            return
-        if tensor.dtype.is_floating_point:
-            tensor.div_(self._world_size)
-        else:
-            tensor.copy_(torch.div(tensor, self._world_size, rounding_mode="trunc"))
+        if op is ReduceOp.AVG:
+            divide_for_average(tensor, self._world_size)
 
     def _host_all_reduce(self, flat: torch.Tensor, op: ReduceOp) -> None:
         level = self._level_op(op)

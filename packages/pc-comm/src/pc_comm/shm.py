@@ -71,6 +71,7 @@ from pc_comm.communicator import (
     Handle,
     P2POp,
     ReduceOp,
+    divide_for_average,
 )
 
 __all__ = ["ShmCommunicator", "ShmPeerError"]
@@ -158,10 +159,7 @@ def _reduce_into(
             for other in others:
                 acc.add_(other)
         if op is ReduceOp.AVG:
-            if acc.dtype.is_floating_point:
-                acc.div_(world)
-            else:
-                acc.copy_(torch.div(acc, world, rounding_mode="trunc"))
+            divide_for_average(acc, world)
     elif op is ReduceOp.MAX:
         for other in others:
             torch.maximum(acc, other, out=acc)

@@ -26,6 +26,7 @@ from pc_comm.communicator import (
     check_reduce_op,
     check_reduce_scatter,
     check_reduce_scatter_list,
+    divide_for_average,
 )
 
 __all__ = ["TorchCommunicator"]
@@ -118,10 +119,7 @@ class TorchCommunicator:
         world_size = self._world_size
 
         def divide() -> None:
-            if result.dtype.is_floating_point or result.dtype.is_complex:
-                result.div_(world_size)
-            else:
-                result.copy_(torch.div(result, world_size, rounding_mode="trunc"))
+            divide_for_average(result, world_size)
 
         return dist.ReduceOp.SUM, [divide]
 

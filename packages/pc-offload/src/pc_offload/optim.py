@@ -116,6 +116,7 @@ class _MasterAdam(Optimizer):
         amsgrad = bool(group["amsgrad"])
         by_device: dict[torch.device, list[list[torch.Tensor]]] = {}
         refresh: list[tuple[torch.Tensor, torch.Tensor]] = []
+        crosses = False  # a device parameter stepped through a host master
         for param in group["params"]:
             if param.grad is None:
                 continue
@@ -131,12 +132,17 @@ class _MasterAdam(Optimizer):
             lists[1].append(grad)
             lists[2].append(state["exp_avg"])
             lists[3].append(state["exp_avg_sq"])
-            lists[4].append(state["max_exp_avg_sq"] if amsgrad else state["exp_avg"])
+            if amsgrad:
+                lists[4].append(state["max_exp_avg_sq"])
             lists[5].append(state["step"])
             if master is not param:
                 refresh.append((param, master))
-        if any(device.type == "cuda" for device in by_device) and refresh:
-            torch.cuda.synchronize()  # device-to-host gradient copies have landed
+                crosses = crosses or (param.is_cuda and not master.is_cuda)
+        if crosses:
+            # The host kernel must not start before this step's asynchronous
+            # device-to-host gradient copies have landed, nor overwrite a
+            # master that last step's host-to-device refresh still reads.
+            torch.cuda.synchronize()
         kernel = torch._fused_adamw_ if self._decoupled else torch._fused_adam_
         beta1, beta2 = group["betas"]
         for masters, grads, exp_avgs, exp_avg_sqs, max_sqs, steps in by_device.values():
@@ -146,7 +152,7 @@ class _MasterAdam(Optimizer):
                 grads,
                 exp_avgs,
                 exp_avg_sqs,
-                max_sqs if amsgrad else [],
+                max_sqs,
                 steps,
                 amsgrad=amsgrad,
                 lr=float(group["lr"]),

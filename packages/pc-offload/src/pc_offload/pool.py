@@ -140,8 +140,10 @@ class PinnedPool:
 
 
 class Transfer:
-    """A copy in flight. ``wait()`` orders the caller's current stream after
-    it (CUDA) and returns the destination tensor."""
+    """A copy in flight. ``wait()`` returns the destination tensor ready for
+    its user: a device destination orders the caller's current stream on
+    that device after the copy; a host destination blocks the host until
+    the copy has landed (host code reads it directly)."""
 
     def __init__(self, result: torch.Tensor, event: torch.cuda.Event | None) -> None:
         self.result = result
@@ -149,7 +151,10 @@ class Transfer:
 
     def wait(self) -> torch.Tensor:
         if self._event is not None:
-            torch.cuda.current_stream().wait_event(self._event)
+            if self.result.is_cuda:
+                torch.cuda.current_stream(self.result.device).wait_event(self._event)
+            else:
+                self._event.synchronize()
         return self.result
 
     def is_completed(self) -> bool:
