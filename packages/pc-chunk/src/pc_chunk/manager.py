@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten
 from torch.utils.hooks import RemovableHandle
 
 from pc_chunk.budget import DeviceBudget
@@ -190,6 +191,7 @@ class ChunkManager:
         self._hooks: list[Any] = []
         self._arrived: dict[Chunk, int] = {}
         self._callback_queued = False
+        self._in_backward: set[nn.Module] = set()
         self._module_names = {m: n for n, m in module.named_modules()}
         self._workspace = 0  # non-model bytes reserved for the running module (auto)
 
@@ -264,7 +266,6 @@ class ChunkManager:
                 continue
             self._hooks.append(module.register_forward_pre_hook(self._pre_forward))
             self._hooks.append(module.register_forward_hook(self._post_forward))
-            self._hooks.append(module.register_full_backward_pre_hook(self._pre_backward))
         for param in self._where:
             hook = param.register_post_accumulate_grad_hook(self._on_grad)  # type: ignore[no-untyped-call]
             self._hooks.append(hook)
@@ -280,14 +281,23 @@ class ChunkManager:
         for chunk in chunks:
             chunk.access()
 
-    def _post_forward(self, module: nn.Module, _args: Any, _out: Any) -> None:
+    def _post_forward(self, module: nn.Module, _args: Any, out: Any) -> None:
+        # The module's backward begins when the gradient of one of its
+        # outputs is ready: a hook on those tensors (a full backward pre-hook
+        # would warn, and misfire, when no input requires grad).
+        for tensor in tree_flatten(out)[0]:
+            if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+                tensor.register_hook(lambda _g, m=module: self._pre_backward(m))  # type: ignore[no-untyped-call]
         self._release_workspace()
         for chunk in self._chunks_of(module):
             chunk.done("forward")
             if chunk.users == 0:
                 chunk.release()
 
-    def _pre_backward(self, module: nn.Module, _grad: Any) -> None:
+    def _pre_backward(self, module: nn.Module) -> None:
+        if module in self._in_backward:
+            return
+        self._in_backward.add(module)
         if not self._callback_queued:
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
             self._callback_queued = True
@@ -317,6 +327,7 @@ class ChunkManager:
                 self._reduce(chunk)
         self._arrived = {}
         self._callback_queued = False
+        self._in_backward.clear()
 
     # -- optimizer side -------------------------------------------------------
 
