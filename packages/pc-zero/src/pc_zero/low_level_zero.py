@@ -1,0 +1,502 @@
+"""ZeRO stage 1 and 2: the optimizer states (and with stage 2 the gradients)
+sharded across the data-parallel ranks.
+
+[Note: a step]
+Parameters live in flat per-group buffers cut into buckets, each bucket
+split evenly into one piece per rank [Note: layout]. The wrapped optimizer
+steps one fp32 *master* tensor per piece: the piece itself in fp32 training
+(a view, no copy), an fp32 copy otherwise.
+
+- Backward. Stage 1: gradients are views into a flat gradient buffer, so
+  autograd accumulates into it; outside ``no_sync`` each bucket is
+  reduce-scattered (averaged) into this rank's gradient piece the moment its
+  last gradient arrives, overlapping the rest of backward. Stage 2: each
+  gradient is copied into its bucket's staging buffer and freed; a full
+  bucket is reduce-scattered and *added* into the rank's persistent gradient
+  shard, so only 1/N of the gradients is ever kept.
+- Buckets are launched strictly in one order on every rank (expected
+  arrival order), so the collectives match even when ranks use different
+  parameters; the end of backward launches whatever is left.
+- ``step()``: waits for the reductions, converts the rank's gradient pieces
+  to fp32 and unscales them, all-reduces one pair (non-finite flag, squared
+  norm) for the overflow check and clipping, steps the masters, writes them
+  back into the working pieces and all-gathers every bucket.
+
+[Note: gradient accumulation]
+Stage 1: call backward under ``no_sync()`` for all but the last micro-batch;
+nothing is communicated until the last. Without ``no_sync`` each backward
+reduces the whole accumulated buffer again: correct (the gradient piece is
+overwritten by the latest reduction) but wasteful. Stage 2 keeps no full
+gradients, so every backward reduces its micro-batch and adds it into the
+shard; ``no_sync()`` raises. Either way the result equals single-process
+accumulation. After ``step()`` stage 1's parameter ``.grad`` are still views
+of the flat buffer; stage 2's are ``None``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.optim import Optimizer
+
+from pc_comm import Communicator, Handle, ReduceOp, default_communicator
+from pc_offload import CPUAdam, CPUAdamW
+from pc_zero.layout import Bucket, Slot, plan_buckets
+from pc_zero.loss_scale import DynamicLossScaler, LossScaleConfig
+from pc_zero.memory import ModelStateMemory
+
+__all__ = ["LowLevelZeroOptimizer"]
+
+_HOST = torch.device("cpu")
+
+
+class LowLevelZeroOptimizer(Optimizer):
+    """Wraps ``optimizer`` (built over the model's parameters) with ZeRO
+    stage 1 or 2 [Note: a step].
+
+    ``stage``: 1 shards optimizer states, 2 also gradients
+    (``partition_grad=True`` is Colossal-AI's spelling of stage 2).
+    ``comm`` / ``dp_process_group``: the data-parallel ranks (default: every
+    rank, through shared memory on one host). ``reduce_bucket_size``:
+    elements per bucket. ``clip_grad_norm``: max global norm, 0 for none.
+    ``loss_scale``: the dynamic scale for fp16 parameters (on by default for
+    fp16, unused otherwise). ``cpu_offload``: masters, optimizer states and
+    the step on the host (Adam/AdamW step through pc-offload's fused CPU
+    optimizers).
+    """
+
+    def __init__(
+        self,
+        optimizer: Optimizer,
+        stage: int = 1,
+        *,
+        comm: Communicator | None = None,
+        dp_process_group: dist.ProcessGroup | None = None,
+        reduce_bucket_size: int = 1024 * 1024,
+        overlap_communication: bool = True,
+        clip_grad_norm: float = 0.0,
+        loss_scale: LossScaleConfig | None = None,
+        cpu_offload: bool = False,
+        partition_grad: bool | None = None,
+    ) -> None:
+        if partition_grad is not None:
+            stage = 2 if partition_grad else 1
+        if stage not in (1, 2):
+            raise ValueError(
+                f"LowLevelZeroOptimizer: stage must be 1 or 2, got {stage}. "
+                "Stage 3 is pc_zero.FullyShardedDataParallel."
+            )
+        if not isinstance(optimizer, Optimizer):
+            raise TypeError(
+                f"LowLevelZeroOptimizer wraps a torch.optim.Optimizer, got {type(optimizer)}."
+            )
+        if clip_grad_norm < 0:
+            raise ValueError(f"clip_grad_norm must be >= 0 (0 disables), got {clip_grad_norm}.")
+        self.stage = stage
+        self.comm = comm if comm is not None else default_communicator(dp_process_group)
+        self.rank, self.world_size = self.comm.rank, self.comm.world_size
+        self.clip_grad_norm = float(clip_grad_norm)
+        self.overlap_communication = overlap_communication
+        self.cpu_offload = cpu_offload
+
+        # The original parameters in the optimizer's order (state-dict indices).
+        self._params: list[torch.Tensor] = [p for g in optimizer.param_groups for p in g["params"]]
+        trainable = [p for p in self._params if p.requires_grad]
+        if not trainable:
+            raise ValueError(
+                "LowLevelZeroOptimizer: the optimizer has no parameter requiring grad."
+            )
+        dtypes = {p.dtype for p in trainable}
+        devices = {p.device for p in trainable}
+        if len(dtypes) != 1 or len(devices) != 1:
+            raise ValueError(
+                "LowLevelZeroOptimizer: every trainable parameter must share one dtype and "
+                f"device, got dtypes {sorted(map(str, dtypes))} on {sorted(map(str, devices))}. "
+                "Convert the model (model.to(dtype)) before building the optimizer."
+            )
+        self.dtype = dtypes.pop()
+        self.device = devices.pop()
+        self.scaler = DynamicLossScaler(loss_scale) if self.dtype == torch.float16 else None
+        self._master_device = _HOST if cpu_offload else self.device
+        # fp32 masters are the working pieces themselves unless offloaded.
+        self._alias_master = self.dtype == torch.float32 and not cpu_offload
+
+        self._build_layout(optimizer, reduce_bucket_size)
+        self.inner = self._make_inner(optimizer)
+        # Optimizer machinery (hooks, LR schedulers) works on this object;
+        # param_groups and state are the inner optimizer's own.
+        super().__init__([{"params": [torch.zeros(1)]}], dict(self.inner.defaults))
+        self.param_groups = self.inner.param_groups
+        self.state = self.inner.state
+        self.defaults = self.inner.defaults
+
+        # Backward bookkeeping.
+        self._no_sync = False
+        self._arrived: dict[int, int] = {}  # bucket id -> gradients arrived this backward
+        self._ready: set[int] = set()  # buckets complete, waiting their turn
+        self._next = 0  # next bucket (in order) to launch this backward
+        self._pending: list[tuple[Handle, Callable[[], None]]] = []
+        # Stage 1: the gradient buffer holds gradients no reduction has seen
+        # (set by no_sync, cleared by a synchronised backward). The same on
+        # every rank, since every rank makes the same calls.
+        self._need_reduce = True
+        self._has_grad: set[int] = set()  # stage 2: shard piece holds a gradient
+        self._staging: dict[int, torch.Tensor] = {}  # stage 2 staging buffers
+        self._callback_queued = False
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(self._on_grad)  # type: ignore[no-untyped-call]
+            for p in self._where
+        ]
+
+    # -- construction -------------------------------------------------------------
+
+    def _build_layout(self, optimizer: Optimizer, bucket_numel: int) -> None:
+        index = {id(p): i for i, p in enumerate(self._params)}
+        # Each user group's parameters (frozen ones too), as state-dict indices.
+        self._group_indices = [[index[id(p)] for p in g["params"]] for g in optimizer.param_groups]
+        arrival = {id(p): k for k, p in enumerate(reversed(self._params))}
+        groups = [
+            [(index[id(p)], p.shape) for p in reversed(g["params"]) if p.requires_grad]
+            for g in optimizer.param_groups
+        ]
+        planned = plan_buckets(groups, bucket_numel, self.world_size)
+        buckets = [
+            replace(b, order=max(arrival[id(self._params[s.index])] for s in b.slots))
+            for group in planned
+            for b in group
+        ]
+        # Launch order: by the arrival of each bucket's last gradient.
+        self.buckets: list[Bucket] = sorted(buckets, key=lambda b: (b.order, b.group, b.start))
+        self._where: dict[torch.Tensor, tuple[int, Slot]] = {}
+        sizes = [sum(b.numel for b in group) for group in planned]
+        self._flat_params = [torch.zeros(n, dtype=self.dtype, device=self.device) for n in sizes]
+        self._flat_grads = (
+            [torch.zeros(n, dtype=self.dtype, device=self.device) for n in sizes]
+            if self.stage == 1
+            else []
+        )
+        # Where each bucket's piece sits in its group's gradient shard.
+        self._piece_offset: dict[int, int] = {}
+        shard_sizes = [0] * len(planned)
+        for b in sorted(self.buckets, key=lambda b: (b.group, b.start)):
+            self._piece_offset[id(b)] = shard_sizes[b.group]
+            shard_sizes[b.group] += b.piece
+        self._bucket_id = {id(b): k for k, b in enumerate(self.buckets)}
+        with torch.no_grad():
+            for k, b in enumerate(self.buckets):
+                flat = self._flat_params[b.group]
+                for slot in b.slots:
+                    param = self._params[slot.index]
+                    view = flat[b.start + slot.offset : b.start + slot.offset + slot.numel]
+                    view.copy_(param.detach().reshape(-1))
+                    param.data = view.view(slot.shape)
+                    self._where[param] = (k, slot)
+                    if self.stage == 1:
+                        param.grad = self._grad_view(b, slot)
+        # Stage 2's persistent gradient shard (stage 1's is made per step).
+        self._grad_shards: list[torch.Tensor | None] = [
+            torch.zeros(n, dtype=self.dtype, device=self.device) if self.stage == 2 else None
+            for n in shard_sizes
+        ]
+        self._shard_sizes = shard_sizes
+
+    def _make_inner(self, optimizer: Optimizer) -> Optimizer:
+        """The user's optimizer, now over this rank's master pieces."""
+        self._masters: list[torch.Tensor] = []
+        for b in self.buckets:
+            piece = self._working_piece(b)
+            if self._alias_master:
+                master = piece
+            else:
+                pin = self._master_device.type == "cpu" and self.device.type == "cuda"
+                master = torch.empty(
+                    b.piece, dtype=torch.float32, device=self._master_device, pin_memory=pin
+                )
+                master.copy_(piece)
+            self._masters.append(master)
+        per_group: list[list[torch.Tensor]] = [[] for _ in optimizer.param_groups]
+        for b, master in zip(self.buckets, self._masters, strict=True):
+            per_group[b.group].append(master)
+        if self.cpu_offload and type(optimizer) in (torch.optim.Adam, torch.optim.AdamW):
+            fused = CPUAdamW if isinstance(optimizer, torch.optim.AdamW) else CPUAdam
+            keys = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize")
+            groups = [
+                {"params": ps, **{k: g[k] for k in keys if k in g}}
+                for g, ps in zip(optimizer.param_groups, per_group, strict=True)
+            ]
+            return fused(groups)
+        optimizer.state.clear()
+        for g, ps in zip(optimizer.param_groups, per_group, strict=True):
+            g["params"] = ps
+        return optimizer
+
+    # -- views ----------------------------------------------------------------------
+
+    def _grad_view(self, b: Bucket, slot: Slot) -> torch.Tensor:
+        flat = self._flat_grads[b.group]
+        start = b.start + slot.offset
+        return flat[start : start + slot.numel].view(slot.shape)
+
+    def _working_piece(self, b: Bucket) -> torch.Tensor:
+        lo, hi = b.piece_range(self.rank)
+        return self._flat_params[b.group][b.start + lo : b.start + hi]
+
+    def _grad_piece(self, b: Bucket) -> torch.Tensor:
+        shard = self._grad_shards[b.group]
+        if shard is None:  # stage 1: made for this reduction, dropped after the step
+            shard = torch.zeros(self._shard_sizes[b.group], dtype=self.dtype, device=self.device)
+            self._grad_shards[b.group] = shard
+        offset = self._piece_offset[id(b)]
+        return shard[offset : offset + b.piece]
+
+    # -- backward -----------------------------------------------------------------------
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
+        """``loss.backward()``, scaled first when a loss scale is in use."""
+        if self.scaler is not None:
+            loss = loss * self.scaler.scale
+        loss.backward(retain_graph=retain_graph)  # type: ignore[no-untyped-call]
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally, without communication (stage 1)
+        [Note: gradient accumulation]."""
+        if self.stage == 2:
+            raise RuntimeError(
+                "no_sync() is not available with ZeRO stage 2: gradients are sharded as "
+                "they arrive, so every backward communicates. Accumulate by calling "
+                "backward on each micro-batch (the shard sums them), or use stage 1."
+            )
+        previous, self._no_sync = self._no_sync, True
+        self._need_reduce = True
+        try:
+            yield
+        finally:
+            self._no_sync = previous
+
+    @torch.no_grad()
+    def _on_grad(self, param: torch.Tensor) -> None:
+        k, slot = self._where[param]
+        b = self.buckets[k]
+        grad = param.grad
+        assert grad is not None
+        if self.stage == 1:
+            view = self._grad_view(b, slot)
+            if grad.data_ptr() != view.data_ptr():  # .grad was reset to None meanwhile
+                view.copy_(grad)
+                param.grad = view
+            if self._no_sync:
+                return
+        else:
+            staging = self._staging.get(k)
+            if staging is None:
+                staging = torch.zeros(b.numel, dtype=self.dtype, device=self.device)
+                self._staging[k] = staging
+            staging[slot.offset : slot.offset + slot.numel].copy_(grad.reshape(-1))
+            param.grad = None
+        if not self._callback_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+            self._callback_queued = True
+        self._arrived[k] = self._arrived.get(k, 0) + 1
+        if self._arrived[k] == len(b.slots):
+            self._ready.add(k)
+            if self.overlap_communication:
+                while self._next in self._ready:
+                    self._launch(self._next)
+                    self._next += 1
+
+    def _end_backward(self) -> None:
+        while self._next < len(self.buckets):
+            self._launch(self._next)
+            self._next += 1
+        self._arrived, self._ready, self._next = {}, set(), 0
+        self._callback_queued = False
+        self._need_reduce = False
+
+    def _launch(self, k: int) -> None:
+        """Start bucket ``k``'s averaged reduce-scatter into this rank's piece."""
+        b = self.buckets[k]
+        target = self._grad_piece(b)
+        if self.stage == 1:
+            source = self._flat_grads[b.group][b.start : b.start + b.numel]
+            handle = self.comm.reduce_scatter(target, source, ReduceOp.AVG, async_op=True)
+            self._pending.append((handle, lambda: None))
+            return
+        if k in self._staging:
+            source = self._staging.pop(k)
+        else:  # no gradient arrived here; peers may have some
+            source = torch.zeros(b.numel, dtype=self.dtype, device=self.device)
+        if k not in self._has_grad:
+            self._has_grad.add(k)
+            handle = self.comm.reduce_scatter(target, source, ReduceOp.AVG, async_op=True)
+
+            def keep_alive(s: torch.Tensor = source) -> None:
+                del s
+
+            self._pending.append((handle, keep_alive))
+            return
+        received = torch.empty_like(target)
+        handle = self.comm.reduce_scatter(received, source, ReduceOp.AVG, async_op=True)
+
+        def accumulate(t: torch.Tensor = target, r: torch.Tensor = received) -> None:
+            t.add_(r)
+
+        self._pending.append((handle, accumulate))
+
+    def _wait(self) -> None:
+        for handle, finish in self._pending:
+            handle.wait()
+            finish()
+        self._pending = []
+
+    # -- step -----------------------------------------------------------------------
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the gradients. Stage 1 keeps ``.grad`` as (zeroed) views of
+        its flat buffer whatever ``set_to_none`` says."""
+        self._wait()
+        for flat in self._flat_grads:
+            flat.zero_()
+        if self.stage == 2:
+            for shard in self._grad_shards:
+                assert shard is not None
+                shard.zero_()
+            self._has_grad.clear()
+            self._staging.clear()
+            for param in self._where:
+                param.grad = None
+        else:
+            self._need_reduce = True
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """One optimizer step [Note: a step]. Returns the closure's loss."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self.stage == 1 and self._need_reduce:  # e.g. every backward ran under no_sync
+            for k in range(len(self.buckets)):
+                self._launch(k)
+            self._need_reduce = False
+        self._wait()
+        grads = [self._fp32_grad(b) for b in self.buckets]
+        if not self._checks_pass(grads):
+            self._end_step()
+            return loss
+        for master, grad in zip(self._masters, grads, strict=True):
+            master.grad = grad
+        self.inner.step()
+        for master in self._masters:
+            master.grad = None
+        self._gather_params()
+        if self.scaler is not None:
+            self.scaler.update(False)
+        self._end_step()
+        return loss
+
+    def _fp32_grad(self, b: Bucket) -> torch.Tensor:
+        piece = self._grad_piece(b)
+        grad = piece.to(self._master_device, torch.float32)
+        if grad.data_ptr() == piece.data_ptr():
+            grad = grad.clone() if self.stage == 2 else grad
+        if self.scaler is not None:
+            grad.mul_(1.0 / self.scaler.scale)
+        return grad
+
+    def _checks_pass(self, grads: list[torch.Tensor]) -> bool:
+        """Overflow (any rank) and global-norm clipping, in one all-reduce."""
+        if self.scaler is None and self.clip_grad_norm == 0:
+            return True
+        stats = torch.zeros(2, dtype=torch.float64, device=self.device)
+        for grad in grads:
+            stats[0] += (~torch.isfinite(grad)).any().to(self.device, torch.float64)
+            stats[1] += grad.double().square().sum().to(self.device)
+        self.comm.all_reduce(stats, ReduceOp.SUM)
+        if self.scaler is not None and stats[0].item() > 0:
+            self.scaler.update(True)
+            return False
+        if self.clip_grad_norm > 0:
+            norm = float(stats[1].sqrt())
+            coef = self.clip_grad_norm / (norm + 1e-6)
+            if coef < 1.0:
+                for grad in grads:
+                    grad.mul_(coef)
+        return True
+
+    def _gather_params(self) -> None:
+        handles = []
+        for b, master in zip(self.buckets, self._masters, strict=True):
+            mine = master.to(self.device, self.dtype, copy=True)
+            full = self._flat_params[b.group][b.start : b.start + b.numel]
+            handles.append(self.comm.all_gather(full, mine, async_op=True))
+        for handle in handles:
+            handle.wait()
+
+    def _end_step(self) -> None:
+        if self.stage == 1:
+            self._grad_shards = [None] * len(self._grad_shards)
+
+    # -- accounting ------------------------------------------------------------------
+
+    def memory(self) -> ModelStateMemory:
+        """Bytes of model states this rank holds now [Note: ZeRO memory]."""
+        seen: set[int] = set()
+
+        def size(tensors: list[torch.Tensor]) -> tuple[int, int]:
+            total = host = 0
+            for t in tensors:
+                storage = t.untyped_storage()
+                if storage.data_ptr() in seen or storage.nbytes() == 0:
+                    continue
+                seen.add(storage.data_ptr())
+                total += storage.nbytes()
+                host += storage.nbytes() if t.device.type == "cpu" else 0
+            return total, host
+
+        params, h1 = size(self._flat_params)
+        grads, h2 = size(self._flat_grads + [s for s in self._grad_shards if s is not None])
+        master, h3 = size([] if self._alias_master else self._masters)
+        states = [
+            v for s in self.inner.state.values() for v in s.values() if isinstance(v, torch.Tensor)
+        ]
+        optimizer_states, h4 = size(states)
+        return ModelStateMemory(params, grads, master, optimizer_states, h1 + h2 + h3 + h4)
+
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.scale if self.scaler is not None else 1.0
+
+    def remove_hooks(self) -> None:
+        """Detach from the model's parameters (the optimizer is unusable after)."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+
+    # -- checkpoints (pc_zero.state) ---------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """The full optimizer state in torch's per-parameter format (a
+        collective: every rank calls it and gets the whole dict)."""
+        from pc_zero.state import full_state_dict
+
+        return full_state_dict(self)
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """This rank's part of the state, per parameter; merge every rank's
+        with :func:`pc_zero.merge_sharded_state_dicts`."""
+        from pc_zero.state import sharded_state_dict
+
+        return sharded_state_dict(self)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a full state dict (from ``state_dict()``, from merged shards
+        saved at any world size, or from a torch Adam/AdamW)."""
+        from pc_zero.state import load_full_state_dict
+
+        load_full_state_dict(self, state_dict)
