@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -56,7 +57,8 @@ def _batch(step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return (model(x) - y).square().mean()
+    out: torch.Tensor = (model(x) - y).square().mean()
+    return out
 
 
 def _optimizer(name: str, groups: list[dict[str, object]]) -> torch.optim.Optimizer:
@@ -109,7 +111,7 @@ def check_parity(
     assert owned <= math.ceil(numel / world) + len(opt.buckets), (owned, numel)
 
 
-CASES = {
+CASES: dict[str, list[Any]] = {
     "optim": ["adamw", "sgd"],
     "stage": [1, 2],
     "offload": [False, True],
