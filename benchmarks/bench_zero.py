@@ -1,0 +1,151 @@
+"""ZeRO-1/2 step time against its peers, side by side in one run.
+
+GPT-2 (6 layers, hidden 512, 8 heads, vocab 8192, sequence 256, batch 4 per
+rank, fp32, AdamW, one thread per rank, 2 ranks), the configuration of the
+DDP benchmark. Rows, sampled alternately:
+
+- single process (rank 0 alone; the others wait);
+- 2 processes, no communication (what sharing the machine costs);
+- pc LowLevelZeroOptimizer stage 1 and stage 2 (shared memory);
+- torch DDP + ZeroRedundancyOptimizer (gloo);
+- DeepSpeed ZeRO stage 1 and 2 (gloo, CPU accelerator), when deepspeed
+  imports in this environment (`nox -s bench` installs it).
+
+    python benchmarks/bench_zero.py [--iters 6]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from _common import alternate, gpt2, median_max
+from torch.distributed.optim import ZeroRedundancyOptimizer
+
+from pc_comm.testing import spawn
+from pc_zero import LowLevelZeroOptimizer
+
+RESULTS = Path(__file__).resolve().parent.parent / "bench-results"
+
+
+def _gpt2() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return gpt2(vocab_size=8192, positions=256, width=512, layers=6, heads=8)
+
+
+def _batch(seed: int) -> torch.Tensor:
+    return torch.randint(0, 8192, (4, 256), generator=torch.Generator().manual_seed(seed))
+
+
+def _plain(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, seed: int
+) -> Callable[[], None]:
+    batch = _batch(seed)
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        model(input_ids=batch, labels=batch).loss.backward()
+        optimizer.step()
+
+    return step
+
+
+def _ours(stage: int, seed: int) -> Callable[[], None]:
+    model = _gpt2()
+    opt = LowLevelZeroOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=1e-4), stage=stage, reduce_bucket_size=2**22
+    )
+    batch = _batch(seed)
+
+    def step() -> None:
+        opt.zero_grad()
+        opt.backward(model(input_ids=batch, labels=batch).loss)
+        opt.step()
+
+    return step
+
+
+def _torch_zero(seed: int) -> Callable[[], None]:
+    model = torch.nn.parallel.DistributedDataParallel(_gpt2())
+    opt = ZeroRedundancyOptimizer(
+        list(model.parameters()), optimizer_class=torch.optim.AdamW, lr=1e-4
+    )
+    return _plain(model, opt, seed)
+
+
+def _deepspeed(stage: int, seed: int) -> Callable[[], None] | None:
+    try:
+        import deepspeed  # type: ignore[import-not-found, unused-ignore]
+    except ImportError:
+        return None
+    model = _gpt2()
+    config = {
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 2**22},
+        "steps_per_print": 10**9,
+    }
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    batch = _batch(seed)
+
+    def step() -> None:
+        loss = engine(input_ids=batch, labels=batch).loss
+        engine.backward(loss)
+        engine.step()
+
+    return step
+
+
+def _steps(iters: int, out: str) -> None:
+    torch.set_num_threads(1)
+    rank = dist.get_rank()
+    model = _gpt2()
+    alone = _plain(model, torch.optim.AdamW(model.parameters(), lr=1e-4), rank)
+    steps: dict[str, Callable[[], None]] = {
+        "single process": alone if rank == 0 else lambda: None,
+        "2 processes, no communication": alone,
+        "pc ZeRO-1 (shm)": _ours(1, rank),
+        "pc ZeRO-2 (shm)": _ours(2, rank),
+        "torch DDP + ZeroRedundancyOptimizer (gloo)": _torch_zero(rank),
+    }
+    for stage in (1, 2):
+        ds = _deepspeed(stage, rank)
+        if ds is not None:
+            steps[f"DeepSpeed ZeRO-{stage} (gloo)"] = ds
+    for fn in steps.values():
+        fn()  # warm-up: optimizer states exist from here on
+    samples = alternate(steps, iters, sync=True)
+    times = {
+        name: statistics.median(s) if name == "single process" else median_max(s)
+        for name, s in samples.items()
+    }
+    if rank == 0:
+        Path(out).write_text(json.dumps(times))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--iters", type=int, default=6)
+    args = parser.parse_args()
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    RESULTS.mkdir(exist_ok=True)
+    out = RESULTS / "zero_step.json"
+    spawn(_steps, 2, args=(args.iters, str(out)), timeout=3000)
+    times = json.loads(out.read_text())
+    single = times["single process"]
+    print("\n## ZeRO step, GPT-2 6x512, batch 4x256 per rank, fp32 AdamW, 2 ranks, 1 thread each\n")
+    print("| | step (s) | / single process |")
+    print("|---|---:|---:|")
+    for name, seconds in times.items():
+        print(f"| {name} | {seconds:.3f} | {seconds / single:.3f} |")
+
+
+if __name__ == "__main__":
+    main()
