@@ -53,6 +53,8 @@ from pc_zero.memory import ModelStateMemory
 __all__ = ["LowLevelZeroOptimizer"]
 
 _HOST = torch.device("cpu")
+# Stage 2 reductions in flight before the oldest is waited for.
+_MAX_IN_FLIGHT = 2
 
 
 class LowLevelZeroOptimizer(Optimizer):
@@ -146,7 +148,9 @@ class LowLevelZeroOptimizer(Optimizer):
         # every rank, since every rank makes the same calls.
         self._need_reduce = True
         self._has_grad: set[int] = set()  # stage 2: shard piece holds a gradient
-        self._staging: dict[int, torch.Tensor] = {}  # stage 2 staging buffers
+        self._staging: dict[int, torch.Tensor] = {}  # stage 2: this backward's buffers
+        self._filled: dict[int, set[int]] = {}  # their slots written so far
+        self._pool: dict[int, list[torch.Tensor]] = {}  # free staging buffers by size
         self._callback_queued = False
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._on_grad)  # type: ignore[no-untyped-call]
@@ -293,11 +297,9 @@ class LowLevelZeroOptimizer(Optimizer):
             if self._no_sync:
                 return
         else:
-            staging = self._staging.get(k)
-            if staging is None:
-                staging = torch.zeros(b.numel, dtype=self.dtype, device=self.device)
-                self._staging[k] = staging
+            staging = self._staging_for(k)
             staging[slot.offset : slot.offset + slot.numel].copy_(grad.reshape(-1))
+            self._filled[k].add(slot.offset)
             param.grad = None
         if not self._callback_queued:
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
@@ -318,6 +320,19 @@ class LowLevelZeroOptimizer(Optimizer):
         self._callback_queued = False
         self._need_reduce = False
 
+    def _staging_for(self, k: int) -> torch.Tensor:
+        """Stage 2: bucket ``k``'s staging buffer for this backward, from a
+        pool (buffers return to it when their reduction completes)."""
+        if k not in self._staging:
+            b = self.buckets[k]
+            free = self._pool.setdefault(b.numel, [])
+            buf = free.pop() if free else torch.empty(b.numel, dtype=self.dtype, device=self.device)
+            end = b.slots[-1].offset + b.slots[-1].numel
+            buf[end:].zero_()  # padding
+            self._staging[k] = buf
+            self._filled[k] = set()
+        return self._staging[k]
+
     def _launch(self, k: int) -> None:
         """Start bucket ``k``'s averaged reduce-scatter into this rank's piece."""
         b = self.buckets[k]
@@ -327,24 +342,34 @@ class LowLevelZeroOptimizer(Optimizer):
             handle = self.comm.reduce_scatter(target, source, ReduceOp.AVG, async_op=True)
             self._pending.append((handle, lambda: None))
             return
-        if k in self._staging:
-            source = self._staging.pop(k)
-        else:  # no gradient arrived here; peers may have some
-            source = torch.zeros(b.numel, dtype=self.dtype, device=self.device)
+        # Stage 2 keeps at most _MAX_IN_FLIGHT staging buffers busy, so its
+        # transient gradient memory is a few buckets, not the whole model.
+        while len(self._pending) >= _MAX_IN_FLIGHT:
+            handle, finish = self._pending.pop(0)
+            handle.wait()
+            finish()
+        source = self._staging_for(k)
+        filled = self._filled.pop(k)
+        for slot in b.slots:  # gradients that never arrived here are zeros
+            if slot.offset not in filled:
+                source[slot.offset : slot.offset + slot.numel].zero_()
+        del self._staging[k]
+        free = self._pool[b.numel]
         if k not in self._has_grad:
             self._has_grad.add(k)
             handle = self.comm.reduce_scatter(target, source, ReduceOp.AVG, async_op=True)
 
-            def keep_alive(s: torch.Tensor = source) -> None:
-                del s
+            def recycle(s: torch.Tensor = source) -> None:
+                free.append(s)
 
-            self._pending.append((handle, keep_alive))
+            self._pending.append((handle, recycle))
             return
         received = torch.empty_like(target)
         handle = self.comm.reduce_scatter(received, source, ReduceOp.AVG, async_op=True)
 
         def accumulate(t: torch.Tensor = target, r: torch.Tensor = received) -> None:
             t.add_(r)
+            free.append(source)
 
         self._pending.append((handle, accumulate))
 
@@ -368,6 +393,7 @@ class LowLevelZeroOptimizer(Optimizer):
                 shard.zero_()
             self._has_grad.clear()
             self._staging.clear()
+            self._filled.clear()
             for param in self._where:
                 param.grad = None
         else:
@@ -402,9 +428,9 @@ class LowLevelZeroOptimizer(Optimizer):
 
     def _fp32_grad(self, b: Bucket) -> torch.Tensor:
         piece = self._grad_piece(b)
+        # fp32 on the same device: the piece itself, unscaled and clipped in
+        # place, as torch's clip_grad_norm_ treats .grad.
         grad = piece.to(self._master_device, torch.float32)
-        if grad.data_ptr() == piece.data_ptr():
-            grad = grad.clone() if self.stage == 2 else grad
         if self.scaler is not None:
             grad.mul_(1.0 / self.scaler.scale)
         return grad
