@@ -188,6 +188,59 @@ def _symmetric_buffers() -> None:
     assert len(comm._symmetric) == 1
     with pytest.raises(ValueError, match="same numel and dtype on every rank"):
         comm.alloc(8 + rank)
+    _symmetric_scatter_gather(comm)
+
+
+def _symmetric_scatter_gather(comm: ShmCommunicator) -> None:
+    """Reduce-scatter from, and all-gather into, a symmetric buffer (the
+    zero-copy paths), in place and not, against the single-process result."""
+    rank, world = comm.rank, comm.world_size
+    calls: list[str] = []
+    for name in ("_symmetric_reduce_scatter", "_symmetric_all_gather"):
+        original = getattr(comm, name)
+
+        def counted(*args: object, _f: object = original, _n: str = name) -> None:
+            calls.append(_n)
+            _f(*args)  # type: ignore[operator]
+
+        setattr(comm, name, counted)
+    for size, dtype, op in [(1, torch.float32, ReduceOp.SUM), (1031, torch.bfloat16, ReduceOp.AVG)]:
+        buffer = comm.alloc(world * size + 6, dtype)
+        flat = buffer[3 : 3 + world * size]
+        inputs = [
+            torch.randint(-8, 9, (world * size,), generator=torch.Generator().manual_seed(r)).to(
+                dtype
+            )
+            for r in range(world)
+        ]
+        total = torch.stack(inputs).float().sum(0)
+        expected = (total / world if op is ReduceOp.AVG else total).view(world, size)[rank]
+        for in_place in (False, True):
+            flat.copy_(inputs[rank])
+            out = (
+                flat[rank * size : (rank + 1) * size]
+                if in_place
+                else torch.empty(size, dtype=dtype)
+            )
+            comm.reduce_scatter(out, flat, op)
+            torch.testing.assert_close(out.float(), expected, rtol=1e-2, atol=0)
+            assert torch.equal(flat[: rank * size], inputs[rank][: rank * size])  # untouched
+        # All-gather: rank r contributes r+1 (from its own slice, or elsewhere).
+        for in_place in (False, True):
+            flat.zero_()
+            mine = (
+                flat[rank * size : (rank + 1) * size]
+                if in_place
+                else torch.empty(size, dtype=dtype)
+            )
+            mine.fill_(rank + 1)
+            comm.all_gather(flat, mine)
+            want = torch.arange(1, world + 1, dtype=dtype).repeat_interleave(size)
+            assert torch.equal(flat, want), (in_place, flat)
+        assert torch.all(buffer[:3] == 0)
+        assert torch.all(buffer[3 + world * size :] == 0)
+    assert calls.count("_symmetric_reduce_scatter") == 4, calls  # the zero-copy paths ran
+    assert calls.count("_symmetric_all_gather") == 4, calls
 
 
 def test_symmetric_buffers_reduce_in_place() -> None:

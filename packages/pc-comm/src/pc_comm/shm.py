@@ -90,7 +90,15 @@ def _shm_dir() -> Path:
     return path if path.is_dir() else Path(os.environ.get("TMPDIR", "/tmp"))
 
 
-_KINDS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_reduce(symmetric)")
+_KINDS = (
+    "all_reduce",
+    "reduce_scatter",
+    "all_gather",
+    "broadcast",
+    "all_reduce(symmetric)",
+    "reduce_scatter(symmetric)",
+    "all_gather(symmetric)",
+)
 _OPS = tuple(ReduceOp)
 _DTYPES = (
     torch.float32,
@@ -292,6 +300,23 @@ class ShmCommunicator(HostExecutor):
                     return symmetric, start - own
         return None
 
+    def _symmetric_chunks(self, chunks: Sequence[torch.Tensor]) -> tuple[_Symmetric, int] | None:
+        """When ``chunks`` are the consecutive equal slices of one tensor in
+        this rank's region of a symmetric buffer: that buffer and the byte
+        offset of the first slice."""
+        first = self._symmetric_of(chunks[0])
+        if first is None:
+            return None
+        nbytes = chunks[0].numel() * chunks[0].element_size()
+        for r, chunk in enumerate(chunks):
+            if chunk.numel() != chunks[0].numel() or not chunk.is_contiguous():
+                return None
+            if chunk.data_ptr() != chunks[0].data_ptr() + r * nbytes:
+                return None
+        if self._symmetric_of(chunks[-1]) is None:
+            return None
+        return first
+
     def __repr__(self) -> str:
         return f"ShmCommunicator(rank={self._rank}, world_size={self._world_size})"
 
@@ -427,6 +452,10 @@ class ShmCommunicator(HostExecutor):
         self, out: torch.Tensor, chunks: Sequence[torch.Tensor], op: ReduceOp
     ) -> None:
         """``chunks[r]`` (all of one size) is reduced across ranks into rank r's ``out``."""
+        found = self._symmetric_chunks(chunks)
+        if found is not None:
+            self._symmetric_reduce_scatter(out, chunks, op, *found)
+            return
         slots = self._slots(out.dtype)
         size = chunks[0].numel()
         piece = max(1, self._piece(out.dtype) // self._world_size)
@@ -447,8 +476,62 @@ class ShmCommunicator(HostExecutor):
             _reduce_into(own, peers, op, self._world_size)
             self._barrier("reduce_scatter")
 
+    def _symmetric_reduce_scatter(
+        self,
+        out: torch.Tensor,
+        chunks: Sequence[torch.Tensor],
+        op: ReduceOp,
+        symmetric: _Symmetric,
+        offset: int,
+    ) -> None:
+        """[Note: symmetric buffers] Each rank reduces its slice straight
+        from every region: no copy in, two barriers."""
+        size, dtype = chunks[0].numel(), chunks[0].dtype
+        nbytes = size * chunks[0].element_size() * self._world_size
+        me, others = self._rank, self._others()
+        regions = [
+            symmetric.region(r)[offset : offset + nbytes].view(dtype).view(self._world_size, size)
+            for r in range(self._world_size)
+        ]
+        signature = _signature("reduce_scatter(symmetric)", size, dtype, op, offset + 1)
+        self._barrier("reduce_scatter", signature)
+        if out.data_ptr() != chunks[me].data_ptr():
+            out.copy_(chunks[me])
+        _reduce_into(out, [regions[r][me] for r in others], op, self._world_size)
+        self._barrier("reduce_scatter")  # peers are done reading this region
+
+    def _symmetric_all_gather(
+        self,
+        outs: Sequence[torch.Tensor],
+        inp: torch.Tensor,
+        symmetric: _Symmetric,
+        offset: int,
+    ) -> None:
+        """[Note: symmetric buffers] Each rank's slice is read straight
+        from its owner's region: no copy through the slots."""
+        size, dtype = inp.numel(), inp.dtype
+        nbytes = size * inp.element_size() * self._world_size
+        me, others = self._rank, self._others()
+        regions = [
+            symmetric.region(r)[offset : offset + nbytes].view(dtype).view(self._world_size, size)
+            for r in range(self._world_size)
+        ]
+        if outs[me].data_ptr() != inp.data_ptr():
+            outs[me].copy_(inp)
+        self._barrier(
+            "all_gather", _signature("all_gather(symmetric)", size, dtype, None, offset + 1)
+        )
+        for r in others:
+            outs[r].copy_(regions[r][r])
+        self._barrier("all_gather")  # peers are done reading this region
+
     def _host_all_gather(self, outs: Sequence[torch.Tensor], inp: torch.Tensor) -> None:
         """``outs[r]`` receives rank r's ``inp`` (sizes may differ by rank)."""
+        if all(o.numel() == inp.numel() for o in outs):
+            found = self._symmetric_chunks(outs)
+            if found is not None:
+                self._symmetric_all_gather(outs, inp.reshape(-1), *found)
+                return
         slots = self._slots(inp.dtype)
         piece = self._piece(inp.dtype)
         longest = max(o.numel() for o in outs)

@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
-from pc_comm import Communicator, Handle, ReduceOp, default_communicator
+from pc_comm import Communicator, Handle, ReduceOp, SymmetricAllocator, default_communicator
 from pc_offload import CPUAdam, CPUAdamW
 from pc_zero.layout import Bucket, Slot, plan_buckets
 from pc_zero.loss_scale import DynamicLossScaler, LossScaleConfig
@@ -178,12 +178,18 @@ class LowLevelZeroOptimizer(Optimizer):
         self.buckets: list[Bucket] = sorted(buckets, key=lambda b: (b.order, b.group, b.start))
         self._where: dict[torch.Tensor, tuple[int, Slot]] = {}
         sizes = [sum(b.numel for b in group) for group in planned]
-        self._flat_params = [torch.zeros(n, dtype=self.dtype, device=self.device) for n in sizes]
-        self._flat_grads = (
-            [torch.zeros(n, dtype=self.dtype, device=self.device) for n in sizes]
-            if self.stage == 1
-            else []
-        )
+        # On the CPU with a shared-memory communicator, the flat buffers live
+        # in its symmetric memory: reduce-scatter reads the gradients and
+        # all-gather writes the parameters in place, with no staging copy.
+        self._symmetric = isinstance(self.comm, SymmetricAllocator) and self.device == _HOST
+
+        def buffer(n: int) -> torch.Tensor:
+            if self._symmetric:
+                return self.comm.alloc(n, self.dtype)  # type: ignore[attr-defined, no-any-return]
+            return torch.zeros(n, dtype=self.dtype, device=self.device)
+
+        self._flat_params = [buffer(n) for n in sizes]
+        self._flat_grads = [buffer(n) for n in sizes] if self.stage == 1 else []
         # Where each bucket's piece sits in its group's gradient shard.
         self._piece_offset: dict[int, int] = {}
         shard_sizes = [0] * len(planned)
@@ -458,7 +464,10 @@ class LowLevelZeroOptimizer(Optimizer):
     def _gather_params(self) -> None:
         handles = []
         for b, master in zip(self.buckets, self._masters, strict=True):
-            mine = master.to(self.device, self.dtype, copy=True)
+            # An fp32 master is the piece itself: gathered in place where the
+            # communicator allows it (symmetric memory), else from a copy.
+            in_place = self._alias_master and self._symmetric
+            mine = master if in_place else master.to(self.device, self.dtype, copy=True)
             full = self._flat_params[b.group][b.start : b.start + b.numel]
             handles.append(self.comm.all_gather(full, mine, async_op=True))
         for handle in handles:
@@ -476,13 +485,13 @@ class LowLevelZeroOptimizer(Optimizer):
 
         def size(tensors: list[torch.Tensor]) -> tuple[int, int]:
             total = host = 0
-            for t in tensors:
-                storage = t.untyped_storage()
-                if storage.data_ptr() in seen or storage.nbytes() == 0:
+            for t in tensors:  # tensors, not storages: symmetric buffers share one
+                nbytes = t.numel() * t.element_size()
+                if t.data_ptr() in seen or nbytes == 0:
                     continue
-                seen.add(storage.data_ptr())
-                total += storage.nbytes()
-                host += storage.nbytes() if t.device.type == "cpu" else 0
+                seen.add(t.data_ptr())
+                total += nbytes
+                host += nbytes if t.device.type == "cpu" else 0
             return total, host
 
         params, h1 = size(self._flat_params)
