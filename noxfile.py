@@ -115,8 +115,10 @@ def demo(session: nox.Session) -> None:
 @nox.session
 def bench(session: nox.Session) -> None:
     """Benchmarks against the real peers, side by side; tables go to stdout
-    and bench-results/."""
-    _install_workspace(session)
+    and bench-results/. DeepSpeed (a peer of pc-zero) runs ZeRO on the CPU
+    with gloo; its first start compiles a small C++ op (g++, about 90 s)."""
+    _install_workspace(session, "deepspeed")
+    session.env["DS_ACCELERATOR"] = "cpu"
     for script in sorted((ROOT / "benchmarks").glob("bench_*.py")):
         session.run("python", str(script), *session.posargs)
 

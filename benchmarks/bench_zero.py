@@ -80,6 +80,8 @@ def _torch_zero(seed: int) -> Callable[[], None]:
 
 
 def _deepspeed(stage: int, seed: int) -> Callable[[], None] | None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    os.environ.update(DS_ACCELERATOR="cpu", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     try:
         import deepspeed  # type: ignore[import-not-found, unused-ignore]
     except ImportError:
