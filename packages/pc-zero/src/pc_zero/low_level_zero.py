@@ -7,8 +7,8 @@ split evenly into one piece per rank [Note: layout]. The wrapped optimizer
 steps one fp32 *master* tensor per piece: the piece itself in fp32 training
 (a view, no copy), an fp32 copy otherwise.
 
-- Backward. Stage 1: gradients are views into a flat gradient buffer, so
-  autograd accumulates into it; outside ``no_sync`` each bucket is
+- Backward. Stage 1: each gradient is copied (or, when accumulating, added)
+  into a flat gradient buffer and freed; outside ``no_sync`` each bucket is
   reduce-scattered (averaged) into this rank's gradient piece the moment its
   last gradient arrives, overlapping the rest of backward. Stage 2: each
   gradient is copied into its bucket's staging buffer and freed; a full
@@ -29,8 +29,8 @@ reduces the whole accumulated buffer again: correct (the gradient piece is
 overwritten by the latest reduction) but wasteful. Stage 2 keeps no full
 gradients, so every backward reduces its micro-batch and adds it into the
 shard; ``no_sync()`` raises. Either way the result equals single-process
-accumulation. After ``step()`` stage 1's parameter ``.grad`` are still views
-of the flat buffer; stage 2's are ``None``.
+accumulation. Parameters' ``.grad`` are ``None`` after backward in both
+stages: the gradients live in the optimizer's buffers.
 """
 
 from __future__ import annotations
@@ -149,6 +149,8 @@ class LowLevelZeroOptimizer(Optimizer):
         # (set by no_sync, cleared by a synchronised backward). The same on
         # every rank, since every rank makes the same calls.
         self._need_reduce = True
+        # Stage 1: (bucket, slot offset) whose gradient the flat buffer holds.
+        self._accumulated: set[tuple[int, int]] = set()
         self._has_grad: set[int] = set()  # stage 2: shard piece holds a gradient
         self._staging: dict[int, torch.Tensor] = {}  # stage 2: this backward's buffers
         self._filled: dict[int, set[int]] = {}  # their slots written so far
@@ -208,8 +210,6 @@ class LowLevelZeroOptimizer(Optimizer):
                     view.copy_(param.detach().reshape(-1))
                     param.data = view.view(slot.shape)
                     self._where[param] = (k, slot)
-                    if self.stage == 1:
-                        param.grad = self._grad_view(b, slot)
         # Stage 2's persistent gradient shard (stage 1's is made per step).
         self._grad_shards: list[torch.Tensor | None] = [
             torch.zeros(n, dtype=self.dtype, device=self.device) if self.stage == 2 else None
@@ -307,10 +307,16 @@ class LowLevelZeroOptimizer(Optimizer):
         grad = param.grad
         assert grad is not None
         if self.stage == 1:
+            # Copied into the flat buffer (added, if it already holds this
+            # parameter's gradient since zero_grad) and freed: cheaper than
+            # zeroing the buffer and letting autograd add into views.
             view = self._grad_view(b, slot)
-            if grad.data_ptr() != view.data_ptr():  # .grad was reset to None meanwhile
+            if (k, slot.offset) in self._accumulated:
+                view.add_(grad)
+            else:
                 view.copy_(grad)
-                param.grad = view
+                self._accumulated.add((k, slot.offset))
+            param.grad = None
             if self._no_sync:
                 return
         else:
@@ -356,6 +362,10 @@ class LowLevelZeroOptimizer(Optimizer):
         target = self._grad_piece(b)
         if self.stage == 1:
             source = self._flat_grads[b.group][b.start : b.start + b.numel]
+            for slot in b.slots:  # no gradient here since zero_grad: zeros
+                if (k, slot.offset) not in self._accumulated:
+                    self._grad_view(b, slot).zero_()
+                    self._accumulated.add((k, slot.offset))
             handle = self.comm.reduce_scatter(target, source, ReduceOp.AVG, async_op=True)
             self._pending.append((handle, lambda: None))
             return
@@ -399,11 +409,10 @@ class LowLevelZeroOptimizer(Optimizer):
     # -- step -----------------------------------------------------------------------
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear the gradients. Stage 1 keeps ``.grad`` as (zeroed) views of
-        its flat buffer whatever ``set_to_none`` says."""
+        """Clear the gradients (``set_to_none`` is accepted for torch's
+        signature: parameters' ``.grad`` are always ``None`` here)."""
         self._wait()
-        for flat in self._flat_grads:
-            flat.zero_()
+        self._accumulated.clear()  # stage 1's buffer is overwritten, not zeroed
         if self.stage == 2:
             for shard in self._grad_shards:
                 assert shard is not None
