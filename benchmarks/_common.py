@@ -53,3 +53,19 @@ def gpt2(vocab_size: int, positions: int, width: int, layers: int, heads: int) -
         embd_pdrop=0.1,
         attn_pdrop=0.1,
     )
+
+
+def step_gpt2() -> nn.Module:
+    """The step benchmarks' model: 6 layers, hidden 512, 8 heads, vocab 8192,
+    sequence 256 (the hfreduce issue's configuration)."""
+    return gpt2(vocab_size=8192, positions=256, width=512, layers=6, heads=8)
+
+
+def print_step_table(title: str, times: Mapping[str, float]) -> None:
+    """Step times as a markdown table, relative to ``times["single process"]``."""
+    single = times["single process"]
+    print(f"\n## {title}\n")
+    print("| | step (s) | / single process |")
+    print("|---|---:|---:|")
+    for name, seconds in times.items():
+        print(f"| {name} | {seconds:.3f} | {seconds / single:.3f} |")

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from _common import alternate, gpt2, median_max
+from _common import alternate, median_max, print_step_table, step_gpt2
 
 from pc_comm import DistributedDataParallel, ReduceOp, ShmCommunicator
 from pc_comm.testing import spawn
@@ -65,10 +65,6 @@ def _bandwidth(out: str) -> None:
         Path(out).write_text(json.dumps(rows))
 
 
-def _gpt2() -> torch.nn.Module:
-    return gpt2(vocab_size=8192, positions=256, width=512, layers=6, heads=8)
-
-
 def _step_fn(model: torch.nn.Module, seed: int) -> Callable[[], None]:
     batch = torch.randint(0, 8192, (4, 256), generator=torch.Generator().manual_seed(seed))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -89,9 +85,9 @@ def _ddp_steps(iters: int, out: str) -> None:
     moves (memory bandwidth and caches are shared between cores)."""
     torch.set_num_threads(1)
     rank = dist.get_rank()
-    ours = DistributedDataParallel(_gpt2(), communicator=ShmCommunicator())
-    peer = torch.nn.parallel.DistributedDataParallel(_gpt2())
-    alone = _step_fn(_gpt2(), rank)
+    ours = DistributedDataParallel(step_gpt2(), communicator=ShmCommunicator())
+    peer = torch.nn.parallel.DistributedDataParallel(step_gpt2())
+    alone = _step_fn(step_gpt2(), rank)
     steps: dict[str, Callable[[], None]] = {
         "single process": alone if rank == 0 else lambda: None,
         "2 processes, no communication": alone,
@@ -138,12 +134,9 @@ def main() -> None:
         out = RESULTS / "ddp_step.json"
         spawn(_ddp_steps, 2, args=(args.ddp_iters, str(out)), timeout=1800)
         times = json.loads(out.read_text())
-        single = times["single process"]
-        print("\n## DDP step, GPT-2 6x512, batch 4x256 per rank, 2 ranks, 1 thread each\n")
-        print("| | step (s) | / single process |")
-        print("|---|---:|---:|")
-        for name, seconds in times.items():
-            print(f"| {name} | {seconds:.3f} | {seconds / single:.3f} |")
+        print_step_table(
+            "DDP step, GPT-2 6x512, batch 4x256 per rank, 2 ranks, 1 thread each", times
+        )
         result["ddp"] = times
     (RESULTS / "bench_ddp.json").write_text(json.dumps(result, indent=2))
 

@@ -25,18 +25,13 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from _common import alternate, gpt2, median_max
+from _common import alternate, median_max, print_step_table, step_gpt2
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from pc_comm.testing import spawn
 from pc_zero import LowLevelZeroOptimizer
 
 RESULTS = Path(__file__).resolve().parent.parent / "bench-results"
-
-
-def _gpt2() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return gpt2(vocab_size=8192, positions=256, width=512, layers=6, heads=8)
 
 
 def _batch(seed: int) -> torch.Tensor:
@@ -57,7 +52,7 @@ def _plain(
 
 
 def _ours(stage: int, seed: int) -> Callable[[], None]:
-    model = _gpt2()
+    model = step_gpt2()
     opt = LowLevelZeroOptimizer(
         torch.optim.AdamW(model.parameters(), lr=1e-4), stage=stage, reduce_bucket_size=2**22
     )
@@ -72,7 +67,7 @@ def _ours(stage: int, seed: int) -> Callable[[], None]:
 
 
 def _torch_zero(seed: int) -> Callable[[], None]:
-    model = torch.nn.parallel.DistributedDataParallel(_gpt2())
+    model = torch.nn.parallel.DistributedDataParallel(step_gpt2())
     opt = ZeroRedundancyOptimizer(
         list(model.parameters()), optimizer_class=torch.optim.AdamW, lr=1e-4
     )
@@ -86,7 +81,7 @@ def _deepspeed(stage: int, seed: int) -> Callable[[], None] | None:
         import deepspeed  # type: ignore[import-not-found, unused-ignore]
     except ImportError:
         return None
-    model = _gpt2()
+    model = step_gpt2()
     config = {
         "train_micro_batch_size_per_gpu": 4,
         "gradient_accumulation_steps": 1,
@@ -108,7 +103,7 @@ def _deepspeed(stage: int, seed: int) -> Callable[[], None] | None:
 def _steps(iters: int, out: str) -> None:
     torch.set_num_threads(1)
     rank = dist.get_rank()
-    model = _gpt2()
+    model = step_gpt2()
     alone = _plain(model, torch.optim.AdamW(model.parameters(), lr=1e-4), rank)
     steps: dict[str, Callable[[], None]] = {
         "single process": alone if rank == 0 else lambda: None,
@@ -141,12 +136,8 @@ def main() -> None:
     out = RESULTS / "zero_step.json"
     spawn(_steps, 2, args=(args.iters, str(out)), timeout=3000)
     times = json.loads(out.read_text())
-    single = times["single process"]
-    print("\n## ZeRO step, GPT-2 6x512, batch 4x256 per rank, fp32 AdamW, 2 ranks, 1 thread each\n")
-    print("| | step (s) | / single process |")
-    print("|---|---:|---:|")
-    for name, seconds in times.items():
-        print(f"| {name} | {seconds:.3f} | {seconds / single:.3f} |")
+    title = "ZeRO step, GPT-2 6x512, batch 4x256 per rank, fp32 AdamW, 2 ranks, 1 thread each"
+    print_step_table(title, times)
 
 
 if __name__ == "__main__":

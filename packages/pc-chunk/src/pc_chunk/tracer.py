@@ -79,7 +79,7 @@ class _Event:
     owner: int  # index into the operator list, -1 outside any operator
     ptr: int
     size: int  # negative for a free; 0 marks a gradient becoming model data
-    total: int
+    total: int  # the allocator's running total; a gradient marker's bytes
 
 
 @contextmanager
@@ -104,7 +104,6 @@ class MemoryTracer:
         )
         self.records: list[OpRecord] = []
         self._grads: list[tuple[int, int]] = []  # (address, bytes) per marker
-        self._grad_bytes: dict[int, int] = {}
 
     # -- running -------------------------------------------------------------------
 
@@ -182,8 +181,7 @@ class MemoryTracer:
                 module = name.removeprefix(_MODULE)
             elif name.startswith(_GRAD):
                 ptr, nbytes = self._grads[int(name.removeprefix(_GRAD))]
-                events.append(_Event(int(event.start_time_ns), -1, ptr, 0, 0))
-                self._grad_bytes[ptr] = nbytes
+                events.append(_Event(int(event.start_time_ns), -1, ptr, 0, nbytes))
             elif owner < 0 and name.startswith("aten::"):
                 owner = len(ops)
                 ops.append(
@@ -199,7 +197,6 @@ class MemoryTracer:
         return ops, events
 
     def _settle(self, prof: profile) -> list[OpRecord]:
-        self._grad_bytes = {}
         ops, events = self._collect(prof)
         order = sorted(range(len(ops)), key=lambda i: ops[i].start)
         allocations = [e for e in events if e.size != 0]
@@ -218,7 +215,7 @@ class MemoryTracer:
                 index += 1
                 if event.size == 0:  # a gradient assigned to .grad
                     if event.ptr in in_trace and event.ptr not in model:
-                        model[event.ptr] = self._grad_bytes[event.ptr]
+                        model[event.ptr] = event.total
                         model_bytes += model[event.ptr]
                     continue
                 total = event.total

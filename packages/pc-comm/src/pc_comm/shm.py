@@ -151,6 +151,11 @@ class _Symmetric:
         whole = torch.empty(0, dtype=torch.uint8).set_(storage)
         return whole[rank * self.region_bytes : (rank + 1) * self.region_bytes]
 
+    def views(self, world: int, offset: int, count: int, dtype: torch.dtype) -> list[torch.Tensor]:
+        """``count`` elements at byte ``offset`` of every rank's region."""
+        nbytes = count * torch.empty(0, dtype=dtype).element_size()
+        return [self.region(r)[offset : offset + nbytes].view(dtype) for r in range(world)]
+
 
 def _reduce_into(
     acc: torch.Tensor, others: Sequence[torch.Tensor], op: ReduceOp, world: int
@@ -431,11 +436,7 @@ class ShmCommunicator(HostExecutor):
     ) -> None:
         """[Note: symmetric buffers]"""
         count = flat.numel()
-        nbytes = count * flat.element_size()
-        regions = [
-            symmetric.region(r)[offset : offset + nbytes].view(flat.dtype)
-            for r in range(self._world_size)
-        ]
+        regions = symmetric.views(self._world_size, offset, count, flat.dtype)
         me, others = self._rank, self._others()
         lo, hi = self._share(count, me)
         self._barrier(
@@ -486,13 +487,9 @@ class ShmCommunicator(HostExecutor):
     ) -> None:
         """[Note: symmetric buffers] Each rank reduces its slice straight
         from every region: no copy in, two barriers."""
-        size, dtype = chunks[0].numel(), chunks[0].dtype
-        nbytes = size * chunks[0].element_size() * self._world_size
+        size, dtype, world = chunks[0].numel(), chunks[0].dtype, self._world_size
         me, others = self._rank, self._others()
-        regions = [
-            symmetric.region(r)[offset : offset + nbytes].view(dtype).view(self._world_size, size)
-            for r in range(self._world_size)
-        ]
+        regions = [v.view(world, size) for v in symmetric.views(world, offset, world * size, dtype)]
         signature = _signature("reduce_scatter(symmetric)", size, dtype, op, offset + 1)
         self._barrier("reduce_scatter", signature)
         if out.data_ptr() != chunks[me].data_ptr():
@@ -509,13 +506,9 @@ class ShmCommunicator(HostExecutor):
     ) -> None:
         """[Note: symmetric buffers] Each rank's slice is read straight
         from its owner's region: no copy through the slots."""
-        size, dtype = inp.numel(), inp.dtype
-        nbytes = size * inp.element_size() * self._world_size
+        size, dtype, world = inp.numel(), inp.dtype, self._world_size
         me, others = self._rank, self._others()
-        regions = [
-            symmetric.region(r)[offset : offset + nbytes].view(dtype).view(self._world_size, size)
-            for r in range(self._world_size)
-        ]
+        regions = [v.view(world, size) for v in symmetric.views(world, offset, world * size, dtype)]
         if outs[me].data_ptr() != inp.data_ptr():
             outs[me].copy_(inp)
         self._barrier(

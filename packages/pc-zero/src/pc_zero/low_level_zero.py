@@ -35,6 +35,7 @@ stages: the gradients live in the optimizer's buffers.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
@@ -200,7 +201,6 @@ class LowLevelZeroOptimizer(Optimizer):
         for b in sorted(self.buckets, key=lambda b: (b.group, b.start)):
             self._piece_offset[id(b)] = shard_sizes[b.group]
             shard_sizes[b.group] += b.piece
-        self._bucket_id = {id(b): k for k, b in enumerate(self.buckets)}
         with torch.no_grad():
             for k, b in enumerate(self.buckets):
                 flat = self._flat_params[b.group]
@@ -420,8 +420,6 @@ class LowLevelZeroOptimizer(Optimizer):
             self._has_grad.clear()
             self._staging.clear()
             self._filled.clear()
-            for param in self._where:
-                param.grad = None
         else:
             self._need_reduce = True
 
@@ -453,40 +451,42 @@ class LowLevelZeroOptimizer(Optimizer):
         return loss
 
     def _fp32_grad(self, b: Bucket) -> torch.Tensor:
-        piece = self._grad_piece(b)
         # fp32 on the same device: the piece itself, unscaled and clipped in
         # place, as torch's clip_grad_norm_ treats .grad.
-        grad = piece.to(self._master_device, torch.float32)
-        if self.scaler is not None:
-            grad.mul_(1.0 / self.scaler.scale)
-        return grad
+        return self._grad_piece(b).to(self._master_device, torch.float32)
 
     def _checks_pass(self, grads: list[torch.Tensor]) -> bool:
-        """Overflow (any rank) and global-norm clipping, in one all-reduce."""
+        """Unscaling, the overflow check (any rank) and global-norm clipping:
+        one norm per piece, one all-reduce of the sum of squares, then one
+        multiply per piece. A non-finite gradient anywhere makes that sum inf
+        or NaN (squares of fp32 values cannot overflow fp64), so it is also
+        the overflow flag."""
         if self.scaler is None and self.clip_grad_norm == 0:
             return True
-        stats = torch.zeros(2, dtype=torch.float64, device=self.device)
-        for grad in grads:
-            stats[0] += (~torch.isfinite(grad)).any().to(self.device, torch.float64)
-            stats[1] += grad.double().square().sum().to(self.device)
-        self.comm.all_reduce(stats, ReduceOp.SUM)
-        if self.scaler is not None and stats[0].item() > 0:
+        norms = torch.stack([torch.linalg.vector_norm(g).to(self.device) for g in grads])
+        squares = norms.double().square().sum().reshape(1)
+        self.comm.all_reduce(squares, ReduceOp.SUM)
+        total = float(squares)
+        if self.scaler is not None and not math.isfinite(total):
             self.scaler.update(True)
             return False
+        scale = self.scaler.scale if self.scaler is not None else 1.0
+        factor = 1.0 / scale
         if self.clip_grad_norm > 0:
-            norm = float(stats[1].sqrt())
-            coef = self.clip_grad_norm / (norm + 1e-6)
+            coef = self.clip_grad_norm / (math.sqrt(total) / scale + 1e-6)
             if coef < 1.0:
-                for grad in grads:
-                    grad.mul_(coef)
+                factor *= coef
+        if factor != 1.0:
+            for grad in grads:
+                grad.mul_(factor)
         return True
 
     def _gather_params(self) -> None:
         handles = []
+        # An fp32 master is the piece itself: gathered in place where the
+        # communicator allows it (symmetric memory), else from a copy.
+        in_place = self._alias_master and self._symmetric
         for b, master in zip(self.buckets, self._masters, strict=True):
-            # An fp32 master is the piece itself: gathered in place where the
-            # communicator allows it (symmetric memory), else from a copy.
-            in_place = self._alias_master and self._symmetric
             mine = master if in_place else master.to(self.device, self.dtype, copy=True)
             full = self._flat_params[b.group][b.start : b.start + b.numel]
             handles.append(self.comm.all_gather(full, mine, async_op=True))
