@@ -130,13 +130,17 @@ def _mismatched_calls() -> None:
         else:
             comm.all_gather(torch.empty(20), torch.ones(10))
 
-    with pytest.raises(ShmPeerError) as info:
-        mismatch()
-    message = str(info.value)
-    assert "rank 0: all_reduce(count=10, dtype=float32, op=sum)" in message, message
-    assert "rank 1: all_gather(count=10, dtype=float32)" in message, message
-    with pytest.raises(ShmPeerError, match=r"count=7.*count=8"):
-        comm.broadcast(torch.ones(7 + rank), src=0)
+    # Repeated back to back: a rank that raised goes straight on to its next
+    # call, which must not overwrite the signature a slower peer still reads.
+    for _ in range(20):
+        with pytest.raises(ShmPeerError) as info:
+            mismatch()
+        message = str(info.value)
+        assert "rank 0: all_reduce(count=10, dtype=float32, op=sum)" in message, message
+        assert "rank 1: all_gather(count=10, dtype=float32)" in message, message
+        with pytest.raises(ShmPeerError, match=r"count=7.*count=8"):
+            comm.broadcast(torch.ones(7 + rank), src=0)
+    comm.all_reduce(torch.ones(3))
 
 
 def test_mismatched_collectives_are_named() -> None:

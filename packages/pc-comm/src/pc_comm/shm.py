@@ -46,9 +46,12 @@ region as soon as the call returns.
 With its first barrier, each operation publishes what it is (kind, element
 count, detail) in the rank's control line, and checks the peers' after the
 barrier: ranks that issue different collectives fail with an error naming
-both calls instead of silently mixing data. A line is rewritten only before
-a rank's next first barrier, which it reaches only after passing a later
-barrier that every peer must also reach, so the check never races.
+both calls instead of silently mixing data. Each line holds two signature
+slots, used by odd and even barriers in turn. A rank can be at most one
+barrier ahead of the slowest peer (it cannot pass barrier g+1 before every
+peer arrived there, which a peer does only after reading the slots of
+barrier g), so a slot is never rewritten while a peer may still read it, even
+when a mismatch makes both ranks raise and go straight on to their next call.
 """
 
 from __future__ import annotations
@@ -76,7 +79,7 @@ from pc_comm.communicator import (
 
 __all__ = ["ShmCommunicator", "ShmPeerError"]
 
-_LINE = 64  # bytes per control line: one cache line, so ranks never share one
+_LINE = 128  # bytes per control line: two cache lines, so ranks never share one
 _TSO = platform.machine().lower() in {"x86_64", "amd64", "i386", "i686"}
 _DEFAULT_SLOT_BYTES = 16 * 1024 * 1024
 
@@ -226,7 +229,8 @@ class ShmCommunicator(HostExecutor):
 
         control = self._world_size * _LINE
         self._segment = self._map_shared(control + (self._world_size + 1) * slot_bytes)
-        # Control lines: [generation, kind, count, detail, ...] per rank, int64.
+        # Control lines, int64 per rank: [generation, signature slot 0 (4),
+        # signature slot 1 (4), unused].
         self._lines = self._segment[:control].view(torch.int64).view(self._world_size, -1)
         self._arrivals = self._lines[:, 0]
         self._data = self._segment[control:]
@@ -333,9 +337,10 @@ class ShmCommunicator(HostExecutor):
         matching calls]."""
         self._generation += 1
         generation = self._generation
+        first = 1 + 4 * (generation % 2)
         if signature is not None:
             for i, value in enumerate(signature):
-                self._lines[self._rank, 1 + i] = value
+                self._lines[self._rank, first + i] = value
         if not _TSO:
             dist.barrier(group=self.group)
         else:
@@ -354,10 +359,10 @@ class ShmCommunicator(HostExecutor):
                 if spins % 64 == 0:
                     self._check_peers(generation, what, deadline)
         if signature is not None:
-            self._check_signatures(signature, what)
+            self._check_signatures(signature, what, first)
 
-    def _check_signatures(self, signature: _Signature, what: str) -> None:
-        lines = self._lines[:, 1:5].tolist()
+    def _check_signatures(self, signature: _Signature, what: str, first: int) -> None:
+        lines = self._lines[:, first : first + 4].tolist()
         if all(tuple(line) == signature for line in lines):
             return
         calls = ", ".join(f"rank {r}: {_describe(line)}" for r, line in enumerate(lines))
