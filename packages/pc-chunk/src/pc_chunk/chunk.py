@@ -29,6 +29,20 @@ buffer (in ``reduce_dtype``, fp32 by default, so a bf16 model still sums in
 fp32), reduce-scatters it, and keeps this rank's part as an fp32 gradient
 shard for the optimizer. ``set_shard`` writes updated master values back.
 
+[Note: exposed shards]
+With ``expose_shard=True`` (what ZeRO-3 wrappers use) a released chunk
+does not leave its parameters empty: each parameter views the part of this
+rank's shard that falls inside it, flattened (possibly zero elements), and
+its ``.grad`` views the same part of the gradient shard. Any torch
+optimizer built over the parameters then steps the shard in place. The
+shard may be kept in a wider ``shard_dtype`` than the payload (fp32 masters
+under a bf16/fp16 compute dtype); ``gather`` casts it. Gradients are
+*added* into the gradient shard, so several backward passes accumulate.
+While a chunk is gathered its parameters' ``.grad`` are set aside (None,
+so autograd can accumulate full-shape gradients); a parameter whose
+``.grad`` the user set to None, or zeroed, has that part of the gradient
+shard zeroed, or the whole shard dropped when all are None.
+
 Every byte a chunk holds on the compute device (payload, shard, gradient
 shard) is reserved in a :class:`~pc_chunk.budget.DeviceBudget` when given,
 which refuses to exceed its limit.
@@ -43,7 +57,7 @@ import torch
 from torch import nn
 
 from pc_chunk.budget import DeviceBudget
-from pc_comm import Communicator, ReduceOp
+from pc_comm import Communicator, Handle, ReduceOp
 from pc_offload import CopyEngine
 
 __all__ = ["Chunk", "ChunkState", "ChunkStateError"]
@@ -94,6 +108,8 @@ class Chunk:
         reduce_dtype: torch.dtype = torch.float32,
         engine: CopyEngine | None = None,
         name: str = "chunk",
+        shard_dtype: torch.dtype | None = None,
+        expose_shard: bool = False,
     ) -> None:
         self.engine = engine  # host <-> device moves through pc-offload's pinned pool
         self.world_size = comm.world_size if comm is not None else 1
@@ -110,16 +126,26 @@ class Chunk:
         self.budget = budget
         self.reduce_dtype = reduce_dtype
         self.name = name
+        self.shard_dtype = shard_dtype if shard_dtype is not None else dtype
+        self.expose_shard = expose_shard  # [Note: exposed shards]
         self.slots: list[_Slot] = []
         self.used = 0
         self.closed = False
         self.shard_size = size // self.world_size
-        self.payload: torch.Tensor | None = self._new_payload()
+        self._held_bytes = 0  # payload bytes reserved in the budget
+        # While packing, the payload holds the parameters' own values in the
+        # shard dtype, so fp32 masters are cut from unrounded values.
+        self.payload: torch.Tensor | None = self._new_payload(self.shard_dtype)
         self.shard: torch.Tensor | None = None
         self.shard_on_device = False
         self.grad_shard: torch.Tensor | None = None
         self.state = ChunkState.HOLD
         self.users = 0  # operators between access() and done()
+        self._gathering: Handle | None = None  # an all-gather in flight (prefetch)
+        self._gather_source: torch.Tensor | None = None  # kept alive while it runs
+        self._grads_set_aside = False  # [Note: exposed shards]
+        self._params_on_payload = True  # parameters view the payload (not the shard)
+        self.gathers = 0  # all-gathers issued, for tests and statistics
 
     def __repr__(self) -> str:
         return (
@@ -133,7 +159,7 @@ class Chunk:
 
     @property
     def shard_bytes(self) -> int:
-        return self.shard_size * self.dtype.itemsize
+        return self.shard_size * self.shard_dtype.itemsize
 
     @property
     def reduce_bytes(self) -> int:
@@ -149,9 +175,16 @@ class Chunk:
         if self.budget is not None:
             self.budget.free(nbytes, f"{self.name} {what}")
 
-    def _new_payload(self) -> torch.Tensor:
-        self._reserve(self.payload_bytes, "payload")
-        return torch.zeros(self.size, dtype=self.dtype, device=self.device)
+    def _new_payload(self, dtype: torch.dtype) -> torch.Tensor:
+        nbytes = self.size * dtype.itemsize
+        self._reserve(nbytes, "payload")
+        self._held_bytes = nbytes
+        return torch.zeros(self.size, dtype=dtype, device=self.device)
+
+    def _drop_payload(self) -> None:
+        self.payload = None
+        self._free(self._held_bytes, "payload")
+        self._held_bytes = 0
 
     # -- filling -------------------------------------------------------------
 
@@ -162,8 +195,10 @@ class Chunk:
         """Move ``param`` into the chunk: its data becomes a view of the payload."""
         if self.closed:
             raise ChunkStateError(f"{self.name} is closed; parameters go in before close().")
-        if param.dtype != self.dtype:
-            raise ValueError(f"{self.name} holds {self.dtype}; the parameter is {param.dtype}.")
+        if param.dtype != self.shard_dtype:
+            raise ValueError(
+                f"{self.name} holds {self.shard_dtype}; the parameter is {param.dtype}."
+            )
         numel = param.numel()
         if self.used + numel > self.size:
             raise ValueError(
@@ -189,21 +224,66 @@ class Chunk:
         mine = self.payload[lo : lo + self.shard_size]
         self.shard = mine.clone() if shard_on_device else self._move(mine, False)
         self.closed = True
+        self.shard_on_device = shard_on_device
         if release:
             self.release()
-        self.shard_on_device = shard_on_device
+        elif self.shard_dtype != self.dtype:  # the packing payload becomes a compute one
+            full = self.payload.to(self.dtype)
+            self._drop_payload()
+            self.payload = self._new_payload(self.dtype)
+            self.payload.copy_(full)
+            self._point_params()
         if shard_on_device:
             self._reserve(self.shard_bytes, "shard")
 
     # -- residency -------------------------------------------------------------
 
+    def _shard_part(self, slot: _Slot, tensor: torch.Tensor) -> torch.Tensor:
+        """The part of ``tensor`` (shard-sized) that lies inside ``slot``."""
+        lo = self.rank * self.shard_size
+        start = min(max(slot.offset, lo), lo + self.shard_size)
+        end = max(min(slot.offset + slot.numel, lo + self.shard_size), start)
+        return tensor[start - lo : end - lo]
+
+    def shard_parts(self) -> list[tuple[nn.Parameter, int, torch.Tensor]]:
+        """For each parameter: its flat start offset, and the part of this
+        rank's shard inside it ([Note: exposed shards]); parts may be empty."""
+        assert self.shard is not None
+        lo = self.rank * self.shard_size
+        return [
+            (slot.param, max(lo - slot.offset, 0), self._shard_part(slot, self.shard))
+            for slot in self.slots
+        ]
+
     def _point_params(self) -> None:
+        self._params_on_payload = self.payload is not None
         for slot in self.slots:
-            if self.payload is None:
-                slot.param.data = _empty(self.dtype, self.device)
-            else:
+            if self.payload is not None:
+                if self.expose_shard:
+                    slot.param.grad = None  # a full-shape view cannot keep a flat gradient
                 view = self.payload[slot.offset : slot.offset + slot.numel]
                 slot.param.data = view.view(slot.shape)
+            elif self.expose_shard and self.shard is not None:
+                slot.param.data = self._shard_part(slot, self.shard)
+                if self.grad_shard is not None:
+                    slot.param.grad = self._shard_part(slot, self.grad_shard)
+            else:
+                slot.param.data = _empty(self.dtype, self.device)
+
+    def _set_grads_aside(self) -> None:
+        """Before the first gather of a step: what the user did to the
+        exposed ``.grad`` decides what the gradient shard keeps."""
+        if not self.expose_shard or self._grads_set_aside:
+            return
+        self._grads_set_aside = True
+        if self.grad_shard is None:
+            return
+        dropped = [slot for slot in self.slots if slot.param.grad is None]
+        if len(dropped) == len(self.slots):
+            self.clear_grad()
+            return
+        for slot in dropped:
+            self._shard_part(slot, self.grad_shard).zero_()
 
     def _shard_for_compute(self) -> torch.Tensor:
         assert self.shard is not None
@@ -211,19 +291,38 @@ class Chunk:
             return self.shard
         return self.shard.to(self.device, non_blocking=True)
 
-    def gather(self) -> None:
-        """FREE -> HOLD: all-gather the shards into a full payload."""
+    def gather(self, *, async_op: bool = False) -> None:
+        """FREE -> HOLD: all-gather the shards into a full payload. With
+        ``async_op`` the all-gather is only started (a prefetch); the next
+        ``gather()``, ``access()`` or ``release()`` completes it."""
         self._need_closed("gather")
         if self.state is not ChunkState.FREE:
+            if not async_op:
+                self._finish_gather()
             return
-        self.payload = self._new_payload()
+        self._set_grads_aside()
+        self.payload = self._new_payload(self.dtype)
         shard = self._shard_for_compute()
+        if shard.dtype != self.dtype:
+            shard = shard.to(self.dtype)
+        self.state = ChunkState.HOLD
+        self.gathers += 1
         if self.comm is None:
             self.payload.copy_(shard)
         else:
-            self.comm.all_gather(self.payload, shard)
-        self._point_params()
-        self.state = ChunkState.HOLD
+            self._gathering = self.comm.all_gather(self.payload, shard, async_op=async_op)
+            self._gather_source = shard
+        if async_op:
+            return
+        self._finish_gather()
+
+    def _finish_gather(self) -> None:
+        if self._gathering is not None:
+            self._gathering.wait()
+            self._gathering = None
+        self._gather_source = None
+        if not self._params_on_payload:
+            self._point_params()
 
     def release(self) -> None:
         """HOLD / HOLD_AFTER_FWD -> FREE: drop the payload (the shard stays)."""
@@ -239,10 +338,14 @@ class Chunk:
                     else "its gradients are not reduced yet (call reduce_scatter_grads)."
                 )
             )
-        self.payload = None
-        self._free(self.payload_bytes, "payload")
+        if self._gathering is not None:  # a prefetch still writing into the payload
+            self._gathering.wait()
+            self._gathering = None
+            self._gather_source = None
+        self._drop_payload()
         self._point_params()
         self.state = ChunkState.FREE
+        self._grads_set_aside = False
 
     def access(self) -> None:
         """-> COMPUTE, gathering first if needed. Several operators may use
@@ -286,6 +389,8 @@ class Chunk:
         if not to_device:
             self._free(nbytes, "shard")
         self.shard_on_device = to_device
+        if self.payload is None and self.expose_shard:
+            self._point_params()  # the parameters view the moved shard
 
     def _move(self, tensor: torch.Tensor, to_device: bool) -> torch.Tensor:
         """Through the copy engine's pinned pool when there is one: host
@@ -329,15 +434,19 @@ class Chunk:
             self.comm.reduce_scatter(out, flat, op)
         del flat
         self._free(flat_bytes, "gradient buffer")
-        grad_shard = out.float()
-        if self.grad_shard is None and self.shard_on_device:
-            self._reserve(grad_shard.numel() * 4, "grad shard")
+        grad_shard = out if out.dtype == torch.float32 else out.float()
         if not self.shard_on_device:
             grad_shard = self._move(grad_shard, False)
-        self._drop(self.grad_shard)
-        self.grad_shard = grad_shard
+        if self.expose_shard and self.grad_shard is not None:  # accumulate
+            self.grad_shard.add_(grad_shard)
+            self._drop(grad_shard)
+        else:
+            if self.grad_shard is None and self.shard_on_device:
+                self._reserve(grad_shard.numel() * 4, "grad shard")
+            self._drop(self.grad_shard)
+            self.grad_shard = grad_shard
         self.state = ChunkState.HOLD
-        return grad_shard
+        return self.grad_shard
 
     def clear_grad(self) -> None:
         """Drop the gradient shard (after the optimizer consumed it)."""

@@ -20,6 +20,26 @@ into an fp32 shard and the payload is released. A callback at the end of
 backward finishes chunks some of whose parameters got no gradient. This is
 what ZeRO-3 does; pc-zero builds its optimizer on top.
 
+[Note: releasing and prefetching]
+A chunk is not released the moment a module's forward is done with it: it
+waits until the next module that does not need it starts (or the root
+module's forward ends), so the modules sharing a chunk (a block's attention
+and MLP) cost one gather, not one each. Inside backward nothing is released
+after a forward: that forward is activation-checkpoint recomputation, and
+backward needs the same chunk next; the chunk goes when its gradients are
+reduced. With ``reshard_after_forward=False`` chunks stay gathered from
+forward until their gradients are reduced (ZeRO-2-like). The first step
+records the order chunks are first needed in forward and in backward;
+later steps start the all-gather of the next chunk in that order while the
+current one computes (``prefetch``), when the budget has room for it.
+
+[Note: units]
+``units=[(module, params), ...]`` packs each unit's parameters into one
+chunk of exactly their size (rounded up to a multiple of the world size)
+and drives it from that module's hooks: FSDP's flat parameter per wrapped
+module. Without units, chunks are equal-sized and packed in execution
+order (Gemini).
+
 [Note: placement]
 ``StaticPlacement(shard_fraction, optim_fraction)`` keeps the shards of the
 first ``shard_fraction`` of the chunks (in execution order) on the device,
@@ -34,7 +54,7 @@ furthest ahead"; it does not yet look at where in the step we are).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -98,8 +118,28 @@ class StaticPlacement:
 @dataclass(frozen=True)
 class AutoPlacement:
     """Room made chunk by chunk from the tracer's non-model figures
+        [Note: releasing and prefetching]
+    A chunk is not released the moment a module's forward is done with it: it
+    waits until the next module that does not need it starts (or the root
+    module's forward ends), so the modules sharing a chunk (a block's attention
+    and MLP) cost one gather, not one each. Inside backward nothing is released
+    after a forward: that forward is activation-checkpoint recomputation, and
+    backward needs the same chunk next; the chunk goes when its gradients are
+    reduced. With ``reshard_after_forward=False`` chunks stay gathered from
+    forward until their gradients are reduced (ZeRO-2-like). The first step
+    records the order chunks are first needed in forward and in backward;
+    later steps start the all-gather of the next chunk in that order while the
+    current one computes (``prefetch``), when the budget has room for it.
+
+    [Note: units]
+    ``units=[(module, params), ...]`` packs each unit's parameters into one
+    chunk of exactly their size (rounded up to a multiple of the world size)
+    and drives it from that module's hooks: FSDP's flat parameter per wrapped
+    module. Without units, chunks are equal-sized and packed in execution
+    order (Gemini).
+
     [Note: placement]; ``non_model_bytes`` maps a module's qualified name
-    to the peak non-model memory recorded while it ran."""
+        to the peak non-model memory recorded while it ran."""
 
     non_model_bytes: dict[str, int] | None = None
     optim_on_host: bool = True
@@ -135,13 +175,56 @@ class ChunkManager:
         engine: CopyEngine | None = None,
         search_range: int = 64 * 1024 * 1024,
         min_chunk_size: int = 1024,
+        units: Sequence[tuple[nn.Module, Sequence[nn.Parameter]]] | None = None,
+        compute_dtype: torch.dtype | None = None,
+        expose_shards: bool = False,
+        reshard_after_forward: bool = True,
+        prefetch: bool = True,
     ) -> None:
         self.module = module
         self.comm = comm
         self.device = torch.device(device)
         self.budget = budget
         self.placement: Placement = placement if placement is not None else StaticPlacement()
+        self.reshard_after_forward = reshard_after_forward
+        self.prefetch = prefetch
         world = comm.world_size if comm is not None else 1
+        self._chunk_args: dict[str, Any] = {
+            "comm": comm,
+            "device": self.device,
+            "budget": budget,
+            "reduce_dtype": reduce_dtype,
+            "engine": engine,
+            "expose_shard": expose_shards,
+        }
+        self.compute_dtype = compute_dtype  # payload dtype; shards keep the parameters' own
+        self.chunks: list[Chunk] = []
+        self._index: dict[Chunk, int] = {}  # position in execution order
+        self._where: dict[nn.Parameter, Chunk] = {}
+        self._hooked: dict[nn.Module, list[Chunk]] = {}  # module -> chunks its hooks drive
+        self._init_driving()
+        if units is not None:
+            self.order = [p for _, params in units for p in params if p.requires_grad]
+            self.chunk_size = 0
+            self._expected_chunks = sum(1 for _, ps in units if any(p.requires_grad for p in ps))
+            for unit, params in units:
+                mine = [p for p in params if p.requires_grad]
+                if not mine:
+                    continue
+                dtypes = {p.dtype for p in mine}
+                if len(dtypes) > 1:
+                    raise ValueError(
+                        f"a unit's parameters must share one dtype; {type(unit).__name__} has "
+                        f"{sorted(str(d) for d in dtypes)}. Cast the module first."
+                    )
+                numel = sum(p.numel() for p in mine)
+                chunk = self._new_chunk(-(-numel // world) * world, mine[0].dtype)
+                for param in mine:
+                    chunk.append(param)
+                    self._where[param] = chunk
+                self._finish(chunk)
+                self._hooked[unit] = [chunk]
+            return
         self.order = [p for p in execution_order(module, *example_inputs) if p.requires_grad]
         if chunk_size is None:
             granularity = 64 * world
@@ -159,41 +242,53 @@ class ChunkManager:
                 "elements); pass chunk_size=None to search for one."
             )
         self.chunk_size = chunk_size
-        self.chunks: list[Chunk] = []
-        self._index: dict[Chunk, int] = {}  # position in execution order
         # Static placement needs the chunk count before packing ends; the
         # parameters' total estimates it.
         self._expected_chunks = -(-sum(p.numel() for p in self.order) // chunk_size)
-        self._where: dict[nn.Parameter, Chunk] = {}
         open_chunks: dict[torch.dtype, Chunk] = {}
         for param in self.order:
             chunk = open_chunks.get(param.dtype)
             if chunk is None or not chunk.can_fit(param):
                 if chunk is not None:
                     self._finish(chunk)
-                chunk = Chunk(
-                    chunk_size,
-                    param.dtype,
-                    comm=comm,
-                    device=self.device,
-                    budget=budget,
-                    reduce_dtype=reduce_dtype,
-                    engine=engine,
-                    name=f"chunk{len(self.chunks)}",
-                )
-                self._index[chunk] = len(self.chunks)
-                self.chunks.append(chunk)
+                chunk = self._new_chunk(chunk_size, param.dtype)
                 open_chunks[param.dtype] = chunk
             chunk.append(param)
             self._where[param] = chunk
         for chunk in open_chunks.values():
             self._finish(chunk)
+        for mod in module.modules():
+            found: dict[Chunk, None] = {}
+            for param in mod.parameters(recurse=False):
+                if param in self._where:
+                    found.setdefault(self._where[param], None)
+            if found:
+                self._hooked[mod] = list(found)
+
+    def _init_driving(self) -> None:
         self._hooks: list[Any] = []
         self._arrived: dict[Chunk, int] = {}
         self._callback_queued = False
         self._in_backward: set[nn.Module] = set()
-        self._module_names = {m: n for n, m in module.named_modules()}
+        self._module_names = {m: n for n, m in self.module.named_modules()}
         self._workspace = 0  # non-model bytes reserved for the running module (auto)
+        # [Note: releasing and prefetching]
+        self._pending_release: dict[Chunk, None] = {}
+        self._forward_order: list[Chunk] = []
+        self._backward_order: list[Chunk] = []
+        self._orders_recorded = False
+        self._seen_fwd: set[Chunk] = set()
+        self._seen_bwd: set[Chunk] = set()
+        self._positions: dict[int, dict[Chunk, int]] = {}
+
+    def _new_chunk(self, size: int, dtype: torch.dtype) -> Chunk:
+        compute = self.compute_dtype if self.compute_dtype is not None else dtype
+        chunk = Chunk(
+            size, compute, name=f"chunk{len(self.chunks)}", shard_dtype=dtype, **self._chunk_args
+        )
+        self._index[chunk] = len(self.chunks)
+        self.chunks.append(chunk)
+        return chunk
 
     def _finish(self, chunk: Chunk) -> None:
         # [Note: shards]: only the shard persists between uses.
@@ -251,21 +346,17 @@ class ChunkManager:
     # -- driving a step [Note: driving a step] ----------------------------------
 
     def _chunks_of(self, module: nn.Module) -> list[Chunk]:
-        found: dict[Chunk, None] = {}
-        for param in module.parameters(recurse=False):
-            if param in self._where:
-                found.setdefault(self._where[param], None)
-        return list(found)
+        return self._hooked.get(module, [])
 
     def attach(self) -> None:
         """Install the forward/backward hooks that drive the chunks."""
         if self._hooks:
             return
-        for module in self.module.modules():
-            if not self._chunks_of(module):
-                continue
+        for module in self._hooked:
             self._hooks.append(module.register_forward_pre_hook(self._pre_forward))
             self._hooks.append(module.register_forward_hook(self._post_forward))
+        if self.module not in self._hooked:
+            self._hooks.append(self.module.register_forward_hook(self._post_forward))
         for param in self._where:
             hook = param.register_post_accumulate_grad_hook(self._on_grad)  # type: ignore[no-untyped-call]
             self._hooks.append(hook)
@@ -275,24 +366,70 @@ class ChunkManager:
             hook.remove()
         self._hooks = []
 
+    @staticmethod
+    def _in_autograd() -> bool:
+        return torch._C._current_graph_task_id() != -1
+
     def _pre_forward(self, module: nn.Module, _args: Any) -> None:
         chunks = self._chunks_of(module)
+        for chunk in list(self._pending_release):  # [Note: releasing and prefetching]
+            if chunk not in chunks and chunk.users == 0:
+                chunk.release()
+            del self._pending_release[chunk]
         self._make_room(chunks, module)
         for chunk in chunks:
             chunk.access()
+        if self._in_autograd():
+            return  # recomputation inside backward: backward's order rules
+        self._record_and_prefetch(chunks, self._forward_order, self._seen_fwd)
+
+    def _record_and_prefetch(
+        self, chunks: list[Chunk], order: list[Chunk], seen: set[Chunk]
+    ) -> None:
+        if not self._orders_recorded:
+            for chunk in chunks:
+                if chunk not in seen:
+                    seen.add(chunk)
+                    order.append(chunk)
+            return
+        if not self.prefetch or not chunks:
+            return
+        positions = [self._position(order, c) for c in chunks]
+        nxt = max(positions) + 1
+        if 0 < nxt < len(order):
+            ahead = order[nxt]
+            if ahead.state is ChunkState.FREE and (
+                self.budget is None or self.budget.available_bytes >= 2 * ahead.payload_bytes
+            ):
+                ahead.gather(async_op=True)
+
+    def _position(self, order: list[Chunk], chunk: Chunk) -> int:
+        positions = self._positions.get(id(order))
+        if positions is None:
+            positions = {c: i for i, c in enumerate(order)}
+            self._positions[id(order)] = positions
+        return positions.get(chunk, -2)
 
     def _post_forward(self, module: nn.Module, _args: Any, out: Any) -> None:
         # The module's backward begins when the gradient of one of its
         # outputs is ready: a hook on those tensors (a full backward pre-hook
         # would warn, and misfire, when no input requires grad).
-        for tensor in tree_flatten(out)[0]:
-            if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
-                tensor.register_hook(lambda _g, m=module: self._pre_backward(m))  # type: ignore[no-untyped-call]
+        in_autograd = self._in_autograd()
+        if torch.is_grad_enabled() and not in_autograd:
+            for tensor in tree_flatten(out)[0]:
+                if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+                    tensor.register_hook(lambda _g, m=module: self._pre_backward(m))  # type: ignore[no-untyped-call]
         self._release_workspace()
+        keep = in_autograd or (torch.is_grad_enabled() and not self.reshard_after_forward)
         for chunk in self._chunks_of(module):
             chunk.done("forward")
-            if chunk.users == 0:
-                chunk.release()
+            if chunk.users == 0 and not keep:
+                self._pending_release[chunk] = None
+        if module is self.module and not in_autograd:  # the forward pass ends
+            for chunk in self._pending_release:
+                if chunk.users == 0:
+                    chunk.release()
+            self._pending_release.clear()
 
     def _pre_backward(self, module: nn.Module) -> None:
         if module in self._in_backward:
@@ -305,6 +442,7 @@ class ChunkManager:
         self._make_room(chunks, module)
         for chunk in chunks:
             chunk.access()
+        self._record_and_prefetch(chunks, self._backward_order, self._seen_bwd)
 
     def _on_grad(self, param: torch.Tensor) -> None:
         chunk = self._where[param]  # type: ignore[index]
@@ -328,6 +466,8 @@ class ChunkManager:
         self._arrived = {}
         self._callback_queued = False
         self._in_backward.clear()
+        self._pending_release.clear()
+        self._orders_recorded = True
 
     # -- optimizer side -------------------------------------------------------
 

@@ -13,10 +13,15 @@ defaults are Colossal-AI's; ``hysteresis=1`` gives torch's GradScaler rule.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["DynamicLossScaler", "LossScaleConfig"]
+import torch
+
+from pc_comm import Communicator, ReduceOp
+
+__all__ = ["DynamicLossScaler", "LossScaleConfig", "unscale_clip_and_check"]
 
 
 @dataclass(frozen=True)
@@ -45,6 +50,45 @@ class LossScaleConfig:
                 f"loss scale: growth_interval ({self.growth_interval}) and hysteresis "
                 f"({self.hysteresis}) must be at least 1."
             )
+
+
+def unscale_clip_and_check(
+    grads: list[torch.Tensor],
+    comm: Communicator,
+    scaler: DynamicLossScaler | None,
+    max_norm: float,
+    device: torch.device,
+) -> tuple[bool, float]:
+    """Unscaling, the overflow check (any rank) and global-norm clipping of
+    this rank's fp32 gradient shards, shared by every ZeRO stage: one norm
+    per tensor, one all-reduce of the sum of squares (on ``device``), then
+    one multiply per tensor. A non-finite gradient anywhere makes that sum
+    inf or NaN (squares of fp32 values cannot overflow fp64), so it is also
+    the overflow flag; on overflow the scaler backs off and nothing is
+    changed. Returns (step may proceed, unscaled global norm)."""
+    if scaler is None and max_norm == 0:
+        return True, math.nan
+    if grads:
+        norms = torch.stack([torch.linalg.vector_norm(g).to(device) for g in grads])
+        squares = norms.double().square().sum().reshape(1)
+    else:
+        squares = torch.zeros(1, dtype=torch.float64, device=device)
+    comm.all_reduce(squares, ReduceOp.SUM)
+    total = float(squares)
+    if scaler is not None and not math.isfinite(total):
+        scaler.update(True)
+        return False, math.inf
+    scale = scaler.scale if scaler is not None else 1.0
+    norm = math.sqrt(total) / scale
+    factor = 1.0 / scale
+    if max_norm > 0:
+        coef = max_norm / (norm + 1e-6)
+        if coef < 1.0:
+            factor *= coef
+    if factor != 1.0:
+        for grad in grads:
+            grad.mul_(factor)
+    return True, norm
 
 
 class DynamicLossScaler:

@@ -35,7 +35,6 @@ stages: the gradients live in the optimizer's buffers.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
@@ -48,7 +47,7 @@ from torch.optim import Optimizer
 from pc_comm import Communicator, Handle, ReduceOp, SymmetricAllocator, default_communicator
 from pc_offload import CPUAdam, CPUAdamW
 from pc_zero.layout import Bucket, Slot, plan_buckets
-from pc_zero.loss_scale import DynamicLossScaler, LossScaleConfig
+from pc_zero.loss_scale import DynamicLossScaler, LossScaleConfig, unscale_clip_and_check
 from pc_zero.memory import ModelStateMemory
 
 __all__ = ["LowLevelZeroOptimizer"]
@@ -456,30 +455,10 @@ class LowLevelZeroOptimizer(Optimizer):
         return self._grad_piece(b).to(self._master_device, torch.float32)
 
     def _checks_pass(self, grads: list[torch.Tensor]) -> bool:
-        """Unscaling, the overflow check (any rank) and global-norm clipping:
-        one norm per piece, one all-reduce of the sum of squares, then one
-        multiply per piece. A non-finite gradient anywhere makes that sum inf
-        or NaN (squares of fp32 values cannot overflow fp64), so it is also
-        the overflow flag."""
-        if self.scaler is None and self.clip_grad_norm == 0:
-            return True
-        norms = torch.stack([torch.linalg.vector_norm(g).to(self.device) for g in grads])
-        squares = norms.double().square().sum().reshape(1)
-        self.comm.all_reduce(squares, ReduceOp.SUM)
-        total = float(squares)
-        if self.scaler is not None and not math.isfinite(total):
-            self.scaler.update(True)
-            return False
-        scale = self.scaler.scale if self.scaler is not None else 1.0
-        factor = 1.0 / scale
-        if self.clip_grad_norm > 0:
-            coef = self.clip_grad_norm / (math.sqrt(total) / scale + 1e-6)
-            if coef < 1.0:
-                factor *= coef
-        if factor != 1.0:
-            for grad in grads:
-                grad.mul_(factor)
-        return True
+        ok, _ = unscale_clip_and_check(
+            grads, self.comm, self.scaler, self.clip_grad_norm, self.device
+        )
+        return ok
 
     def _gather_params(self) -> None:
         handles = []
