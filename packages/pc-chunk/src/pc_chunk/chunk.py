@@ -270,6 +270,11 @@ class Chunk:
             else:
                 slot.param.data = _empty(self.dtype, self.device)
 
+    def repoint(self) -> None:
+        """Point the parameters at the payload, or (released) at the shard
+        again, after something else borrowed them (``summon_full_params``)."""
+        self._point_params()
+
     def _set_grads_aside(self) -> None:
         """Before the first gather of a step: what the user did to the
         exposed ``.grad`` decides what the gradient shard keeps."""

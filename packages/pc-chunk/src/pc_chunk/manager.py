@@ -247,14 +247,14 @@ class ChunkManager:
         self._expected_chunks = -(-sum(p.numel() for p in self.order) // chunk_size)
         open_chunks: dict[torch.dtype, Chunk] = {}
         for param in self.order:
-            chunk = open_chunks.get(param.dtype)
-            if chunk is None or not chunk.can_fit(param):
-                if chunk is not None:
-                    self._finish(chunk)
-                chunk = self._new_chunk(chunk_size, param.dtype)
-                open_chunks[param.dtype] = chunk
-            chunk.append(param)
-            self._where[param] = chunk
+            current = open_chunks.get(param.dtype)
+            if current is None or not current.can_fit(param):
+                if current is not None:
+                    self._finish(current)
+                current = self._new_chunk(chunk_size, param.dtype)
+                open_chunks[param.dtype] = current
+            current.append(param)
+            self._where[param] = current
         for chunk in open_chunks.values():
             self._finish(chunk)
         for mod in module.modules():

@@ -1,10 +1,18 @@
-"""pc-zero: ZeRO-1/2 (`LowLevelZeroOptimizer`); ZeRO-3 / FSDP and the
-chunk-based Gemini come with issue 7."""
+"""pc-zero: ZeRO-1/2 (`LowLevelZeroOptimizer`), ZeRO-3 by wrapped units
+(`FullyShardedDataParallel`) and by chunks (`GeminiDDP`)."""
 
+from pc_zero.fsdp import (
+    FullyShardedDataParallel,
+    ModuleSizePolicy,
+    TransformerBlockPolicy,
+    size_based_auto_wrap_policy,
+    transformer_auto_wrap_policy,
+)
 from pc_zero.layout import Bucket, Slot, plan_buckets
-from pc_zero.loss_scale import DynamicLossScaler, LossScaleConfig
+from pc_zero.loss_scale import DynamicLossScaler, LossScaleConfig, unscale_clip_and_check
 from pc_zero.low_level_zero import LowLevelZeroOptimizer
 from pc_zero.memory import ModelStateMemory, zero_paper_bytes
+from pc_zero.sharded import MixedPrecision, ShardedModule
 from pc_zero.state import merge_sharded_state_dicts
 
 __version__ = "0.1.0"
@@ -12,11 +20,19 @@ __version__ = "0.1.0"
 __all__ = [
     "Bucket",
     "DynamicLossScaler",
+    "FullyShardedDataParallel",
     "LossScaleConfig",
     "LowLevelZeroOptimizer",
+    "MixedPrecision",
     "ModelStateMemory",
+    "ModuleSizePolicy",
+    "ShardedModule",
     "Slot",
+    "TransformerBlockPolicy",
     "merge_sharded_state_dicts",
     "plan_buckets",
+    "size_based_auto_wrap_policy",
+    "transformer_auto_wrap_policy",
+    "unscale_clip_and_check",
     "zero_paper_bytes",
 ]

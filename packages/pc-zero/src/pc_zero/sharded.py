@@ -1,0 +1,181 @@
+"""What ZeRO-3's two wrappers share: a module whose parameters live as
+shards in pc-chunk chunks, gathered around each use.
+
+[Note: ZeRO-3 parameters]
+Both :class:`~pc_zero.fsdp.FullyShardedDataParallel` (one chunk per wrapped
+unit) and :class:`~pc_zero.gemini.GeminiDDP` (equal chunks in execution
+order) hand their chunks to a :class:`~pc_chunk.ChunkManager` with exposed
+shards: between steps each parameter *is* this rank's part of it (a flat,
+possibly empty, fp32 tensor) and its ``.grad`` the matching part of the
+averaged gradient. So the optimizer is built after wrapping, from
+``model.parameters()``, with any param groups the user likes (by name, as
+in the unwrapped model), and it steps the shards in place. Element-wise
+optimizers (SGD, Adam, AdamW, ...) give exactly single-process results;
+ones that need a whole tensor (LAMB's per-tensor trust ratio, Shampoo) do
+not, as with torch FSDP's flat parameters. ``clip_grad_norm_`` all-reduces
+the norm. ``summon_full_params()`` shows the full fp32 values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map
+
+from pc_chunk import Chunk, ChunkManager, ChunkState
+from pc_comm import Communicator
+from pc_zero.loss_scale import unscale_clip_and_check
+from pc_zero.memory import ModelStateMemory
+
+__all__ = ["MixedPrecision", "ShardedModule"]
+
+
+@dataclass(frozen=True)
+class MixedPrecision:
+    """``param_dtype``: the dtype parameters are gathered in and compute
+    runs in (the fp32 shard stays the master); ``reduce_dtype``: the dtype
+    gradients are averaged in; ``cast_forward_inputs``: floating-point
+    inputs of the root forward are cast to ``param_dtype``."""
+
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype = torch.float32
+    cast_forward_inputs: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("param_dtype", "reduce_dtype"):
+            value = getattr(self, name)
+            if value is not None and not value.is_floating_point:
+                raise ValueError(f"MixedPrecision.{name} must be a floating dtype, got {value}.")
+
+
+def broadcast_module_states(module: nn.Module, comm: Communicator) -> None:
+    """Rank 0's parameters and buffers on every rank (``sync_module_states``)."""
+    with torch.no_grad():
+        for tensor in [*module.parameters(), *module.buffers()]:
+            comm.broadcast(tensor.data, 0)
+
+
+class ShardedModule(nn.Module):
+    """The module after wrapping [Note: ZeRO-3 parameters]. Subclasses
+    build the :class:`~pc_chunk.ChunkManager`."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        manager: ChunkManager,
+        comm: Communicator,
+        mixed_precision: MixedPrecision | None,
+    ) -> None:
+        super().__init__()
+        self.module = module
+        self.manager = manager  # owns the chunks and drives them from hooks
+        self.comm = comm
+        self.mixed_precision = mixed_precision
+        self._names = {p: n for n, p in module.named_parameters(remove_duplicate=False)}
+        manager.attach()
+
+    # -- running ---------------------------------------------------------------------------
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        mp = self.mixed_precision
+        if mp is not None and mp.param_dtype is not None and mp.cast_forward_inputs:
+            dtype = mp.param_dtype
+
+            def cast(x: Any) -> Any:
+                if isinstance(x, torch.Tensor) and x.is_floating_point():
+                    return x.to(dtype)
+                return x
+
+            args, kwargs = tree_map(cast, (args, kwargs))
+        return self.module(*args, **kwargs)
+
+    @property
+    def chunks(self) -> list[Chunk]:
+        return self.manager.chunks
+
+    def _check_idle(self, what: str) -> None:
+        busy = [c.name for c in self.chunks if c.state is not ChunkState.FREE]
+        if busy:
+            raise RuntimeError(
+                f"{what} needs every chunk released, but {busy} are gathered: call it "
+                "between steps, not inside forward or backward."
+            )
+
+    # -- gradients -------------------------------------------------------------------------
+
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        """Scale the gradient shards so the global norm is at most
+        ``max_norm``; returns the norm before clipping (all ranks agree)."""
+        grads = [c.grad_shard for c in self.chunks if c.grad_shard is not None]
+        device = self.manager.device
+        _, norm = unscale_clip_and_check(grads, self.comm, None, float(max_norm), device)
+        return norm
+
+    # -- full values -------------------------------------------------------------------------
+
+    @contextmanager
+    def summon_full_params(self, writeback: bool = True) -> Iterator[None]:
+        """Inside, every parameter holds its full value in the shard dtype
+        (fp32 masters); with ``writeback`` changes made inside are kept."""
+        self._check_idle("summon_full_params()")
+        fulls: list[torch.Tensor] = []
+        for chunk in self.chunks:
+            assert chunk.shard is not None
+            full = torch.empty(chunk.size, dtype=chunk.shard_dtype, device=chunk.device)
+            self.comm.all_gather(full, chunk.shard.to(chunk.device))
+            fulls.append(full)
+            for slot in chunk.slots:
+                slot.param.grad = None
+                slot.param.data = full[slot.offset : slot.offset + slot.numel].view(slot.shape)
+        try:
+            yield
+        finally:
+            for chunk, full in zip(self.chunks, fulls, strict=True):
+                assert chunk.shard is not None
+                if writeback:
+                    lo = chunk.rank * chunk.shard_size
+                    chunk.shard.copy_(full[lo : lo + chunk.shard_size])
+                chunk.repoint()
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The unwrapped module's state dict with full fp32 values, on every rank."""
+        with self.summon_full_params(writeback=False):
+            return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
+
+    def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Every rank keeps its shard of the full values in ``state_dict``."""
+        with self.summon_full_params(writeback=True):
+            self.module.load_state_dict(state_dict)
+
+    # -- accounting --------------------------------------------------------------------------
+
+    def memory(self, optimizer: torch.optim.Optimizer | None = None) -> ModelStateMemory:
+        """Model-state bytes this rank holds between steps: shards (the
+        fp32 masters), gradient shards and the optimizer's states."""
+        params = grads = host = 0
+        for chunk in self.chunks:
+            assert chunk.shard is not None
+            params += chunk.shard_bytes
+            host += chunk.shard_bytes if chunk.shard.device.type == "cpu" else 0
+            if chunk.grad_shard is not None:
+                nbytes = chunk.grad_shard.numel() * chunk.grad_shard.element_size()
+                grads += nbytes
+                host += nbytes if chunk.grad_shard.device.type == "cpu" else 0
+        states = 0
+        if optimizer is not None:
+            for state in optimizer.state.values():
+                for value in state.values():
+                    if isinstance(value, torch.Tensor) and value.numel() > 1:
+                        nbytes = value.numel() * value.element_size()
+                        states += nbytes
+                        host += nbytes if value.device.type == "cpu" else 0
+        # fp32 shards are the masters: counted once, as master.
+        return ModelStateMemory(0, grads, params, states, host)
+
+    def name_of(self, param: nn.Parameter) -> str:
+        return self._names[param]
