@@ -58,11 +58,11 @@ def check_parity(kind: str, name: str, checkpointing: bool, optim: str) -> None:
     for step in range(STEPS):
         inputs = batch(name, step, GLOBAL_BATCH)
         ref_loss = loss_of(reference, inputs)
-        ref_loss.backward()
+        ref_loss.backward()  # type: ignore[no-untyped-call]
         ref_opt.step()
         ref_opt.zero_grad()
         loss = loss_of(model, rank_slice(inputs, rank, world))
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]
         opt.step()
         opt.zero_grad()
         mean = loss.detach().clone()
@@ -76,7 +76,7 @@ def check_parity(kind: str, name: str, checkpointing: bool, optim: str) -> None:
             )
 
 
-CASES = {
+CASES: dict[str, list[object]] = {
     "kind": ["fsdp", "fsdp-keep"],
     "name": ["cnn", "gpt2", "llama", "bert"],
     "checkpointing": [False, True],

@@ -35,10 +35,7 @@ class TinyCNN(nn.Module):
 
     def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         for i, block in enumerate(self.blocks):
-            if self.checkpointing:
-                x = checkpoint(block, x, use_reentrant=False)
-            else:
-                x = block(x)
+            x = checkpoint(block, x, use_reentrant=False) if self.checkpointing else block(x)
             if i:
                 x = F.max_pool2d(x, 2)
         return F.cross_entropy(self.head(x.flatten(1)), labels)
