@@ -46,6 +46,13 @@ def _named(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     return [(n.removeprefix("module."), p) for n, p in model.named_parameters()]
 
 
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    def message(m: str) -> str:
+        return f"{what}: {m}"
+
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-6, msg=message)
+
+
 def check_parity(kind: str, name: str, checkpointing: bool, optim: str) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     reference = build(name, checkpointing)
@@ -71,9 +78,7 @@ def check_parity(kind: str, name: str, checkpointing: bool, optim: str) -> None:
     with model.summon_full_params():  # type: ignore[operator]
         ours = dict(_named(model))
         for n, p in _named(reference):
-            torch.testing.assert_close(
-                ours[n].detach(), p.detach(), rtol=1e-5, atol=1e-6, msg=lambda m, n=n: f"{n}: {m}"
-            )
+            assert_close(ours[n].detach(), p.detach(), n)
 
 
 CASES: dict[str, list[object]] = {
