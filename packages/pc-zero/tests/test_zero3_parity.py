@@ -21,7 +21,7 @@ from zero3_models import (
 )
 
 from pc_comm.testing import run_subtests
-from pc_zero import FullyShardedDataParallel, transformer_auto_wrap_policy
+from pc_zero import FullyShardedDataParallel, GeminiDDP, transformer_auto_wrap_policy
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -39,6 +39,11 @@ def _wrap(kind: str, model: nn.Module, name: str) -> nn.Module:
             auto_wrap_policy=transformer_auto_wrap_policy(block_classes(name)),
             reshard_after_forward=False,
         )
+    if kind == "gemini":  # about four chunks, so several gathers per step
+        sizes = [p.numel() for p in model.parameters()]
+        quantum = 64 * dist.get_world_size()
+        size = max(max(sizes), sum(sizes) // 4)
+        return GeminiDDP(model, chunk_size=-(-size // quantum) * quantum)
     raise ValueError(kind)
 
 
@@ -82,7 +87,7 @@ def check_parity(kind: str, name: str, checkpointing: bool, optim: str) -> None:
 
 
 CASES: dict[str, list[object]] = {
-    "kind": ["fsdp", "fsdp-keep"],
+    "kind": ["fsdp", "fsdp-keep", "gemini"],
     "name": ["cnn", "gpt2", "llama", "bert"],
     "checkpointing": [False, True],
     "optim": ["sgd"],

@@ -8,6 +8,7 @@ from pc_zero.fsdp import (
     size_based_auto_wrap_policy,
     transformer_auto_wrap_policy,
 )
+from pc_zero.gemini import GeminiDDP, GeminiOptimizer
 from pc_zero.layout import Bucket, Slot, plan_buckets
 from pc_zero.loss_scale import DynamicLossScaler, LossScaleConfig, unscale_clip_and_check
 from pc_zero.low_level_zero import LowLevelZeroOptimizer
@@ -21,6 +22,8 @@ __all__ = [
     "Bucket",
     "DynamicLossScaler",
     "FullyShardedDataParallel",
+    "GeminiDDP",
+    "GeminiOptimizer",
     "LossScaleConfig",
     "LowLevelZeroOptimizer",
     "MixedPrecision",
