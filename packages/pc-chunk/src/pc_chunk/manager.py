@@ -27,11 +27,14 @@ module's forward ends), so the modules sharing a chunk (a block's attention
 and MLP) cost one gather, not one each. Inside backward nothing is released
 after a forward: that forward is activation-checkpoint recomputation, and
 backward needs the same chunk next; the chunk goes when its gradients are
-reduced. With ``reshard_after_forward=False`` chunks stay gathered from
+reduced. A chunk a forward needs again after releasing it (a tied weight
+used by the first and the last module) is kept through later forwards.
+With ``reshard_after_forward=False`` chunks stay gathered from
 forward until their gradients are reduced (ZeRO-2-like). The first step
-records the order chunks are first needed in forward and in backward;
-later steps start the all-gather of the next chunk in that order while the
-current one computes (``prefetch``), when the budget has room for it.
+records the order in which chunks get gathered in forward and in backward
+(recomputation counts as backward); later steps follow that list with a
+cursor and start the all-gather of the next chunk on it while the current
+one computes (``prefetch``), when the budget has room for it.
 
 [Note: units]
 ``units=[(module, params), ...]`` packs each unit's parameters into one
@@ -118,28 +121,30 @@ class StaticPlacement:
 @dataclass(frozen=True)
 class AutoPlacement:
     """Room made chunk by chunk from the tracer's non-model figures
-        [Note: releasing and prefetching]
-    A chunk is not released the moment a module's forward is done with it: it
-    waits until the next module that does not need it starts (or the root
-    module's forward ends), so the modules sharing a chunk (a block's attention
-    and MLP) cost one gather, not one each. Inside backward nothing is released
-    after a forward: that forward is activation-checkpoint recomputation, and
-    backward needs the same chunk next; the chunk goes when its gradients are
-    reduced. With ``reshard_after_forward=False`` chunks stay gathered from
-    forward until their gradients are reduced (ZeRO-2-like). The first step
-    records the order chunks are first needed in forward and in backward;
-    later steps start the all-gather of the next chunk in that order while the
-    current one computes (``prefetch``), when the budget has room for it.
+            [Note: releasing and prefetching]
+        A chunk is not released the moment a module's forward is done with it: it
+        waits until the next module that does not need it starts (or the root
+        module's forward ends), so the modules sharing a chunk (a block's attention
+        and MLP) cost one gather, not one each. Inside backward nothing is released
+        after a forward: that forward is activation-checkpoint recomputation, and
+        backward needs the same chunk next; the chunk goes when its gradients are
+        reduced. A chunk a forward needs again after releasing it (a tied weight
+    used by the first and the last module) is kept through later forwards.
+    With ``reshard_after_forward=False`` chunks stay gathered from
+        forward until their gradients are reduced (ZeRO-2-like). The first step
+        records the order chunks are first needed in forward and in backward;
+        later steps start the all-gather of the next chunk in that order while the
+        current one computes (``prefetch``), when the budget has room for it.
 
-    [Note: units]
-    ``units=[(module, params), ...]`` packs each unit's parameters into one
-    chunk of exactly their size (rounded up to a multiple of the world size)
-    and drives it from that module's hooks: FSDP's flat parameter per wrapped
-    module. Without units, chunks are equal-sized and packed in execution
-    order (Gemini).
+        [Note: units]
+        ``units=[(module, params), ...]`` packs each unit's parameters into one
+        chunk of exactly their size (rounded up to a multiple of the world size)
+        and drives it from that module's hooks: FSDP's flat parameter per wrapped
+        module. Without units, chunks are equal-sized and packed in execution
+        order (Gemini).
 
-    [Note: placement]; ``non_model_bytes`` maps a module's qualified name
-        to the peak non-model memory recorded while it ran."""
+        [Note: placement]; ``non_model_bytes`` maps a module's qualified name
+            to the peak non-model memory recorded while it ran."""
 
     non_model_bytes: dict[str, int] | None = None
     optim_on_host: bool = True
@@ -274,12 +279,13 @@ class ChunkManager:
         self._workspace = 0  # non-model bytes reserved for the running module (auto)
         # [Note: releasing and prefetching]
         self._pending_release: dict[Chunk, None] = {}
-        self._forward_order: list[Chunk] = []
-        self._backward_order: list[Chunk] = []
+        self._events: tuple[list[Chunk], list[Chunk]] = ([], [])  # gathers: forward, backward
+        self._cursor = [0, 0]
         self._orders_recorded = False
-        self._seen_fwd: set[Chunk] = set()
-        self._seen_bwd: set[Chunk] = set()
-        self._positions: dict[int, dict[Chunk, int]] = {}
+        # Chunks a forward needed again after releasing them (a weight tied
+        # at both ends of the model): from then on kept until backward.
+        self._sticky: set[Chunk] = set()
+        self._used_this_forward: set[Chunk] = set()
 
     def _new_chunk(self, size: int, dtype: torch.dtype) -> Chunk:
         compute = self.compute_dtype if self.compute_dtype is not None else dtype
@@ -377,38 +383,37 @@ class ChunkManager:
                 chunk.release()
             del self._pending_release[chunk]
         self._make_room(chunks, module)
+        in_autograd = self._in_autograd()
+        gathered = [c for c in chunks if c.state is ChunkState.FREE]
         for chunk in chunks:
+            if not in_autograd:
+                if chunk in self._used_this_forward and chunk.state is ChunkState.FREE:
+                    self._sticky.add(chunk)  # used again later (tied weights): keep it
+                self._used_this_forward.add(chunk)
             chunk.access()
-        if self._in_autograd():
-            return  # recomputation inside backward: backward's order rules
-        self._record_and_prefetch(chunks, self._forward_order, self._seen_fwd)
+        # Recomputation inside backward follows backward's order.
+        self._advance(chunks, gathered, 1 if in_autograd else 0)
 
-    def _record_and_prefetch(
-        self, chunks: list[Chunk], order: list[Chunk], seen: set[Chunk]
-    ) -> None:
+    def _advance(self, chunks: list[Chunk], gathered: list[Chunk], phase: int) -> None:
+        """[Note: releasing and prefetching]: the first step records the
+        order chunks get gathered in (phase 0 forward, 1 backward); later
+        steps follow it with a cursor and start the next gather early."""
+        events = self._events[phase]
         if not self._orders_recorded:
-            for chunk in chunks:
-                if chunk not in seen:
-                    seen.add(chunk)
-                    order.append(chunk)
+            events.extend(gathered)
             return
-        if not self.prefetch or not chunks:
+        cursor = self._cursor[phase]
+        for chunk in chunks:
+            if cursor < len(events) and events[cursor] is chunk:
+                cursor += 1
+        self._cursor[phase] = cursor
+        if not self.prefetch or cursor >= len(events):
             return
-        positions = [self._position(order, c) for c in chunks]
-        nxt = max(positions) + 1
-        if 0 < nxt < len(order):
-            ahead = order[nxt]
-            if ahead.state is ChunkState.FREE and (
-                self.budget is None or self.budget.available_bytes >= 2 * ahead.payload_bytes
-            ):
-                ahead.gather(async_op=True)
-
-    def _position(self, order: list[Chunk], chunk: Chunk) -> int:
-        positions = self._positions.get(id(order))
-        if positions is None:
-            positions = {c: i for i, c in enumerate(order)}
-            self._positions[id(order)] = positions
-        return positions.get(chunk, -2)
+        ahead = events[cursor]
+        if ahead.state is ChunkState.FREE and (
+            self.budget is None or self.budget.available_bytes >= 2 * ahead.payload_bytes
+        ):
+            ahead.gather(async_op=True)
 
     def _post_forward(self, module: nn.Module, _args: Any, out: Any) -> None:
         # The module's backward begins when the gradient of one of its
@@ -423,13 +428,21 @@ class ChunkManager:
         keep = in_autograd or (torch.is_grad_enabled() and not self.reshard_after_forward)
         for chunk in self._chunks_of(module):
             chunk.done("forward")
-            if chunk.users == 0 and not keep:
+            if chunk.users == 0 and not keep and chunk not in self._sticky:
                 self._pending_release[chunk] = None
         if module is self.module and not in_autograd:  # the forward pass ends
             for chunk in self._pending_release:
                 if chunk.users == 0:
                     chunk.release()
             self._pending_release.clear()
+            self._used_this_forward.clear()
+            self._cursor[0] = 0
+            if not torch.is_grad_enabled():
+                if not self._orders_recorded:
+                    self._events[0].clear()  # record a training forward
+                for chunk in self._sticky:
+                    if chunk.users == 0:
+                        chunk.release()
 
     def _pre_backward(self, module: nn.Module) -> None:
         if module in self._in_backward:
@@ -440,9 +453,10 @@ class ChunkManager:
             self._callback_queued = True
         chunks = self._chunks_of(module)
         self._make_room(chunks, module)
+        gathered = [c for c in chunks if c.state is ChunkState.FREE]
         for chunk in chunks:
             chunk.access()
-        self._record_and_prefetch(chunks, self._backward_order, self._seen_bwd)
+        self._advance(chunks, gathered, 1)
 
     def _on_grad(self, param: torch.Tensor) -> None:
         chunk = self._where[param]  # type: ignore[index]
@@ -468,6 +482,7 @@ class ChunkManager:
         self._in_backward.clear()
         self._pending_release.clear()
         self._orders_recorded = True
+        self._cursor = [0, 0]
 
     # -- optimizer side -------------------------------------------------------
 

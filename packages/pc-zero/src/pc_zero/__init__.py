@@ -1,6 +1,7 @@
 """pc-zero: ZeRO-1/2 (`LowLevelZeroOptimizer`), ZeRO-3 by wrapped units
 (`FullyShardedDataParallel`) and by chunks (`GeminiDDP`)."""
 
+from pc_zero.checkpoint import load_sharded_checkpoint, save_sharded_checkpoint
 from pc_zero.fsdp import (
     FullyShardedDataParallel,
     ModuleSizePolicy,
@@ -32,8 +33,10 @@ __all__ = [
     "ShardedModule",
     "Slot",
     "TransformerBlockPolicy",
+    "load_sharded_checkpoint",
     "merge_sharded_state_dicts",
     "plan_buckets",
+    "save_sharded_checkpoint",
     "size_based_auto_wrap_policy",
     "transformer_auto_wrap_policy",
     "unscale_clip_and_check",
