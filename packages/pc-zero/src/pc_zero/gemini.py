@@ -95,10 +95,14 @@ class GeminiDDP(ShardedModule):
         world = comm.world_size
         order = [p for p in execution_order(module, *example_inputs) if p.requires_grad]
         if chunk_size is None:
+            # From min_chunk_size (never below the largest parameter, never
+            # above the whole model) up by search_range.
             largest = max(p.numel() for p in order)
-            chunk_size = search_chunk_size(
-                order, search_range, min(min_chunk_size, largest), 64 * world
-            ).chunk_size
+            total = sum(p.numel() for p in order)
+            low = max(largest, min(min_chunk_size, total))
+            quantum = 64 * world
+            low = -(-low // quantum) * quantum
+            chunk_size = search_chunk_size(order, search_range, low, quantum).chunk_size
         self.budget = DeviceBudget(device_budget_bytes) if device_budget_bytes is not None else None
         if placement_policy == "auto":
             assert device_budget_bytes is not None

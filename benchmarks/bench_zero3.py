@@ -1,0 +1,197 @@
+"""ZeRO-3 step time and per-rank model-state memory against its peers, side
+by side in one run.
+
+GPT-2 (6 layers, hidden 512, 8 heads, vocab 8192, sequence 256, batch 4 per
+rank, fp32, AdamW, one thread per rank, 2 ranks), the configuration of the
+DDP and ZeRO-1/2 benchmarks. Rows, sampled alternately:
+
+- single process (rank 0 alone; the others wait);
+- 2 processes, no communication (what sharing the machine costs);
+- pc FullyShardedDataParallel (a unit per GPT2Block) and pc GeminiDDP;
+- torch FSDP2 (``fully_shard`` per block and on the root, gloo);
+- DeepSpeed ZeRO stage 3 (gloo, CPU accelerator), when deepspeed imports
+  in this environment (`nox -s bench` installs it).
+
+Memory: model-state bytes per rank after a step (parameters or shards,
+gradients, optimizer states), counted from the tensors each one holds.
+
+    python benchmarks/bench_zero3.py [--iters 6]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from _common import alternate, median_max, print_step_table, step_gpt2
+from torch import nn
+
+from pc_comm.testing import spawn
+from pc_zero import FullyShardedDataParallel, GeminiDDP, transformer_auto_wrap_policy
+
+RESULTS = Path(__file__).resolve().parent.parent / "bench-results"
+Step = Callable[[], None]
+
+
+def _batch(seed: int) -> torch.Tensor:
+    return torch.randint(0, 8192, (4, 256), generator=torch.Generator().manual_seed(seed))
+
+
+def _loop(model: nn.Module, opt: torch.optim.Optimizer, seed: int) -> Step:
+    batch = _batch(seed)
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        model(input_ids=batch, labels=batch).loss.backward()
+        opt.step()
+
+    return step
+
+
+def _local_bytes(tensors: list[torch.Tensor]) -> int:
+    total = 0
+    for t in tensors:
+        local = t.to_local() if hasattr(t, "to_local") else t
+        total += local.numel() * local.element_size()
+    return total
+
+
+def _states(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [
+        v
+        for s in opt.state.values()
+        for v in s.values()
+        if isinstance(v, torch.Tensor) and v.dim() > 0
+    ]
+
+
+def _block() -> type[nn.Module]:
+    import transformers.models.gpt2.modeling_gpt2 as gpt2
+
+    return gpt2.GPT2Block
+
+
+def _ours(kind: str, seed: int) -> tuple[Step, Callable[[], int]]:
+    model = step_gpt2()
+    wrapped: FullyShardedDataParallel | GeminiDDP
+    if kind == "fsdp":
+        wrapped = FullyShardedDataParallel(
+            model, auto_wrap_policy=transformer_auto_wrap_policy({_block()})
+        )
+    else:
+        wrapped = GeminiDDP(model, min_chunk_size=1 << 20, search_range=1 << 21)
+    opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-4)
+    return _loop(wrapped, opt, seed), lambda: wrapped.memory(opt).total
+
+
+def _fsdp2(seed: int) -> tuple[Step, Callable[[], int]]:
+    from torch.distributed.fsdp import fully_shard
+
+    model = step_gpt2()
+    for module in model.modules():
+        if isinstance(module, _block()):
+            fully_shard(module)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def memory() -> int:
+        params = list(model.parameters())
+        grads = [p.grad for p in params if p.grad is not None]
+        return _local_bytes(params) + _local_bytes(grads) + _local_bytes(_states(opt))
+
+    return _loop(model, opt, seed), memory
+
+
+def _deepspeed(seed: int) -> tuple[Step, Callable[[], int]] | None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    os.environ.update(DS_ACCELERATOR="cpu", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    try:
+        import deepspeed  # type: ignore[import-not-found, unused-ignore]
+    except ImportError:
+        return None
+    model = step_gpt2()
+    config = {
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": 3},
+        "steps_per_print": 10**9,
+    }
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    batch = _batch(seed)
+
+    def step() -> None:
+        loss = engine(input_ids=batch, labels=batch).loss
+        engine.backward(loss)
+        engine.step()
+
+    def memory() -> int:
+        inner = engine.optimizer
+        shards = getattr(inner, "fp32_partitioned_groups_flat", [])
+        params = [p.ds_tensor for p in model.parameters() if hasattr(p, "ds_tensor")]
+        grads = getattr(inner, "fp32_partitioned_groups_flat_grad", None) or []
+        return (
+            _local_bytes(params)
+            + _local_bytes(list(shards))
+            + _local_bytes(list(grads))
+            + _local_bytes(_states(inner.optimizer))
+        )
+
+    return step, memory
+
+
+def _steps(iters: int, out: str) -> None:
+    torch.set_num_threads(1)
+    rank = dist.get_rank()
+    model = step_gpt2()
+    alone = _loop(model, torch.optim.AdamW(model.parameters(), lr=1e-4), rank)
+    steps: dict[str, Step] = {
+        "single process": alone if rank == 0 else lambda: None,
+        "2 processes, no communication": alone,
+    }
+    memories: dict[str, Callable[[], int]] = {}
+    peers: dict[str, tuple[Step, Callable[[], int]] | None] = {
+        "pc FullyShardedDataParallel": _ours("fsdp", rank),
+        "pc GeminiDDP": _ours("gemini", rank),
+        "torch FSDP2 fully_shard (gloo)": _fsdp2(rank),
+        "DeepSpeed ZeRO-3 (gloo)": _deepspeed(rank),
+    }
+    for name, entry in peers.items():
+        if entry is not None:
+            steps[name], memories[name] = entry
+    for fn in steps.values():
+        fn()  # warm-up: optimizer states exist from here on
+    samples = alternate(steps, iters, sync=True)
+    times = {
+        name: statistics.median(s) if name == "single process" else median_max(s)
+        for name, s in samples.items()
+    }
+    sizes = {name: float(fn()) for name, fn in memories.items()}
+    if rank == 0:
+        Path(out).write_text(json.dumps({"times": times, "memory": sizes}))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--iters", type=int, default=6)
+    args = parser.parse_args()
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    RESULTS.mkdir(exist_ok=True)
+    out = RESULTS / "zero3_step.json"
+    spawn(_steps, 2, args=(args.iters, str(out)), timeout=3000)
+    result = json.loads(out.read_text())
+    title = "ZeRO-3 step, GPT-2 6x512, batch 4x256 per rank, fp32 AdamW, 2 ranks, 1 thread each"
+    print_step_table(title, result["times"])
+    print("\n| | model states per rank (MB) |\n|---|---:|")
+    for name, nbytes in result["memory"].items():
+        print(f"| {name} | {nbytes / 2**20:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
