@@ -24,7 +24,7 @@ import argparse
 import json
 import os
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -54,7 +54,7 @@ def _loop(model: nn.Module, opt: torch.optim.Optimizer, seed: int) -> Step:
     return step
 
 
-def _local_bytes(tensors: list[torch.Tensor]) -> int:
+def _local_bytes(tensors: Sequence[torch.Tensor]) -> int:
     total = 0
     for t in tensors:
         local = t.to_local() if hasattr(t, "to_local") else t
@@ -74,7 +74,8 @@ def _states(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
 def _block() -> type[nn.Module]:
     import transformers.models.gpt2.modeling_gpt2 as gpt2
 
-    return gpt2.GPT2Block
+    block: type[nn.Module] = gpt2.GPT2Block
+    return block
 
 
 def _ours(kind: str, seed: int) -> tuple[Step, Callable[[], int]]:
