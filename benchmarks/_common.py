@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -69,3 +71,33 @@ def print_step_table(title: str, times: Mapping[str, float]) -> None:
     print("|---|---:|---:|")
     for name, seconds in times.items():
         print(f"| {name} | {seconds:.3f} | {seconds / single:.3f} |")
+
+
+def deepspeed_gpt2(
+    zero_config: dict[str, Any], batch: torch.Tensor
+) -> tuple[Callable[[], None], Any, nn.Module] | None:
+    """A DeepSpeed engine (CPU accelerator, gloo) over ``step_gpt2()`` with
+    AdamW and the given ``zero_optimization`` settings: its training step,
+    the engine and the model; None when deepspeed does not import here."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    os.environ.update(DS_ACCELERATOR="cpu", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    try:
+        import deepspeed  # type: ignore[import-not-found, unused-ignore]
+    except ImportError:
+        return None
+    model = step_gpt2()
+    config = {
+        "train_micro_batch_size_per_gpu": batch.shape[0],
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": zero_config,
+        "steps_per_print": 10**9,
+    }
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+
+    def step() -> None:
+        loss = engine(input_ids=batch, labels=batch).loss
+        engine.backward(loss)
+        engine.step()
+
+    return step, engine, model

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from _common import alternate, median_max, print_step_table, step_gpt2
+from _common import alternate, deepspeed_gpt2, median_max, print_step_table, step_gpt2
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from pc_comm.testing import spawn
@@ -75,29 +75,8 @@ def _torch_zero(seed: int) -> Callable[[], None]:
 
 
 def _deepspeed(stage: int, seed: int) -> Callable[[], None] | None:
-    rank, world = dist.get_rank(), dist.get_world_size()
-    os.environ.update(DS_ACCELERATOR="cpu", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
-    try:
-        import deepspeed  # type: ignore[import-not-found, unused-ignore]
-    except ImportError:
-        return None
-    model = step_gpt2()
-    config = {
-        "train_micro_batch_size_per_gpu": 4,
-        "gradient_accumulation_steps": 1,
-        "zero_optimization": {"stage": stage, "reduce_bucket_size": 2**22},
-        "steps_per_print": 10**9,
-    }
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
-    batch = _batch(seed)
-
-    def step() -> None:
-        loss = engine(input_ids=batch, labels=batch).loss
-        engine.backward(loss)
-        engine.step()
-
-    return step
+    found = deepspeed_gpt2({"stage": stage, "reduce_bucket_size": 2**22}, _batch(seed))
+    return found[0] if found is not None else None
 
 
 def _steps(iters: int, out: str) -> None:

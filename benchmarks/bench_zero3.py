@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from _common import alternate, median_max, print_step_table, step_gpt2
+from _common import alternate, deepspeed_gpt2, median_max, print_step_table, step_gpt2
 from torch import nn
 
 from pc_comm.testing import spawn
@@ -110,27 +110,10 @@ def _fsdp2(seed: int) -> tuple[Step, Callable[[], int]]:
 
 
 def _deepspeed(seed: int) -> tuple[Step, Callable[[], int]] | None:
-    rank, world = dist.get_rank(), dist.get_world_size()
-    os.environ.update(DS_ACCELERATOR="cpu", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
-    try:
-        import deepspeed  # type: ignore[import-not-found, unused-ignore]
-    except ImportError:
+    found = deepspeed_gpt2({"stage": 3}, _batch(seed))
+    if found is None:
         return None
-    model = step_gpt2()
-    config = {
-        "train_micro_batch_size_per_gpu": 4,
-        "gradient_accumulation_steps": 1,
-        "zero_optimization": {"stage": 3},
-        "steps_per_print": 10**9,
-    }
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
-    batch = _batch(seed)
-
-    def step() -> None:
-        loss = engine(input_ids=batch, labels=batch).loss
-        engine.backward(loss)
-        engine.step()
+    step, engine, model = found
 
     def memory() -> int:
         inner = engine.optimizer

@@ -121,30 +121,8 @@ class StaticPlacement:
 @dataclass(frozen=True)
 class AutoPlacement:
     """Room made chunk by chunk from the tracer's non-model figures
-            [Note: releasing and prefetching]
-        A chunk is not released the moment a module's forward is done with it: it
-        waits until the next module that does not need it starts (or the root
-        module's forward ends), so the modules sharing a chunk (a block's attention
-        and MLP) cost one gather, not one each. Inside backward nothing is released
-        after a forward: that forward is activation-checkpoint recomputation, and
-        backward needs the same chunk next; the chunk goes when its gradients are
-        reduced. A chunk a forward needs again after releasing it (a tied weight
-    used by the first and the last module) is kept through later forwards.
-    With ``reshard_after_forward=False`` chunks stay gathered from
-        forward until their gradients are reduced (ZeRO-2-like). The first step
-        records the order chunks are first needed in forward and in backward;
-        later steps start the all-gather of the next chunk in that order while the
-        current one computes (``prefetch``), when the budget has room for it.
-
-        [Note: units]
-        ``units=[(module, params), ...]`` packs each unit's parameters into one
-        chunk of exactly their size (rounded up to a multiple of the world size)
-        and drives it from that module's hooks: FSDP's flat parameter per wrapped
-        module. Without units, chunks are equal-sized and packed in execution
-        order (Gemini).
-
-        [Note: placement]; ``non_model_bytes`` maps a module's qualified name
-            to the peak non-model memory recorded while it ran."""
+    [Note: placement]; ``non_model_bytes`` maps a module's qualified name
+    to the peak non-model memory recorded while it ran."""
 
     non_model_bytes: dict[str, int] | None = None
     optim_on_host: bool = True

@@ -117,17 +117,20 @@ def load_sharded_checkpoint(
                 request[key] = torch.empty(meta.size, dtype=meta.properties.dtype)
             else:
                 request[key] = b""  # an object: DCP fills it in
+    optim_bases: dict[str, list[str]] = {}  # parameter name -> its saved state keys
+    for base in saved:
+        if base.startswith("optim::"):
+            optim_bases.setdefault(base.split("::")[1], []).append(base)
     targets: list[tuple[torch.Tensor, int, str]] = []  # (destination, its start, base key)
     parts = _parts(model)
     for name, param, start, part in parts:
         targets.append((part, start, f"model::{name}"))
         if optimizer is not None:
-            for base in saved:
-                if base.startswith(f"optim::{name}::"):
-                    state = optimizer.state.setdefault(param, {})
-                    key = base.rsplit("::", 1)[1]
-                    state[key] = torch.zeros_like(part)
-                    targets.append((state[key], start, base))
+            for base in optim_bases.get(name, []):
+                state = optimizer.state.setdefault(param, {})
+                key = base.rsplit("::", 1)[1]
+                state[key] = torch.zeros_like(part)
+                targets.append((state[key], start, base))
     missing = [base for dest, start, base in targets if base not in saved and dest.numel()]
     if any(m.startswith("model::") for m in missing):
         raise KeyError(

@@ -26,9 +26,9 @@ import torch.distributed as dist
 from torch import nn
 
 from pc_chunk import ChunkManager, StaticPlacement
-from pc_comm import Communicator, default_communicator
+from pc_comm import Communicator
 from pc_offload import CopyEngine, PinnedPool
-from pc_zero.sharded import MixedPrecision, ShardedModule, broadcast_module_states
+from pc_zero.sharded import MixedPrecision, ShardedModule, prepare_module
 
 __all__ = [
     "FullyShardedDataParallel",
@@ -137,14 +137,9 @@ class FullyShardedDataParallel(ShardedModule):
         forward_prefetch: bool = True,
         comm: Communicator | None = None,
     ) -> None:
-        comm = comm if comm is not None else default_communicator(process_group)
-        first = next(module.parameters(), None)
-        if first is None:
-            raise ValueError("FullyShardedDataParallel: the module has no parameters.")
-        device = torch.device(device) if device is not None else first.device
-        module.to(device)
-        if sync_module_states:
-            broadcast_module_states(module, comm)
+        comm, device = prepare_module(
+            module, "FullyShardedDataParallel", comm, process_group, device, sync_module_states
+        )
         units = find_units(module, auto_wrap_policy)
         mp = mixed_precision
         manager = ChunkManager(

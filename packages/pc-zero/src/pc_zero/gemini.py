@@ -37,10 +37,10 @@ from torch.optim import Optimizer
 
 from pc_chunk import ChunkManager, DeviceBudget, MemoryTracer, StaticPlacement, search_chunk_size
 from pc_chunk.manager import execution_order
-from pc_comm import Communicator, default_communicator
+from pc_comm import Communicator
 from pc_offload import CopyEngine, PinnedPool
 from pc_zero.loss_scale import DynamicLossScaler, LossScaleConfig, unscale_clip_and_check
-from pc_zero.sharded import MixedPrecision, ShardedModule, broadcast_module_states
+from pc_zero.sharded import MixedPrecision, ShardedModule, prepare_module
 
 __all__ = ["GeminiDDP", "GeminiOptimizer"]
 
@@ -84,14 +84,9 @@ class GeminiDDP(ShardedModule):
             )
         if not 0.0 <= offload_param_frac <= 1.0:
             raise ValueError(f"offload_param_frac must be in [0, 1], got {offload_param_frac}.")
-        comm = comm if comm is not None else default_communicator(process_group)
-        first = next(module.parameters(), None)
-        if first is None:
-            raise ValueError("GeminiDDP: the module has no parameters.")
-        device = torch.device(device) if device is not None else first.device
-        module.to(device)
-        if sync_module_states:
-            broadcast_module_states(module, comm)
+        comm, device = prepare_module(
+            module, "GeminiDDP", comm, process_group, device, sync_module_states
+        )
         world = comm.world_size
         order = [p for p in execution_order(module, *example_inputs) if p.requires_grad]
         if chunk_size is None:
@@ -204,9 +199,13 @@ class GeminiOptimizer(Optimizer):
         budget = module.manager.budget
         if budget is None:
             return
-        per_element = _STATE_BYTES if "betas" in self.inner.defaults else 4
-        if not self.inner.defaults.get("momentum", 1.0) and "betas" not in self.inner.defaults:
+        defaults = self.inner.defaults
+        if "betas" in defaults:  # Adam family: momentum and variance
+            per_element = _STATE_BYTES
+        elif defaults.get("momentum") == 0:  # plain SGD keeps nothing
             per_element = 0
+        else:  # one state (SGD momentum, Adagrad's sum, ...)
+            per_element = 4
         elements = sum(c.shard_size for c in module.chunks if c.shard_on_device)
         budget.reserve(elements * per_element, "optimizer states")
 

@@ -24,11 +24,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_map
 
 from pc_chunk import Chunk, ChunkManager, ChunkState
-from pc_comm import Communicator
+from pc_comm import Communicator, default_communicator
 from pc_zero.loss_scale import unscale_clip_and_check
 from pc_zero.memory import ModelStateMemory
 
@@ -53,11 +54,28 @@ class MixedPrecision:
                 raise ValueError(f"MixedPrecision.{name} must be a floating dtype, got {value}.")
 
 
-def broadcast_module_states(module: nn.Module, comm: Communicator) -> None:
-    """Rank 0's parameters and buffers on every rank (``sync_module_states``)."""
-    with torch.no_grad():
-        for tensor in [*module.parameters(), *module.buffers()]:
-            comm.broadcast(tensor.data, 0)
+def prepare_module(
+    module: nn.Module,
+    wrapper: str,
+    comm: Communicator | None,
+    process_group: dist.ProcessGroup | None,
+    device: torch.device | str | None,
+    sync_module_states: bool,
+) -> tuple[Communicator, torch.device]:
+    """What both wrappers do first: pick the communicator, move the module
+    to ``device`` (default: where its parameters are) and, with
+    ``sync_module_states``, copy rank 0's parameters and buffers to every rank."""
+    comm = comm if comm is not None else default_communicator(process_group)
+    first = next(module.parameters(), None)
+    if first is None:
+        raise ValueError(f"{wrapper}: the module has no parameters.")
+    target = torch.device(device) if device is not None else first.device
+    module.to(target)
+    if sync_module_states:
+        with torch.no_grad():
+            for tensor in [*module.parameters(), *module.buffers()]:
+                comm.broadcast(tensor.data, 0)
+    return comm, target
 
 
 class ShardedModule(nn.Module):
