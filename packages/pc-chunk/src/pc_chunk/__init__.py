@@ -5,9 +5,10 @@ a memory tracer."""
 
 from pc_chunk.budget import BudgetExceededError, DeviceBudget
 from pc_chunk.chunk import Chunk, ChunkState, ChunkStateError
+from pc_chunk.lazy import LazyInitContext, is_lazy, materialize, materialize_, materialize_module
 from pc_chunk.manager import AutoPlacement, ChunkManager, StaticPlacement, execution_order
 from pc_chunk.search import ChunkSizeResult, packing_waste, search_chunk_size
-from pc_chunk.tracer import MemoryTracer, OpRecord
+from pc_chunk.tracer import MemoryTracer, OpRecord, measure_peak
 
 __version__ = "0.1.0"
 
@@ -20,10 +21,16 @@ __all__ = [
     "ChunkState",
     "ChunkStateError",
     "DeviceBudget",
+    "LazyInitContext",
     "MemoryTracer",
     "OpRecord",
     "StaticPlacement",
     "execution_order",
+    "is_lazy",
+    "materialize",
+    "materialize_",
+    "materialize_module",
+    "measure_peak",
     "packing_waste",
     "search_chunk_size",
 ]

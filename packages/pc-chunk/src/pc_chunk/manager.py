@@ -43,6 +43,16 @@ and drives it from that module's hooks: FSDP's flat parameter per wrapped
 module. Without units, chunks are equal-sized and packed in execution
 order (Gemini).
 
+[Note: lazy parameters]
+A parameter built inside :class:`~pc_chunk.lazy.LazyInitContext` is a
+meta tensor until its chunk is packed: then, and only then, it is
+materialised (``init_param``, by default :func:`~pc_chunk.lazy.materialize_`
+on the manager's device), copied into the chunk and, once the chunk is
+closed, only its shard remains. So the peak while packing is the shards so
+far, one chunk's payload and one parameter, never the model. Without
+example inputs (a lazy model cannot run a forward) the order is module
+order.
+
 [Note: placement]
 ``StaticPlacement(shard_fraction, optim_fraction)`` keeps the shards of the
 first ``shard_fraction`` of the chunks (in execution order) on the device,
@@ -68,6 +78,7 @@ from torch.utils.hooks import RemovableHandle
 
 from pc_chunk.budget import DeviceBudget
 from pc_chunk.chunk import Chunk, ChunkState
+from pc_chunk.lazy import is_lazy, materialize_
 from pc_chunk.search import search_chunk_size
 from pc_comm import Communicator
 from pc_offload import CopyEngine
@@ -79,6 +90,12 @@ def execution_order(module: nn.Module, *args: Any, **kwargs: Any) -> list[nn.Par
     """The module's parameters in order of first use [Note: execution order]."""
     seen: dict[nn.Parameter, None] = {}
     handles: list[RemovableHandle] = []
+    if (args or kwargs) and any(is_lazy(p) for p in module.parameters()):
+        raise ValueError(
+            "execution_order: the module was built lazily (LazyInitContext), so it cannot run "
+            "a forward on example inputs yet; drop the example inputs (module order is used) "
+            "or materialise the module first (pc_chunk.materialize_module)."
+        )
 
     def record(mod: nn.Module, _args: Any) -> None:
         for param in mod.parameters(recurse=False):
@@ -163,8 +180,11 @@ class ChunkManager:
         expose_shards: bool = False,
         reshard_after_forward: bool = True,
         prefetch: bool = True,
+        init_param: Callable[[nn.Parameter], None] | None = None,
     ) -> None:
         self.module = module
+        # [Note: lazy parameters]
+        self._init_param = init_param if init_param is not None else self._materialize
         self.comm = comm
         self.device = torch.device(device)
         self.budget = budget
@@ -203,6 +223,7 @@ class ChunkManager:
                 numel = sum(p.numel() for p in mine)
                 chunk = self._new_chunk(-(-numel // world) * world, mine[0].dtype)
                 for param in mine:
+                    self._init_param(param)
                     chunk.append(param)
                     self._where[param] = chunk
                 self._finish(chunk)
@@ -236,6 +257,7 @@ class ChunkManager:
                     self._finish(current)
                 current = self._new_chunk(chunk_size, param.dtype)
                 open_chunks[param.dtype] = current
+            self._init_param(param)
             current.append(param)
             self._where[param] = current
         for chunk in open_chunks.values():
@@ -247,6 +269,10 @@ class ChunkManager:
                     found.setdefault(self._where[param], None)
             if found:
                 self._hooked[mod] = list(found)
+
+    def _materialize(self, param: nn.Parameter) -> None:
+        if is_lazy(param):
+            materialize_(param, self.device)
 
     def _init_driving(self) -> None:
         self._hooks: list[Any] = []

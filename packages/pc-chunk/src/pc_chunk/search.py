@@ -81,6 +81,10 @@ def search_chunk_size(
             f"the largest parameter ({largest} elements); raise search_range to at least "
             f"{low - min_chunk_size}."
         )
+    # A size that holds everything in one chunk wastes more the larger it
+    # is, so nothing above the total (rounded up) can win.
+    total = sum(sizes)
+    high = min(high, max(low, -(-total // granularity) * granularity))
     candidates = torch.arange(low, high + 1, granularity, dtype=torch.int64)
     fill = candidates.clone()  # a full "previous chunk" forces the first one open
     chunks = torch.zeros_like(candidates)
@@ -88,7 +92,6 @@ def search_chunk_size(
         opens = fill + size > candidates
         chunks += opens
         fill = torch.where(opens, size, fill + size)
-    total = sum(sizes)
     waste = chunks * candidates - total
     best = int(torch.argmin(waste))  # argmin returns the first minimum: the smallest size
     return ChunkSizeResult(

@@ -40,7 +40,7 @@ import torch
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
-__all__ = ["MemoryTracer", "OpRecord"]
+__all__ = ["MemoryTracer", "OpRecord", "measure_peak"]
 
 T = TypeVar("T")
 
@@ -255,3 +255,33 @@ class MemoryTracer:
         for record in self.records:
             totals[record.op] = totals.get(record.op, 0) + record.allocated_bytes
         return totals
+
+
+def measure_peak(fn: Callable[[], T], device: torch.device | str = "cpu") -> tuple[T, int]:
+    """Run ``fn`` and return its result and the peak bytes allocated on
+    ``device`` above the level when it started, as the allocator reported
+    them to the profiler (every tensor, not only the ones a module owns)."""
+    device = torch.device(device)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        result = fn()
+    results = prof.profiler.kineto_results if prof.profiler is not None else None
+    if results is None:
+        raise RuntimeError("measure_peak: the profiler returned no results")
+    events: list[tuple[int, int, int]] = []
+    stack = list(results.experimental_event_tree())
+    while stack:
+        event = stack.pop()
+        if str(event.tag).endswith("Allocation"):
+            fields = event.extra_fields
+            if fields.device.type == device.type and (
+                device.index is None or fields.device.index == device.index
+            ):
+                events.append(
+                    (int(event.start_time_ns), int(fields.alloc_size), int(fields.total_allocated))
+                )
+        stack.extend(event.children)
+    if not events:
+        return result, 0
+    events.sort()
+    base = events[0][2] - events[0][1]
+    return result, max(0, max(total for _, _, total in events) - base)

@@ -137,7 +137,7 @@ class FullyShardedDataParallel(ShardedModule):
         forward_prefetch: bool = True,
         comm: Communicator | None = None,
     ) -> None:
-        comm, device = prepare_module(
+        comm, device, init_param = prepare_module(
             module, "FullyShardedDataParallel", comm, process_group, device, sync_module_states
         )
         units = find_units(module, auto_wrap_policy)
@@ -154,6 +154,7 @@ class FullyShardedDataParallel(ShardedModule):
             expose_shards=True,
             reshard_after_forward=reshard_after_forward,
             prefetch=forward_prefetch,
+            init_param=init_param,
         )
         super().__init__(module, manager, comm, mixed_precision)
         self.units = [unit for unit, _ in units]

@@ -84,7 +84,7 @@ class GeminiDDP(ShardedModule):
             )
         if not 0.0 <= offload_param_frac <= 1.0:
             raise ValueError(f"offload_param_frac must be in [0, 1], got {offload_param_frac}.")
-        comm, device = prepare_module(
+        comm, device, init_param = prepare_module(
             module, "GeminiDDP", comm, process_group, device, sync_module_states
         )
         world = comm.world_size
@@ -118,6 +118,7 @@ class GeminiDDP(ShardedModule):
             compute_dtype=mixed_precision,
             expose_shards=True,
             prefetch=prefetch,
+            init_param=init_param,
         )
         mp = MixedPrecision(mixed_precision) if mixed_precision != torch.float32 else None
         super().__init__(module, manager, comm, mp)

@@ -18,7 +18,7 @@ the norm. ``summon_full_params()`` shows the full fp32 values.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from pc_chunk import Chunk, ChunkManager, ChunkState
+from pc_chunk import Chunk, ChunkManager, ChunkState, is_lazy, materialize_
 from pc_comm import Communicator, default_communicator
 from pc_zero.loss_scale import unscale_clip_and_check
 from pc_zero.memory import ModelStateMemory
@@ -61,21 +61,48 @@ def prepare_module(
     process_group: dist.ProcessGroup | None,
     device: torch.device | str | None,
     sync_module_states: bool,
-) -> tuple[Communicator, torch.device]:
+) -> tuple[Communicator, torch.device, Callable[[nn.Parameter], None]]:
     """What both wrappers do first: pick the communicator, move the module
-    to ``device`` (default: where its parameters are) and, with
-    ``sync_module_states``, copy rank 0's parameters and buffers to every rank."""
+    to ``device`` (default: where its parameters are, the CPU for a lazy
+    model) and, with ``sync_module_states``, copy rank 0's parameters and
+    buffers to every rank. Lazy parameters [Note: lazy parameters] are left
+    for the chunk manager; returned is how it materialises each one (and
+    broadcasts it under ``sync_module_states``)."""
     comm = comm if comm is not None else default_communicator(process_group)
-    first = next(module.parameters(), None)
-    if first is None:
+    params = list(module.parameters())
+    if not params:
         raise ValueError(f"{wrapper}: the module has no parameters.")
-    target = torch.device(device) if device is not None else first.device
-    module.to(target)
+    real = [t for t in [*params, *module.buffers()] if not is_lazy(t)]
+    if device is not None:
+        target = torch.device(device)
+    elif not is_lazy(params[0]):
+        target = params[0].device
+    else:
+        target = next((t.device for t in real), torch.device("cpu"))
+    lazy = len(real) < len(params) + len(list(module.buffers()))
+    if not lazy:
+        module.to(target)
+    else:
+        for tensor in [*module.parameters(), *module.buffers()]:
+            if is_lazy(tensor):
+                # Buffers and frozen parameters are not sharded: whole now.
+                if not isinstance(tensor, nn.Parameter) or not tensor.requires_grad:
+                    materialize_(tensor, target)
+            elif tensor.device != target:
+                tensor.data = tensor.data.to(target)
     if sync_module_states:
         with torch.no_grad():
             for tensor in [*module.parameters(), *module.buffers()]:
-                comm.broadcast(tensor.data, 0)
-    return comm, target
+                if not is_lazy(tensor):
+                    comm.broadcast(tensor.data, 0)
+
+    def init_param(param: nn.Parameter) -> None:
+        if is_lazy(param):
+            materialize_(param, target)
+            if sync_module_states:
+                comm.broadcast(param.data, 0)
+
+    return comm, target, init_param
 
 
 class ShardedModule(nn.Module):
