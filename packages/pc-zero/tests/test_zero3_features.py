@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 from zero3_models import batch, block_classes, build, loss_of, make_optimizer, rank_slice
 
+from pc_chunk import LazyInitContext
 from pc_comm import Handle, TorchCommunicator
 from pc_comm.testing import run_subtests, spawn, tiny_gpt2
 from pc_zero import (
@@ -281,6 +282,14 @@ def check_errors() -> None:
         GeminiDDP(build("cnn"), placement_policy="cuda")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"e.g. \{GPT2Block\}"):
         transformer_auto_wrap_policy(set())
+    with torch.device("meta"):
+        on_meta = build("cnn")
+    with pytest.raises(ValueError, match=r"'blocks.0.conv.weight' is on the meta device.*"):
+        FullyShardedDataParallel(on_meta)
+    with LazyInitContext():
+        lazy = build("cnn")
+    with pytest.raises(ValueError, match="built lazily.*drop the example inputs"):
+        GeminiDDP(lazy, example_inputs=tuple(batch("cnn", 0, 2).values()))
 
     captured: list[str] = []
 

@@ -73,6 +73,14 @@ def prepare_module(
     if not params:
         raise ValueError(f"{wrapper}: the module has no parameters.")
     real = [t for t in [*params, *module.buffers()] if not is_lazy(t)]
+    meta = next((n for n, t in module.named_parameters() if t.is_meta and not is_lazy(t)), None)
+    if meta is not None:
+        raise ValueError(
+            f"{wrapper}: parameter {meta!r} is on the meta device with no record of how it "
+            "was initialised. Build the model inside pc_chunk.LazyInitContext() (it is then "
+            "materialised shard by shard with eager construction's values), or give it real "
+            "values first (module.to_empty(device=...) and reset_parameters())."
+        )
     if device is not None:
         target = torch.device(device)
     elif not is_lazy(params[0]):
