@@ -288,7 +288,7 @@ def check_errors() -> None:
         FullyShardedDataParallel(on_meta)
     with LazyInitContext():
         lazy = build("cnn")
-    with pytest.raises(ValueError, match="built lazily.*drop the example inputs"):
+    with pytest.raises(ValueError, match=r"built lazily.*drop the example inputs"):
         GeminiDDP(lazy, example_inputs=tuple(batch("cnn", 0, 2).values()))
 
     captured: list[str] = []
