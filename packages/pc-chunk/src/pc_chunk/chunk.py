@@ -213,13 +213,27 @@ class Chunk:
         self.used += numel
         param.data = view.view(slot.shape)
 
-    def close(self, *, shard_on_device: bool = True, release: bool = False) -> None:
+    def close(
+        self, *, shard_on_device: bool = True, release: bool = False, trim: bool = False
+    ) -> None:
         """No more parameters: cut this rank's shard out of the payload and
         keep it on the device or the host; ``release`` drops the payload at
-        once (before the shard is reserved, so a tight budget suffices)."""
+        once (before the shard is reserved, so a tight budget suffices).
+        ``trim`` shrinks the chunk to the elements it uses, rounded up to a
+        multiple of the world size: the chunk size decided which parameters
+        share a chunk, the padding after them is not kept."""
         if self.closed:
             return
         assert self.payload is not None
+        size = -(-max(self.used, 1) // self.world_size) * self.world_size
+        if trim and size < self.size:
+            freed = (self.size - size) * self.payload.element_size()
+            self.payload = self.payload[:size] if release else self.payload[:size].clone()
+            self._free(freed, "payload")
+            self._held_bytes -= freed
+            self.size, self.shard_size = size, size // self.world_size
+            if not release:
+                self._point_params()
         lo = self.rank * self.shard_size
         mine = self.payload[lo : lo + self.shard_size]
         self.shard = mine.clone() if shard_on_device else self._move(mine, False)

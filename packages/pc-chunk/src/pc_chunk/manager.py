@@ -309,7 +309,7 @@ class ChunkManager:
             headroom = chunk.payload_bytes + chunk.reduce_bytes
             available = self.budget.available_bytes + chunk.payload_bytes - chunk.shard_bytes
             on_device = available >= headroom
-        chunk.close(shard_on_device=on_device, release=True)
+        chunk.close(shard_on_device=on_device, release=True, trim=True)
 
     def chunk_of(self, param: nn.Parameter) -> Chunk:
         try:
