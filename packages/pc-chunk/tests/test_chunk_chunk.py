@@ -56,6 +56,7 @@ def check_chunk(dtype: torch.dtype) -> None:
     with pytest.raises(ChunkStateError, match="not reduced yet"):
         chunk.release()
     shard = chunk.reduce_scatter_grads()
+    assert shard is not None
     assert all(p.grad is None for p in params)
     flat = torch.zeros(world, 36)
     for r in range(world):

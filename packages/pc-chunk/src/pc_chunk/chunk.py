@@ -146,6 +146,8 @@ class Chunk:
         self._grads_set_aside = False  # [Note: exposed shards]
         self._params_on_payload = True  # parameters view the payload (not the shard)
         self.gathers = 0  # all-gathers issued, for tests and statistics
+        # A reduce-scatter in flight: (handle, input, output, reserved bytes).
+        self._reducing: tuple[Handle | None, torch.Tensor, torch.Tensor, int] | None = None
 
     def __repr__(self) -> str:
         return (
@@ -292,6 +294,7 @@ class Chunk:
     def _set_grads_aside(self) -> None:
         """Before the first gather of a step: what the user did to the
         exposed ``.grad`` decides what the gradient shard keeps."""
+        self.finish_reduce()
         if not self.expose_shard or self._grads_set_aside:
             return
         self._grads_set_aside = True
@@ -393,6 +396,7 @@ class Chunk:
     def move_shard(self, to_device: bool) -> None:
         """Keep this rank's shard (and its gradient shard) on the compute
         device or on the host, with the budget accounting the move."""
+        self.finish_reduce()
         self._need_closed("move_shard")
         if to_device == self.shard_on_device:
             return
@@ -431,13 +435,19 @@ class Chunk:
 
     # -- gradients and updates -------------------------------------------------
 
-    def reduce_scatter_grads(self, op: ReduceOp = ReduceOp.AVG) -> torch.Tensor:
+    def reduce_scatter_grads(
+        self, op: ReduceOp = ReduceOp.AVG, *, async_op: bool = False
+    ) -> torch.Tensor | None:
         """HOLD_AFTER_BWD (or any gathered state) -> HOLD: reduce the
         parameters' gradients across ranks; this rank keeps its part as an
-        fp32 gradient shard. Parameters' ``.grad`` are cleared."""
+        fp32 gradient shard. Parameters' ``.grad`` are cleared. With
+        ``async_op`` the reduce-scatter runs in the background (the chunk
+        may be released meanwhile) and :meth:`finish_reduce` completes it;
+        returns the gradient shard, or None while it is in flight."""
         self._need_closed("reduce_scatter_grads")
         if self.state is ChunkState.FREE:
             raise ChunkStateError(f"{self.name}: gradients need the chunk gathered.")
+        self.finish_reduce()
         flat_bytes = self.size * self.reduce_dtype.itemsize
         self._reserve(flat_bytes, "gradient buffer")
         flat = torch.zeros(self.size, dtype=self.reduce_dtype, device=self.device)
@@ -447,10 +457,32 @@ class Chunk:
                 flat[slot.offset : slot.offset + slot.numel].copy_(grad.reshape(-1))
                 slot.param.grad = None
         out = torch.empty(self.shard_size, dtype=self.reduce_dtype, device=self.device)
+        handle: Handle | None = None
         if self.comm is None:
             out.copy_(flat)  # one rank: the sum and the average are the gradient itself
         else:
-            self.comm.reduce_scatter(out, flat, op)
+            handle = self.comm.reduce_scatter(out, flat, op, async_op=async_op)
+        self.state = ChunkState.HOLD
+        self._reducing = (handle, flat, out, flat_bytes)
+        if async_op:
+            return None
+        self.finish_reduce()
+        return self.grad_shard
+
+    @property
+    def reducing(self) -> bool:
+        """A reduce-scatter started with ``async_op=True`` is not finished."""
+        return self._reducing is not None
+
+    def finish_reduce(self) -> None:
+        """Wait for the reduce-scatter in flight, if any, and add its result
+        into the gradient shard."""
+        if self._reducing is None:
+            return
+        handle, flat, out, flat_bytes = self._reducing
+        self._reducing = None
+        if handle is not None:
+            handle.wait()
         del flat
         self._free(flat_bytes, "gradient buffer")
         grad_shard = out if out.dtype == torch.float32 else out.float()
@@ -464,11 +496,12 @@ class Chunk:
                 self._reserve(grad_shard.numel() * 4, "grad shard")
             self._drop(self.grad_shard)
             self.grad_shard = grad_shard
-        self.state = ChunkState.HOLD
-        return self.grad_shard
+            if self.expose_shard and self.state is ChunkState.FREE:
+                self._point_params()  # released meanwhile: .grad views the new shard
 
     def clear_grad(self) -> None:
         """Drop the gradient shard (after the optimizer consumed it)."""
+        self.finish_reduce()
         if self.grad_shard is not None and self.shard_on_device:
             self._free(self.grad_shard.numel() * 4, "grad shard")
         self._drop(self.grad_shard)
@@ -477,6 +510,7 @@ class Chunk:
     def set_shard(self, values: torch.Tensor) -> None:
         """Write updated master values (this rank's shard) into the chunk,
         and into the payload if it is gathered."""
+        self.finish_reduce()
         self._need_closed("set_shard")
         assert self.shard is not None
         self.shard.copy_(values)

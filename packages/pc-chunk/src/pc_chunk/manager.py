@@ -36,6 +36,14 @@ records the order in which chunks get gathered in forward and in backward
 cursor and start the all-gather of the next chunk on it while the current
 one computes (``prefetch``), when the budget has room for it.
 
+[Note: overlapped reduction]
+A chunk's reduce-scatter starts when its last gradient arrives and runs in
+the background while backward goes on; the one before it is finished
+(waited for and added into its gradient shard) then, so one is in flight
+at a time, and the end-of-backward callback finishes the last. Under a
+device budget the previous one is finished first, so its buffer is free
+before the next is reserved.
+
 [Note: units]
 ``units=[(module, params), ...]`` packs each unit's parameters into one
 chunk of exactly their size (rounded up to a multiple of the world size)
@@ -283,6 +291,7 @@ class ChunkManager:
         self._workspace = 0  # non-model bytes reserved for the running module (auto)
         # [Note: releasing and prefetching]
         self._pending_release: dict[Chunk, None] = {}
+        self._reducing: list[Chunk] = []  # reduce-scatters in flight, oldest first
         self._events: tuple[list[Chunk], list[Chunk]] = ([], [])  # gathers: forward, backward
         self._cursor = [0, 0]
         self._orders_recorded = False
@@ -469,18 +478,28 @@ class ChunkManager:
             self._reduce(chunk)
 
     def _reduce(self, chunk: Chunk) -> None:
+        # [Note: overlapped reduction]
+        if self.budget is not None:
+            self._finish_reductions(0)
         self._make_room([chunk], None, chunk.reduce_bytes)
         chunk.gather()  # a no-op unless the chunk was evicted meanwhile
         chunk.done("backward")
-        chunk.reduce_scatter_grads()
+        chunk.reduce_scatter_grads(async_op=True)
         chunk.release()
         self._arrived.pop(chunk, None)
+        self._reducing.append(chunk)
+        self._finish_reductions(1)
+
+    def _finish_reductions(self, keep: int) -> None:
+        while len(self._reducing) > keep:
+            self._reducing.pop(0).finish_reduce()
 
     def _end_backward(self) -> None:
         self._release_workspace()
         for chunk in self.chunks:
             if chunk in self._arrived or chunk.state is not ChunkState.FREE:
                 self._reduce(chunk)
+        self._finish_reductions(0)
         self._arrived = {}
         self._callback_queued = False
         self._in_backward.clear()
