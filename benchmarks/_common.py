@@ -42,6 +42,15 @@ def median_max(samples: list[float]) -> float:
     return float(value)
 
 
+def step_times(samples: Mapping[str, list[float]]) -> dict[str, float]:
+    """Seconds per step for each row of a step benchmark: "single process"
+    is rank 0's median (it ran alone), every other row the slowest rank's."""
+    return {
+        name: statistics.median(s) if name == "single process" else median_max(s)
+        for name, s in samples.items()
+    }
+
+
 def gpt2(vocab_size: int, positions: int, width: int, layers: int, heads: int) -> nn.Module:
     """A GPT-2 with the library's default dropout, seeded, for timing."""
     torch.manual_seed(0)

@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from _common import alternate, median_max, print_step_table, step_gpt2
+from _common import alternate, median_max, print_step_table, step_gpt2, step_times
 
 from pc_comm import DistributedDataParallel, ReduceOp, ShmCommunicator
 from pc_comm.testing import spawn
@@ -97,11 +96,7 @@ def _ddp_steps(iters: int, out: str) -> None:
     for fn in steps.values():
         fn()
     samples = alternate(steps, iters, sync=True)
-    times = {name: statistics.median(s) for name, s in samples.items()}
-    times = {
-        name: t if name == "single process" else median_max(samples[name])
-        for name, t in times.items()
-    }
+    times = step_times(samples)
     ours.reducer.stop()
     if rank == 0:
         Path(out).write_text(json.dumps(times))

@@ -23,13 +23,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from _common import alternate, deepspeed_gpt2, median_max, print_step_table, step_gpt2
+from _common import alternate, deepspeed_gpt2, print_step_table, step_gpt2, step_times
 from torch import nn
 
 from pc_comm.testing import spawn
@@ -152,10 +151,7 @@ def _steps(iters: int, out: str) -> None:
     for fn in steps.values():
         fn()  # warm-up: optimizer states exist from here on
     samples = alternate(steps, iters, sync=True)
-    times = {
-        name: statistics.median(s) if name == "single process" else median_max(s)
-        for name, s in samples.items()
-    }
+    times = step_times(samples)
     sizes = {name: float(fn()) for name, fn in memories.items()}
     if rank == 0:
         Path(out).write_text(json.dumps({"times": times, "memory": sizes}))

@@ -117,11 +117,14 @@ def _recorded(t: object) -> bool:
     return isinstance(t, torch.Tensor) and t.is_meta and _key(t) in _REGISTRY
 
 
-def _ref(t: torch.Tensor) -> _Ref:
-    rec = _REGISTRY[_key(t)]
-    return _Ref(
-        rec, len(rec.steps), tuple(t.size()), tuple(t.stride()), int(t.storage_offset()), t.dtype
-    )
+def _layout(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...], int]:
+    return tuple(t.size()), tuple(t.stride()), int(t.storage_offset())
+
+
+def _ref(t: torch.Tensor, rec: _Storage | None = None) -> _Ref:
+    """``t`` (a recorded meta tensor) as it is now."""
+    rec = rec if rec is not None else _REGISTRY[_key(t)]
+    return _Ref(rec, len(rec.steps), *_layout(t), t.dtype)
 
 
 class LazyTensor(torch.Tensor):
@@ -255,7 +258,7 @@ class _Replay:
             out = node.func(*args, **kwargs)
         flat, _ = tree_flatten(out)
         real: torch.Tensor = flat[node.output]
-        layout = (tuple(real.size()), tuple(real.stride()), real.storage_offset())
+        layout = _layout(real)
         if layout != rec.layout:
             raise RuntimeError(
                 f"LazyInitContext: {node.func} gave layout {layout} for real but {rec.layout} "
@@ -280,11 +283,10 @@ def materialize(t: torch.Tensor, device: torch.device | str | None = None) -> to
             + ("a meta tensor without a recipe" if t.is_meta else f"a {t.device.type} tensor")
             + "."
         )
-    inner, rec = t._inner, t._record
-    size, stride, offset = tuple(inner.size()), tuple(inner.stride()), int(inner.storage_offset())
-    ref = _Ref(rec, len(rec.steps), size, stride, offset, inner.dtype)
+    rec = t._record
+    ref = _ref(t._inner, rec)
     base = _Replay().storage(rec, ref.version)
-    whole = rec.layout == (size, stride, offset) and ref.dtype == base.dtype
+    whole = rec.layout == _layout(t._inner) and ref.dtype == base.dtype
     value = base if whole else _Replay._view(base, ref).clone()
     return value.to(device) if device is not None else value
 
@@ -336,8 +338,7 @@ def _as_meta(x: Any) -> Any:
 
 
 def _register(t: torch.Tensor, node: _Node, device: torch.device) -> None:
-    layout = (tuple(t.size()), tuple(t.stride()), int(t.storage_offset()))
-    _REGISTRY[_key(t)] = _Storage(device, node, layout)
+    _REGISTRY[_key(t)] = _Storage(device, node, _layout(t))
 
 
 def _written(

@@ -63,16 +63,15 @@ def prepare_module(
     sync_module_states: bool,
 ) -> tuple[Communicator, torch.device, Callable[[nn.Parameter], None]]:
     """What both wrappers do first: pick the communicator, move the module
-    to ``device`` (default: where its parameters are, the CPU for a lazy
-    model) and, with ``sync_module_states``, copy rank 0's parameters and
-    buffers to every rank. Lazy parameters [Note: lazy parameters] are left
-    for the chunk manager; returned is how it materialises each one (and
-    broadcasts it under ``sync_module_states``)."""
+    to ``device`` (default: where its parameters are; lazy ones report where
+    eager construction would have put them) and, with ``sync_module_states``,
+    copy rank 0's parameters and buffers to every rank. Lazy parameters
+    [Note: lazy parameters] are left for the chunk manager; returned is how
+    it materialises each one (and broadcasts it under ``sync_module_states``)."""
     comm = comm if comm is not None else default_communicator(process_group)
     params = list(module.parameters())
     if not params:
         raise ValueError(f"{wrapper}: the module has no parameters.")
-    real = [t for t in [*params, *module.buffers()] if not is_lazy(t)]
     meta = next((n for n, t in module.named_parameters() if t.is_meta and not is_lazy(t)), None)
     if meta is not None:
         raise ValueError(
@@ -81,17 +80,12 @@ def prepare_module(
             "materialised shard by shard with eager construction's values), or give it real "
             "values first (module.to_empty(device=...) and reset_parameters())."
         )
-    if device is not None:
-        target = torch.device(device)
-    elif not is_lazy(params[0]):
-        target = params[0].device
-    else:
-        target = next((t.device for t in real), torch.device("cpu"))
-    lazy = len(real) < len(params) + len(list(module.buffers()))
-    if not lazy:
+    target = torch.device(device) if device is not None else params[0].device
+    tensors = [*params, *module.buffers()]
+    if not any(is_lazy(t) for t in tensors):
         module.to(target)
     else:
-        for tensor in [*module.parameters(), *module.buffers()]:
+        for tensor in tensors:
             if is_lazy(tensor):
                 # Buffers and frozen parameters are not sharded: whole now.
                 if not isinstance(tensor, nn.Parameter) or not tensor.requires_grad:
