@@ -152,7 +152,10 @@ class Reducer:
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
             self._callback_queued = True
         b, i = self._where[param]  # type: ignore[index]
-        bucket = self.buckets[b]
+        self._arrive(self.buckets[b], i)
+
+    def _arrive(self, bucket: _Bucket, i: int) -> None:
+        param = bucket.params[i]
         if i in bucket.arrived:
             raise RuntimeError(
                 f"parameter {self._names[bucket.params[i]]!r} received a gradient twice in one "
@@ -232,6 +235,15 @@ class Reducer:
         used = torch.tensor([0 if p in unused else 1 for p in params], dtype=torch.int64)
         self.comm.all_reduce(used, ReduceOp.MAX)
         return {p: bool(flag) for p, flag in zip(params, used.tolist(), strict=True)}
+
+    def reduce_accumulated(self) -> None:
+        """Average every gradient accumulated so far, now, as the end of a
+        backward pass would (see ``DistributedDataParallel.sync_gradients``)."""
+        for bucket in self.buckets:
+            for i, param in enumerate(bucket.params):
+                if param.grad is not None:
+                    self._arrive(bucket, i)
+        self._finish()
 
     def stop(self) -> None:
         """Remove the gradient hooks and stop the communicator's worker
@@ -321,6 +333,16 @@ class DistributedDataParallel(nn.Module):
             if buffers:
                 self._sync_from_rank0(buffers)
         return self.module(*args, **kwargs)
+
+    def sync_gradients(self) -> None:
+        """Average the gradients accumulated so far across ranks, now.
+
+        For code that runs backward in several pieces under ``no_sync()``
+        and reduces once at the end: a pipeline stage whose microbatches'
+        backward passes (or split input and weight gradients) come one by
+        one. A parameter without a gradient counts as unused.
+        """
+        self.reducer.reduce_accumulated()
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:

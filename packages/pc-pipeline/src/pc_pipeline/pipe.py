@@ -1,0 +1,241 @@
+"""The haiscale-compatible front: ``GPipe``, ``PipeDream``, ``Interleaved1F1B``
+and ``ZeroBubble`` wrap this rank's stage(s) and run a schedule per step.
+
+Every rank of the pipeline calls ``forward_backward`` with the same batch
+(the first stage reads the inputs, the last the labels); the batch is split
+into ``chunks`` microbatches along dimension 0. Gradients are those of the
+mean of the microbatch losses, which equals a mean-reduced loss over the
+whole batch, so a plain optimizer step afterwards matches single-process
+training.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pc_comm import TorchCommunicator
+from pc_pipeline.builders import gpipe, interleaved_1f1b, one_f_one_b, zero_bubble_h1
+from pc_pipeline.executor import StepInputs, run_schedule
+from pc_pipeline.schedule import Schedule, validate
+from pc_pipeline.shapes import TensorMeta, infer_boundary_metas
+
+__all__ = ["GPipe", "Interleaved1F1B", "PipeDream", "Pipeline", "ZeroBubble"]
+
+ScheduleBuilder = Callable[[int, int], Schedule]
+
+
+def _split(value: Any, chunks: int, what: str) -> list[Any]:
+    if isinstance(value, torch.Tensor):
+        if value.dim() == 0 or value.shape[0] % chunks:
+            size = value.shape[0] if value.dim() else "a scalar"
+            fits = [c for c in range(1, (value.shape[0] if value.dim() else 1) + 1) if value.dim() and value.shape[0] % c == 0]
+            raise ValueError(
+                f"{what} has batch size {size}, which does not split into chunks={chunks} "
+                f"equal microbatches; use a batch size that is a multiple of {chunks}, or "
+                f"chunks in {fits}."
+            )
+        return list(value.chunk(chunks))
+    return [value] * chunks  # not a tensor: every microbatch gets it as is
+
+
+def _concat(outputs: list[Any]) -> Any:
+    first = outputs[0]
+    if isinstance(first, torch.Tensor):
+        return torch.cat(outputs)
+    if isinstance(first, (tuple, list)):
+        return type(first)(_concat([o[k] for o in outputs]) for k in range(len(first)))
+    return outputs
+
+
+class Pipeline(nn.Module):
+    """Run this rank's stages under any schedule.
+
+    ``modules`` are this rank's stages in chunk order (stage ``c *
+    num_ranks + rank`` for chunk ``c``); ``schedule`` is a builder
+    ``(num_ranks, num_microbatches) -> Schedule`` or a fixed ``Schedule``.
+    """
+
+    def __init__(
+        self,
+        modules: Sequence[nn.Module],
+        chunks: int,
+        schedule: ScheduleBuilder | Schedule,
+        process_group: dist.ProcessGroup | None = None,
+        *,
+        checkpoint: bool = False,
+    ) -> None:
+        super().__init__()
+        if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+            raise ValueError(f"chunks must be a positive int (microbatches per step), got {chunks!r}.")
+        if not modules:
+            raise ValueError("a pipeline rank needs at least one stage module.")
+        self.comm = TorchCommunicator(process_group)
+        self.chunks = chunks
+        self.checkpoint = checkpoint
+        ranks, rank = self.comm.world_size, self.comm.rank
+        self.schedule = schedule if isinstance(schedule, Schedule) else schedule(ranks, chunks)
+        validate(self.schedule)
+        if self.schedule.num_ranks != ranks or self.schedule.num_microbatches != chunks:
+            raise ValueError(
+                f"schedule {self.schedule.name!r} is for {self.schedule.num_ranks} ranks and "
+                f"{self.schedule.num_microbatches} microbatches; this pipeline has {ranks} "
+                f"ranks and chunks={chunks}."
+            )
+        stages = self.schedule.stages_of(rank)
+        if len(stages) != len(modules):
+            raise ValueError(
+                f"rank {rank} runs stages {stages} under schedule {self.schedule.name!r} but "
+                f"got {len(modules)} module(s); pass one module per stage."
+            )
+        self.stages = nn.ModuleList(modules)  # registered: .parameters() feeds the optimizer
+        self._by_stage = dict(zip(stages, modules, strict=True))
+        self._eval_schedule = self.schedule.forwards()
+        self._metas: dict[tuple[Any, ...], dict[int, list[TensorMeta]]] = {}
+        params = list(self.stages.parameters())
+        self.device = params[0].device if params else torch.device("cpu")
+
+    @property
+    def is_first_stage(self) -> bool:
+        return 0 in self._by_stage
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.schedule.num_stages - 1 in self._by_stage
+
+    def _boundary_metas(self, first: Sequence[torch.Tensor]) -> dict[int, list[TensorMeta]]:
+        key = tuple((tuple(t.shape), t.dtype) for t in first)
+        if key not in self._metas:
+            self._metas[key] = infer_boundary_metas(
+                self._by_stage, self.schedule.stage_rank, self.comm, first, self.device
+            )
+        return self._metas[key]
+
+    def _run(
+        self,
+        schedule: Schedule,
+        inputs: tuple[Any, ...],
+        criterion: Callable[..., torch.Tensor] | None,
+        labels: Sequence[Any],
+        return_outputs: bool,
+        train: bool,
+    ) -> tuple[torch.Tensor | None, Any]:
+        if not inputs:
+            raise ValueError("pass the batch's inputs (every rank passes the same batch).")
+        for x in inputs:
+            if not isinstance(x, torch.Tensor):
+                raise TypeError(f"pipeline inputs must be tensors, got {type(x).__name__}.")
+        parts = [_split(x, self.chunks, f"input {k}") for k, x in enumerate(inputs)]
+        micro = [tuple(p[m] for p in parts) for m in range(self.chunks)]
+        label_parts = [_split(y, self.chunks, f"label {k}") for k, y in enumerate(labels)]
+        micro_labels = [tuple(p[m] for p in label_parts) for m in range(self.chunks)]
+        metas = self._boundary_metas(micro[0])
+        step = StepInputs(
+            microbatches=micro,
+            labels=micro_labels,
+            criterion=criterion,
+            loss_scale=1.0 / self.chunks,
+            return_outputs=return_outputs,
+            train=train,
+            checkpoint=self.checkpoint,
+        )
+        result = run_schedule(schedule, self._by_stage, self.comm, metas, step, self.device)
+        if not self.is_last_stage:
+            return None, None
+        losses = torch.stack(result.losses) if result.losses else None
+        outputs = _concat(result.outputs) if result.outputs else None
+        return losses, outputs
+
+    def forward_backward(
+        self,
+        *inputs: torch.Tensor,
+        criterion: Callable[..., torch.Tensor],
+        labels: Sequence[Any] = (),
+        return_outputs: bool = False,
+    ) -> tuple[torch.Tensor | None, Any]:
+        """One training step's forward and backward. On the last stage's
+        rank: ``(losses, outputs)`` with one loss per microbatch and the
+        outputs concatenated (None unless ``return_outputs``); elsewhere
+        ``(None, None)``. ``criterion(output, *labels)`` must return the
+        mean loss of a microbatch."""
+        if not callable(criterion):
+            raise TypeError("forward_backward needs criterion=callable(output, *labels) -> loss.")
+        return self._run(self.schedule, inputs, criterion, labels, return_outputs, train=True)
+
+    def forward(self, *inputs: torch.Tensor) -> Any:
+        """Evaluation forward under ``no_grad``: the output on the last
+        stage's rank, None elsewhere."""
+        _, outputs = self._run(self._eval_schedule, inputs, None, (), True, train=False)
+        return outputs
+
+
+class GPipe(Pipeline):
+    """GPipe: all microbatches forward, then all backward."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        chunks: int,
+        process_group: dist.ProcessGroup | None = None,
+        *,
+        checkpoint: bool = False,
+    ) -> None:
+        super().__init__([module], chunks, gpipe, process_group, checkpoint=checkpoint)
+
+
+class PipeDream(Pipeline):
+    """1F1B (PipeDream-flush): GPipe's bubble with at most ``num_ranks``
+    microbatches' activations alive per rank."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        chunks: int,
+        process_group: dist.ProcessGroup | None = None,
+        *,
+        checkpoint: bool = False,
+    ) -> None:
+        super().__init__([module], chunks, one_f_one_b, process_group, checkpoint=checkpoint)
+
+
+class Interleaved1F1B(Pipeline):
+    """Interleaved 1F1B: ``modules`` are this rank's model chunks (from
+    ``partition(..., num_model_chunks=v)``); the bubble shrinks by ``v``."""
+
+    def __init__(
+        self,
+        modules: Sequence[nn.Module],
+        chunks: int,
+        process_group: dist.ProcessGroup | None = None,
+        *,
+        checkpoint: bool = False,
+    ) -> None:
+        if isinstance(modules, nn.Module) and not isinstance(modules, (nn.ModuleList, list)):
+            raise TypeError(
+                "Interleaved1F1B takes this rank's list of model chunks; use "
+                "partition(model, rank, world_size, num_model_chunks=v)."
+            )
+        count = len(modules)
+
+        def build(ranks: int, microbatches: int) -> Schedule:
+            return interleaved_1f1b(ranks, microbatches, count)
+
+        super().__init__(list(modules), chunks, build, process_group, checkpoint=checkpoint)
+
+
+class ZeroBubble(Pipeline):
+    """ZB-H1: 1F1B with backward split into input and weight gradients;
+    weight gradients fill the bubble. Activation checkpointing is not
+    supported with a split backward."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        chunks: int,
+        process_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        super().__init__([module], chunks, zero_bubble_h1, process_group)
