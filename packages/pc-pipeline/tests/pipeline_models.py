@@ -27,7 +27,8 @@ class Merge(nn.Module):
         self.proj = nn.Linear(WIDTH, WIDTH)
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        return self.proj(x * gate)
+        out: torch.Tensor = self.proj(x * gate)
+        return out
 
 
 class Residual(nn.Module):
@@ -61,4 +62,5 @@ def batch(step: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def criterion(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return nn.functional.mse_loss(output, target)
+    loss: torch.Tensor = nn.functional.mse_loss(output, target)
+    return loss

@@ -4,9 +4,6 @@ pc-comm DDP over the data-parallel group."""
 
 from __future__ import annotations
 
-import copy
-from collections.abc import Callable
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -15,7 +12,15 @@ from torch import nn
 
 from pc_comm import DistributedDataParallel, make_subgroups
 from pc_comm.testing import run_subtests
-from pc_pipeline import GPipe, Interleaved1F1B, PipeDream, Pipeline, ZeroBubble, partition
+from pc_pipeline import (
+    GPipe,
+    Interleaved1F1B,
+    PipeDream,
+    Pipeline,
+    ZeroBubble,
+    one_f_one_b,
+    partition,
+)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -31,8 +36,13 @@ def _optimizer(kind: str, params: list[nn.Parameter]) -> torch.optim.Optimizer:
 
 
 def _wrap(
-    schedule: str, model: nn.Sequential, rank: int, size: int, group: dist.ProcessGroup | None,
-    checkpoint: bool, dp_group: dist.ProcessGroup | None,
+    schedule: str,
+    model: nn.Sequential,
+    rank: int,
+    size: int,
+    group: dist.ProcessGroup | None,
+    checkpoint: bool,
+    dp_group: dist.ProcessGroup | None,
 ) -> Pipeline:
     chunks = 2 if schedule == "interleaved" else 1
     parts = partition(model, rank, size, num_model_chunks=chunks)
@@ -63,14 +73,19 @@ def _reference(opt_kind: str, global_batch: int) -> tuple[nn.Sequential, list[to
 
 
 def _train_and_compare(
-    schedule: str, opt_kind: str, checkpoint: bool, pp_group: dist.ProcessGroup | None,
-    dp_group: dist.ProcessGroup | None, dp_rank: int, dp_size: int,
+    schedule: str,
+    opt_kind: str,
+    checkpoint: bool,
+    pp_group: dist.ProcessGroup | None,
+    dp_group: dist.ProcessGroup | None,
+    dp_rank: int,
+    dp_size: int,
 ) -> None:
     global_batch = 8 * dp_size
     ref_model, ref_losses = _reference(opt_kind, global_batch)
     model = build_model()
     pp_rank, pp_size = dist.get_rank(pp_group), dist.get_world_size(pp_group)
-    pipe = _wrap(schedule, copy.deepcopy(model) if False else model, pp_rank, pp_size, pp_group, checkpoint, dp_group)
+    pipe = _wrap(schedule, model, pp_rank, pp_size, pp_group, checkpoint, dp_group)
     opt = _optimizer(opt_kind, list(pipe.parameters()))
     for step in range(STEPS):
         x, y = batch(step, global_batch)
@@ -95,9 +110,11 @@ def _train_and_compare(
             assert outputs is None
     owned = {id(p) for p in pipe.parameters()}
     compared = 0
-    for (name, p), (_, q) in zip(model.named_parameters(), ref_model.named_parameters(), strict=True):
+    for (name, p), (_, q) in zip(
+        model.named_parameters(), ref_model.named_parameters(), strict=True
+    ):
         if id(p) in owned:
-            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+            assert torch.allclose(p, q, rtol=1e-5, atol=1e-6), (name, (p - q).abs().max())
             compared += 1
     assert compared > 0
     # Evaluation forward: the last stage returns the model's output.
@@ -136,4 +153,38 @@ def test_dp2_x_pp2_matches_single_process() -> None:
     run_subtests(check_dp_pp_parity, 4, {"schedule": SCHEDULES}, timeout=240)
 
 
-_ = Callable
+def check_bad_setups_raise_on_every_rank() -> None:
+    rank, size = dist.get_rank(), dist.get_world_size()
+    model = build_model()
+    stage = partition(model, rank, size)
+    assert isinstance(stage, nn.Module)
+    with pytest.raises(ValueError, match=r"at least 2 microbatches"):
+        PipeDream(stage, 1)
+    with pytest.raises(ValueError, match=r"chunks must be a positive int"):
+        GPipe(stage, 0)
+    with pytest.raises(TypeError, match=r"list of model chunks"):
+        Interleaved1F1B(stage, 4)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"pass one module per stage"):
+        Pipeline([stage, stage], 4, one_f_one_b)  # 1F1B runs one stage per rank
+    pipe = GPipe(stage, 4, timeout=3.0)
+    x, y = batch(0, 6)
+    with pytest.raises(ValueError, match=r"batch size 6, which does not split into chunks=4"):
+        pipe.forward_backward(x, criterion=criterion, labels=(y,))
+
+    def per_sample(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return ((output - target) ** 2).mean(-1)
+
+    x, y = batch(0, 8)
+    if pipe.is_last_stage:
+        with pytest.raises(TypeError, match=r"criterion must return a scalar"):
+            pipe.forward_backward(x, criterion=per_sample, labels=(y,))
+    else:
+        # The last stage failed: this rank must not wait for it forever.
+        with pytest.raises(RuntimeError, match=r"while waiting for 0RECV_B0 from rank 1"):
+            pipe.forward_backward(x, criterion=criterion, labels=(y,))
+    # No collective after this: gloo closes a pair whose operation timed out,
+    # so the group is done (as a real job would be after such an error).
+
+
+def test_bad_setups_raise_clear_errors() -> None:
+    run_subtests(check_bad_setups_raise_on_every_rank, 2, {}, timeout=120)

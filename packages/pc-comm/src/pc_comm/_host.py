@@ -16,6 +16,7 @@ import queue
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 
 import torch
 
@@ -38,8 +39,11 @@ class _FutureHandle:
         self._future = future
         self._after = after  # runs on the caller's thread once the work is done
 
-    def wait(self) -> None:
-        self._future.result()
+    def wait(self, timeout: float | None = None) -> None:
+        try:
+            self._future.result(timeout)
+        except FutureTimeout as error:
+            raise TimeoutError(f"operation not completed within {timeout} s") from error
         if self._after is not None:
             self._after()
             self._after = None

@@ -19,11 +19,11 @@ class _CoalescedHandle:
         self._pending = pending  # (handle, flat buffer, tensors packed into it)
         self._done = False
 
-    def wait(self) -> None:
+    def wait(self, timeout: float | None = None) -> None:
         if self._done:
             return
         for handle, flat, tensors in self._pending:
-            handle.wait()
+            handle.wait(timeout)
             offset = 0
             for tensor in tensors:
                 count = tensor.numel()

@@ -60,9 +60,11 @@ def divide_for_average(total: torch.Tensor, world_size: int) -> None:
 @runtime_checkable
 class Handle(Protocol):
     """An operation in flight. ``wait()`` blocks until its result is in the
-    output tensors (on CUDA: until the current stream is ordered after it)."""
+    output tensors (on CUDA: until the current stream is ordered after it).
+    With ``timeout`` (seconds) it raises :class:`TimeoutError` if the
+    operation has not finished by then: a peer that failed or hangs."""
 
-    def wait(self) -> None: ...
+    def wait(self, timeout: float | None = None) -> None: ...
 
     def is_completed(self) -> bool: ...
 
@@ -70,7 +72,7 @@ class Handle(Protocol):
 class CompletedHandle:
     """The handle of an operation that has already finished."""
 
-    def wait(self) -> None:
+    def wait(self, timeout: float | None = None) -> None:
         return None
 
     def is_completed(self) -> bool:

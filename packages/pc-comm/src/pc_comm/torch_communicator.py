@@ -9,6 +9,8 @@ messages.
 
 from __future__ import annotations
 
+import datetime
+import time
 from collections.abc import Callable, Sequence
 
 import torch
@@ -51,11 +53,21 @@ class _WorkHandle:
         self._finishers = finishers  # run once, in order, on the first wait()
         self._done = False
 
-    def wait(self) -> None:
+    def wait(self, timeout: float | None = None) -> None:
         if self._done:
             return
         if self._work is not None:
-            self._work.wait()
+            if timeout is None:
+                self._work.wait()
+            else:
+                start = time.monotonic()
+                try:
+                    self._work.wait(datetime.timedelta(seconds=timeout))
+                except RuntimeError as error:
+                    # Backends word their timeouts differently; the clock does not.
+                    if time.monotonic() - start < 0.99 * timeout:
+                        raise
+                    raise TimeoutError(f"operation not completed within {timeout} s") from error
         for finish in self._finishers:
             finish()
         self._done = True

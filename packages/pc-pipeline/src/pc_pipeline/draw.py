@@ -30,7 +30,7 @@ def draw_text(sim: Simulation, resolution: float = 1.0) -> str:
     """One row per rank, one column per ``resolution`` time units."""
     if resolution <= 0:
         raise ValueError(f"resolution must be positive, got {resolution}.")
-    width = int(round(sim.makespan / resolution))
+    width = round(sim.makespan / resolution)
     cell = max(
         (len(f"{s.action.kind.value}{s.action.microbatch}") for r in sim.spans for s in r),
         default=2,
@@ -40,7 +40,7 @@ def draw_text(sim: Simulation, resolution: float = 1.0) -> str:
         row = ["." * cell] * width
         for span in spans:
             label = f"{span.action.kind.value}{span.action.microbatch}".ljust(cell)
-            for t in range(int(round(span.start / resolution)), int(round(span.end / resolution))):
+            for t in range(round(span.start / resolution), round(span.end / resolution)):
                 row[t] = label
         lines.append(f"rank {rank} | " + " ".join(row))
     return "\n".join(lines)
@@ -61,18 +61,20 @@ def _png(width: int, height: int, rows: list[bytes]) -> bytes:
     )
 
 
-def draw_png(sim: Simulation, path: str | Path, *, pixels_per_unit: int = 24, row_height: int = 24) -> Path:
+def draw_png(
+    sim: Simulation, path: str | Path, *, pixels_per_unit: int = 24, row_height: int = 24
+) -> Path:
     """Write the timeline as a PNG: one band per rank; forward blue,
     backward green, input gradient light green, weight gradient yellow,
     idle grey. Returns the path."""
-    width = max(1, int(round(sim.makespan * pixels_per_unit)))
+    width = max(1, round(sim.makespan * pixels_per_unit))
     height = max(1, sim.schedule.num_ranks * row_height)
     image = [[_IDLE] * width for _ in range(height)]
     for rank, spans in enumerate(sim.spans):
         top = rank * row_height
         for span in spans:
-            x0 = int(round(span.start * pixels_per_unit))
-            x1 = max(x0 + 1, int(round(span.end * pixels_per_unit)))
+            x0 = round(span.start * pixels_per_unit)
+            x1 = max(x0 + 1, round(span.end * pixels_per_unit))
             color = _COLORS[span.action.kind]
             for y in range(top + 1, top + row_height - 1):
                 for x in range(x0, min(x1, width)):

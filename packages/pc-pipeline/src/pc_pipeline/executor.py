@@ -58,6 +58,7 @@ class StepInputs:
     return_outputs: bool
     train: bool
     checkpoint: bool
+    timeout: float  # seconds to wait for any one received tensor
 
 
 class _Runner:
@@ -97,14 +98,19 @@ class _Runner:
         for a in batch:
             peer = self._peer(a)
             if a.kind is ActionKind.SEND_F:
-                tensors = [t.detach().contiguous() for t in self.state.outputs[(a.stage, a.microbatch)]]
+                tensors = [
+                    t.detach().contiguous() for t in self.state.outputs[(a.stage, a.microbatch)]
+                ]
                 ops += [P2POp(P2PKind.SEND, t, peer) for t in tensors]
             elif a.kind is ActionKind.SEND_B:
                 grads = self.state.input_grads.pop((a.stage, a.microbatch))
                 metas = self.metas[a.stage]
                 tensors = [
-                    (g if g is not None else torch.zeros(m.shape, dtype=m.dtype, device=self.device))
-                    .contiguous()
+                    (
+                        g
+                        if g is not None
+                        else torch.zeros(m.shape, dtype=m.dtype, device=self.device)
+                    ).contiguous()
                     for g, m in zip(grads, metas, strict=True)
                     if m.requires_grad
                 ]
@@ -112,9 +118,7 @@ class _Runner:
             else:
                 stage = a.stage if a.kind is ActionKind.RECV_F else a.stage + 1
                 wanted = [
-                    m
-                    for m in self.metas[stage]
-                    if a.kind is ActionKind.RECV_F or m.requires_grad
+                    m for m in self.metas[stage] if a.kind is ActionKind.RECV_F or m.requires_grad
                 ]
                 buffers = [m.empty(self.device) for m in wanted]
                 start = len(ops)
@@ -128,8 +132,19 @@ class _Runner:
 
     def _take(self, action: Action) -> list[torch.Tensor]:
         buffers, handles = self.state.received.pop(action)
-        for handle in handles:
-            handle.wait()
+        try:
+            for handle in handles:
+                handle.wait(timeout=self.step.timeout)
+        except (TimeoutError, RuntimeError) as error:
+            peer = self._peer(action)
+            why = "nothing came" if isinstance(error, TimeoutError) else "the connection broke"
+            raise RuntimeError(
+                f"pipeline rank {self.comm.rank} failed while waiting for {action} from rank "
+                f"{peer} ({action.peer_action()} there) in schedule {self.schedule.name!r}: "
+                f"{why} within {self.step.timeout:g} s, so that rank failed or is stuck; its "
+                "own error says why. Raise timeout= on the pipeline if its steps are "
+                f"legitimately slower. ({type(error).__name__}: {error})"
+            ) from error
         return buffers
 
     # ------------------------------------------------------------ compute
@@ -143,7 +158,10 @@ class _Runner:
         else:
             values = self._take(Action(s, ActionKind.RECV_F, m))
         grad_ok = self.step.train
-        return [v.requires_grad_(grad_ok and meta.requires_grad) for v, meta in zip(values, metas, strict=True)]
+        return [
+            v.requires_grad_(grad_ok and meta.requires_grad)
+            for v, meta in zip(values, metas, strict=True)
+        ]
 
     def forward(self, s: int, m: int) -> None:
         args = self._stage_inputs(s, m)
@@ -184,7 +202,9 @@ class _Runner:
             it = iter(received)
             for meta in self.metas[s + 1]:
                 grads.append(next(it) if meta.requires_grad else None)
-        pairs = [(o, g) for o, g in zip(outputs, grads, strict=True) if o.requires_grad and g is not None]
+        pairs = [
+            (o, g) for o, g in zip(outputs, grads, strict=True) if o.requires_grad and g is not None
+        ]
         return [o for o, _ in pairs], [g for _, g in pairs]
 
     def backward(self, s: int, m: int, split: bool) -> None:
@@ -243,13 +263,15 @@ class _Runner:
         if batch:
             self._post(batch)
         for handle in self.state.sends:
-            handle.wait()
+            handle.wait(timeout=self.step.timeout)
         assert not self.state.received, f"receives never consumed: {list(self.state.received)}"
         count = self.schedule.num_microbatches
         result = StepResult()
         if self.last in self.modules:
             result.losses = [self.state.losses[m] for m in range(count) if m in self.state.losses]
-            result.outputs = [self.state.results[m] for m in range(count) if m in self.state.results]
+            result.outputs = [
+                self.state.results[m] for m in range(count) if m in self.state.results
+            ]
         return result
 
 

@@ -24,7 +24,7 @@ class Sequential(nn.Sequential):
     passed to the next layer as separate arguments, as between pipeline
     stages. Build the model with it when layers exchange several tensors."""
 
-    def forward(self, *args: Any) -> Any:  # type: ignore[override]
+    def forward(self, *args: Any) -> Any:
         out: Any = args
         for layer in self:
             out = layer(*out) if isinstance(out, tuple) else layer(out)
@@ -77,30 +77,33 @@ def balanced_split(costs: Sequence[float], parts: int) -> list[int]:
             i += 1
         counts.append(count)
     counts[-1] += len(costs) - i
-    assert sum(counts) == len(costs) and min(counts) >= 1, counts
+    assert sum(counts) == len(costs), counts
+    assert min(counts) >= 1, counts
     return counts
 
 
-def measure_costs(module: nn.Sequential, *example_inputs: torch.Tensor, repeats: int = 3) -> list[float]:
+def measure_costs(
+    module: nn.Sequential, *example_inputs: torch.Tensor, repeats: int = 3
+) -> list[float]:
     """Seconds of forward + backward of each layer on ``example_inputs``
     (the median of ``repeats``), to pass as ``partition(costs=...)``."""
     costs = []
     inputs: tuple[torch.Tensor, ...] = example_inputs
     for layer in module:
         times = []
-        out: object = None
+        out: Any = None
         for _ in range(repeats):
             args = [x.detach().requires_grad_(x.is_floating_point()) for x in inputs]
             start = time.perf_counter()
             out = layer(*args)
-            outs = [out] if isinstance(out, torch.Tensor) else list(out)  # type: ignore[call-overload]
+            outs = [out] if isinstance(out, torch.Tensor) else list(out)
             loss = sum((t.float().sum() for t in outs if t.requires_grad), torch.zeros(()))
             if loss.requires_grad:
-                loss.backward()  # type: ignore[no-untyped-call]
+                loss.backward()
             times.append(time.perf_counter() - start)
         layer.zero_grad(set_to_none=True)
         costs.append(sorted(times)[len(times) // 2])
-        inputs = (out,) if isinstance(out, torch.Tensor) else tuple(out)  # type: ignore[arg-type]
+        inputs = (out,) if isinstance(out, torch.Tensor) else tuple(out)
         inputs = tuple(t.detach() for t in inputs)
     return costs
 

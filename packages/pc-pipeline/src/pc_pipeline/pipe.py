@@ -33,7 +33,11 @@ def _split(value: Any, chunks: int, what: str) -> list[Any]:
     if isinstance(value, torch.Tensor):
         if value.dim() == 0 or value.shape[0] % chunks:
             size = value.shape[0] if value.dim() else "a scalar"
-            fits = [c for c in range(1, (value.shape[0] if value.dim() else 1) + 1) if value.dim() and value.shape[0] % c == 0]
+            fits = [
+                c
+                for c in range(1, (value.shape[0] if value.dim() else 1) + 1)
+                if value.dim() and value.shape[0] % c == 0
+            ]
             raise ValueError(
                 f"{what} has batch size {size}, which does not split into chunks={chunks} "
                 f"equal microbatches; use a batch size that is a multiple of {chunks}, or "
@@ -58,6 +62,9 @@ class Pipeline(nn.Module):
     ``modules`` are this rank's stages in chunk order (stage ``c *
     num_ranks + rank`` for chunk ``c``); ``schedule`` is a builder
     ``(num_ranks, num_microbatches) -> Schedule`` or a fixed ``Schedule``.
+    If a peer fails mid-step, this rank raises within ``timeout`` seconds
+    instead of waiting for it forever. The wrappers below take ``timeout``
+    and ``checkpoint`` as keywords too.
     """
 
     def __init__(
@@ -68,10 +75,16 @@ class Pipeline(nn.Module):
         process_group: dist.ProcessGroup | None = None,
         *,
         checkpoint: bool = False,
+        timeout: float = 300.0,
     ) -> None:
         super().__init__()
+        if timeout <= 0:
+            raise ValueError(f"timeout must be positive seconds, got {timeout}.")
+        self.timeout = timeout  # a failed peer surfaces as an error here within it
         if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
-            raise ValueError(f"chunks must be a positive int (microbatches per step), got {chunks!r}.")
+            raise ValueError(
+                f"chunks must be a positive int (microbatches per step), got {chunks!r}."
+            )
         if not modules:
             raise ValueError("a pipeline rank needs at least one stage module.")
         self.comm = TorchCommunicator(process_group)
@@ -142,6 +155,7 @@ class Pipeline(nn.Module):
             return_outputs=return_outputs,
             train=train,
             checkpoint=self.checkpoint,
+            timeout=self.timeout,
         )
         result = run_schedule(schedule, self._by_stage, self.comm, metas, step, self.device)
         if not self.is_last_stage:
@@ -183,8 +197,11 @@ class GPipe(Pipeline):
         process_group: dist.ProcessGroup | None = None,
         *,
         checkpoint: bool = False,
+        timeout: float = 300.0,
     ) -> None:
-        super().__init__([module], chunks, gpipe, process_group, checkpoint=checkpoint)
+        super().__init__(
+            [module], chunks, gpipe, process_group, checkpoint=checkpoint, timeout=timeout
+        )
 
 
 class PipeDream(Pipeline):
@@ -198,8 +215,11 @@ class PipeDream(Pipeline):
         process_group: dist.ProcessGroup | None = None,
         *,
         checkpoint: bool = False,
+        timeout: float = 300.0,
     ) -> None:
-        super().__init__([module], chunks, one_f_one_b, process_group, checkpoint=checkpoint)
+        super().__init__(
+            [module], chunks, one_f_one_b, process_group, checkpoint=checkpoint, timeout=timeout
+        )
 
 
 class Interleaved1F1B(Pipeline):
@@ -213,8 +233,9 @@ class Interleaved1F1B(Pipeline):
         process_group: dist.ProcessGroup | None = None,
         *,
         checkpoint: bool = False,
+        timeout: float = 300.0,
     ) -> None:
-        if isinstance(modules, nn.Module) and not isinstance(modules, (nn.ModuleList, list)):
+        if not isinstance(modules, (list, tuple, nn.ModuleList)):
             raise TypeError(
                 "Interleaved1F1B takes this rank's list of model chunks; use "
                 "partition(model, rank, world_size, num_model_chunks=v)."
@@ -224,7 +245,9 @@ class Interleaved1F1B(Pipeline):
         def build(ranks: int, microbatches: int) -> Schedule:
             return interleaved_1f1b(ranks, microbatches, count)
 
-        super().__init__(list(modules), chunks, build, process_group, checkpoint=checkpoint)
+        super().__init__(
+            list(modules), chunks, build, process_group, checkpoint=checkpoint, timeout=timeout
+        )
 
 
 class ZeroBubble(Pipeline):
@@ -237,5 +260,7 @@ class ZeroBubble(Pipeline):
         module: nn.Module,
         chunks: int,
         process_group: dist.ProcessGroup | None = None,
+        *,
+        timeout: float = 300.0,
     ) -> None:
-        super().__init__([module], chunks, zero_bubble_h1, process_group)
+        super().__init__([module], chunks, zero_bubble_h1, process_group, timeout=timeout)

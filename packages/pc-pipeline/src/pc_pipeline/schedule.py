@@ -101,14 +101,14 @@ def format_grid(schedule: Schedule, marks: Iterable[tuple[int, int]] = ()) -> st
     lines = []
     for row in range(height):
         label = "step" if row == 0 else str(row - 1)
-        cells = [
-            (c[row] if row < len(c) else "").ljust(widths[k]) for k, c in enumerate(columns)
-        ]
+        cells = [(c[row] if row < len(c) else "").ljust(widths[k]) for k, c in enumerate(columns)]
         lines.append(f"{label:>5}  " + "  ".join(cells).rstrip())
     return "\n".join(lines)
 
 
-def schedule_error(schedule: Schedule, message: str, marks: Sequence[tuple[int, int]]) -> ScheduleError:
+def schedule_error(
+    schedule: Schedule, message: str, marks: Sequence[tuple[int, int]]
+) -> ScheduleError:
     where = ", ".join(f"rank {r} step {i} ({schedule.actions[r][i]})" for r, i in marks)
     return ScheduleError(
         f"schedule {schedule.name!r} is invalid: {message}\n"
@@ -222,7 +222,9 @@ def _check_counts(schedule: Schedule) -> None:
             has = {k: Action(s, k, m) in where for k in (F, B, I, W)}
             rank = schedule.stage_rank[s]
             if not has[F]:
-                raise schedule_error(schedule, f"stage {s} never runs the forward of microbatch {m}.", [])
+                raise schedule_error(
+                    schedule, f"stage {s} never runs the forward of microbatch {m}.", []
+                )
             if schedule.forward_only:
                 extra = [p for k in (B, I, W) for p in where.get(Action(s, k, m), [])]
                 if extra:

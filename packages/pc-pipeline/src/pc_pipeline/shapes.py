@@ -135,7 +135,9 @@ def infer_boundary_metas(
     ``s + 1``."""
     me = comm.rank
     last = len(stage_rank) - 1
-    metas: dict[int, list[TensorMeta]] = {0: [TensorMeta(tuple(t.shape), t.dtype, False) for t in first_inputs]}
+    metas: dict[int, list[TensorMeta]] = {
+        0: [TensorMeta(tuple(t.shape), t.dtype, False) for t in first_inputs]
+    }
     for s in range(len(stage_rank)):
         if stage_rank[s] != me:
             continue

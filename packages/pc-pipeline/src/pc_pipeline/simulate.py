@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pc_pipeline.actions import Action, ActionKind
-from pc_pipeline.schedule import Schedule, schedule_error, local_prerequisites, validate
+from pc_pipeline.schedule import Schedule, local_prerequisites, schedule_error, validate
 
 __all__ = ["Costs", "Simulation", "Span", "simulate"]
 
@@ -102,7 +102,9 @@ def _ready_time(
     return ready
 
 
-def simulate(schedule: Schedule, costs: Costs | None = None, *, validate_first: bool = True) -> Simulation:
+def simulate(
+    schedule: Schedule, costs: Costs | None = None, *, validate_first: bool = True
+) -> Simulation:
     """Timeline, bubble and peak activations of ``schedule`` under ``costs``
     (default: forward 1, backward 2, split backward 1 + 1, no latency)."""
     costs = costs or Costs()
@@ -141,13 +143,8 @@ def simulate(schedule: Schedule, costs: Costs | None = None, *, validate_first: 
             break
         if not progressed:
             blocked = [(r, pos[r]) for r in range(ranks) if pos[r] < len(schedule.actions[r])]
-            waits = "; ".join(
-                f"rank {r} waits at {schedule.actions[r][i]}" for r, i in blocked
-            )
+            waits = "; ".join(f"rank {r} waits at {schedule.actions[r][i]}" for r, i in blocked)
             raise schedule_error(schedule, f"deadlock: no rank can proceed ({waits}).", blocked)
     makespan = max(clock, default=0.0)
     busy = tuple(sum(s.end - s.start for s in rank_spans) for rank_spans in spans)
-    return Simulation(
-        schedule, costs, tuple(tuple(s) for s in spans), makespan, busy, tuple(peak)
-    )
-
+    return Simulation(schedule, costs, tuple(tuple(s) for s in spans), makespan, busy, tuple(peak))

@@ -73,7 +73,9 @@ def _reaches_inputs(roots: Sequence[Node], inputs: set[int]) -> dict[Node, bool]
     return memo
 
 
-def _params_below(node: Node, params: dict[int, torch.Tensor], memo: dict[Node, set[int]]) -> set[int]:
+def _params_below(
+    node: Node, params: dict[int, torch.Tensor], memo: dict[Node, set[int]]
+) -> set[int]:
     stack: list[tuple[Node, bool]] = [(node, False)]
     while stack:
         current, expanded = stack.pop()
