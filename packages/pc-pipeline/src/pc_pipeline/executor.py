@@ -10,6 +10,7 @@ that consumes it; sends are waited for at the end of the step
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,6 +36,8 @@ class StepResult:
 
     losses: list[torch.Tensor] = field(default_factory=list)
     outputs: list[Any] = field(default_factory=list)
+    # With StepInputs.record: (action, start, end) in seconds from the step's start.
+    timeline: list[tuple[Action, float, float]] = field(default_factory=list)
 
 
 @dataclass
@@ -59,6 +62,7 @@ class StepInputs:
     train: bool
     checkpoint: bool
     timeout: float  # seconds to wait for any one received tensor
+    record: bool = False  # keep each compute action's wall-clock span
 
 
 class _Runner:
@@ -130,8 +134,24 @@ class _Runner:
         for a, buffers, start in pending:
             self.state.received[a] = (buffers, handles[start : start + len(buffers)])
 
+    def _await_inputs(self, action: Action) -> None:
+        """Wait for the tensors a compute action receives from another rank."""
+        s, kind, m = action
+        if kind is ActionKind.FORWARD:
+            pending = Action(s, ActionKind.RECV_F, m)
+        elif kind in (ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT):
+            pending = Action(s, ActionKind.RECV_B, m)
+        else:
+            return
+        if pending in self.state.received:
+            self._wait(pending)
+
     def _take(self, action: Action) -> list[torch.Tensor]:
-        buffers, handles = self.state.received.pop(action)
+        self._wait(action)
+        return self.state.received.pop(action)[0]
+
+    def _wait(self, action: Action) -> None:
+        _, handles = self.state.received[action]
         try:
             for handle in handles:
                 handle.wait(timeout=self.step.timeout)
@@ -145,7 +165,6 @@ class _Runner:
                 "own error says why. Raise timeout= on the pipeline if its steps are "
                 f"legitimately slower. ({type(error).__name__}: {error})"
             ) from error
-        return buffers
 
     # ------------------------------------------------------------ compute
 
@@ -241,6 +260,8 @@ class _Runner:
     def run(self) -> StepResult:
         acts = self.schedule.actions[self.comm.rank]
         batch: list[Action] = []
+        timeline: list[tuple[Action, float, float]] = []
+        origin = time.perf_counter()
         for i, a in enumerate(acts):
             if not a.kind.is_compute:
                 batch.append(a)
@@ -249,6 +270,8 @@ class _Runner:
                 self._post(batch)
                 batch = []
             s, kind, m = a
+            self._await_inputs(a)  # outside the span: waiting is bubble, not work
+            began = time.perf_counter()
             if kind is ActionKind.FORWARD:
                 self.forward(s, m)
             elif kind is ActionKind.BACKWARD:
@@ -257,6 +280,8 @@ class _Runner:
                 self.backward(s, m, split=True)
             else:
                 self.weight(s, m)
+            if self.step.record:
+                timeline.append((a, began - origin, time.perf_counter() - origin))
             module = self.modules[s]
             if self.final_backward.get(s) == i and isinstance(module, DistributedDataParallel):
                 module.sync_gradients()
@@ -266,7 +291,7 @@ class _Runner:
             handle.wait(timeout=self.step.timeout)
         assert not self.state.received, f"receives never consumed: {list(self.state.received)}"
         count = self.schedule.num_microbatches
-        result = StepResult()
+        result = StepResult(timeline=timeline)
         if self.last in self.modules:
             result.losses = [self.state.losses[m] for m in range(count) if m in self.state.losses]
             result.outputs = [

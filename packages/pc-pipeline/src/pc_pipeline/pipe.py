@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pc_comm import TorchCommunicator
+from pc_pipeline.actions import Action
 from pc_pipeline.builders import gpipe, interleaved_1f1b, one_f_one_b, zero_bubble_h1
 from pc_pipeline.executor import StepInputs, run_schedule
 from pc_pipeline.schedule import Schedule, validate
@@ -109,6 +110,10 @@ class Pipeline(nn.Module):
         self._by_stage = dict(zip(stages, modules, strict=True))
         self._eval_schedule = self.schedule.forwards()
         self._metas: dict[tuple[Any, ...], dict[int, list[TensorMeta]]] = {}
+        # Set record_timeline = True to keep the next steps' compute spans
+        # in self.timeline: (action, start, end) seconds from the step start.
+        self.record_timeline = False
+        self.timeline: list[tuple[Action, float, float]] = []
         params = list(self.stages.parameters())
         self.device = params[0].device if params else torch.device("cpu")
 
@@ -156,8 +161,10 @@ class Pipeline(nn.Module):
             train=train,
             checkpoint=self.checkpoint,
             timeout=self.timeout,
+            record=self.record_timeline,
         )
         result = run_schedule(schedule, self._by_stage, self.comm, metas, step, self.device)
+        self.timeline = result.timeline
         if not self.is_last_stage:
             return None, None
         losses = torch.stack(result.losses) if result.losses else None

@@ -297,8 +297,9 @@ def with_communication(schedule: Schedule) -> Schedule:
     """Insert the sends and receives a compute-only schedule needs.
 
     A send goes right after the action that produces its tensor. A receive
-    goes right before the action that consumes it, or earlier where the
-    first-in first-out rule demands it [Note: communication semantics].
+    goes two compute actions before the one that consumes it, or earlier
+    where the first-in first-out rule demands it [Note: communication
+    semantics].
     """
     compute = schedule.compute_only().actions
     rank_of = schedule.stage_rank
@@ -331,7 +332,10 @@ def with_communication(schedule: Schedule) -> Schedule:
                 raise schedule_error(
                     schedule, f"nothing on rank {dst} consumes {recv} (missing {consumer}).", []
                 )
-            latest = min(latest, index[consumer])
+            # Two compute actions ahead of its consumer, so the transfer
+            # overlaps them (gloo and NCCL move data only once the receive
+            # is posted); it costs at most two early receive buffers.
+            latest = min(latest, max(index[consumer] - 2, 0))
             positions.append(latest)
         for recv, pos in zip(reversed(receives), positions, strict=True):
             recvs_before[dst].setdefault(pos, []).insert(0, recv)
