@@ -27,7 +27,12 @@ SCRIPT = textwrap.dedent(
     t = torch.tensor([float(context.env.rank)])
     comm.all_reduce(t, ReduceOp.SUM)
     print(f"rank {context.env.rank}/{context.env.world_size} node {context.env.node_rank} "
-          f"local {context.env.local_rank}/{context.env.local_world_size} sum {t.item()}")
+          f"local {context.env.local_rank}/{context.env.local_world_size} sum {t.item()}",
+          flush=True)
+    # An orderly end: no rank tears its connections down while a peer still
+    # uses them (gloo aborts, rarely, at exit with a live group).
+    comm.barrier()
+    torch.distributed.destroy_process_group()
     """
 )
 
