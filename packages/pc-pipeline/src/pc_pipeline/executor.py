@@ -25,7 +25,7 @@ from pc_pipeline.schedule import Schedule
 from pc_pipeline.shapes import TensorMeta, flatten_output
 from pc_pipeline.split_backward import WeightGradWork, backward_input, backward_weight
 
-__all__ = ["StepResult", "run_schedule"]
+__all__ = ["StepInputs", "StepResult", "run_schedule"]
 
 Key = tuple[int, int]  # (stage, microbatch)
 
@@ -97,6 +97,9 @@ class _Runner:
         return self.schedule.stage_rank[action.peer_action().stage]
 
     def _post(self, batch: list[Action]) -> None:
+        # A finished send no longer needs its tensor: let it go, so 1F1B keeps
+        # its memory bound instead of holding every sent activation to the end.
+        self.state.sends = [h for h in self.state.sends if not h.is_completed()]
         ops: list[P2POp] = []
         pending: list[tuple[Action, list[torch.Tensor], int]] = []
         for a in batch:

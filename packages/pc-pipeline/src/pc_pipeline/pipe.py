@@ -259,8 +259,9 @@ class Interleaved1F1B(Pipeline):
 
 class ZeroBubble(Pipeline):
     """ZB-H1: 1F1B with backward split into input and weight gradients;
-    weight gradients fill the bubble. Activation checkpointing is not
-    supported with a split backward."""
+    weight gradients fill the bubble. With ``checkpoint=True`` the input and
+    the weight gradient each recompute the stage's forward (two backward
+    passes over one graph), so it costs one forward more than elsewhere."""
 
     def __init__(
         self,
@@ -268,6 +269,9 @@ class ZeroBubble(Pipeline):
         chunks: int,
         process_group: dist.ProcessGroup | None = None,
         *,
+        checkpoint: bool = False,
         timeout: float = 300.0,
     ) -> None:
-        super().__init__([module], chunks, zero_bubble_h1, process_group, timeout=timeout)
+        super().__init__(
+            [module], chunks, zero_bubble_h1, process_group, checkpoint=checkpoint, timeout=timeout
+        )

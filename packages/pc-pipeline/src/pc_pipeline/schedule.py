@@ -14,7 +14,6 @@ checks it, and simulation finds deadlocks under exactly these rules.
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -360,7 +359,3 @@ def _consumer(recv: Action) -> Action:
     if recv.kind is ActionKind.RECV_F:
         return Action(recv.stage, F, recv.microbatch)
     return Action(recv.stage, B, recv.microbatch)
-
-
-def count_kinds(schedule: Schedule) -> Counter[ActionKind]:
-    return Counter(a.kind for acts in schedule.actions for a in acts)
