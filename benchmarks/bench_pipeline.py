@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -33,7 +34,6 @@ from torch.distributed.pipelining import (
 
 from pc_comm.testing import spawn
 from pc_pipeline import (
-    ActionKind,
     Costs,
     GPipe,
     Interleaved1F1B,
@@ -108,47 +108,36 @@ def _torch(kind: str) -> tuple[Callable[[torch.Tensor, torch.Tensor], None], tor
 
 
 def _measured_bubble(pipe: Pipeline, x: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
-    """Idle share measured over 3 steps, and the simulator's prediction from
-    the same steps' mean forward and backward times."""
+    """The idle share of 5 steps (median), and the simulator's prediction
+    from the same steps' mean time of each (stage, kind)."""
     pipe.record_timeline = True
-    busy, makespan = 0.0, 0.0
-    f_times: list[float] = []
-    b_times: list[float] = []
-    i_times: list[float] = []
-    w_times: list[float] = []
-    for _ in range(3):
+    world = dist.get_world_size()
+    bubbles: list[float] = []
+    durations: dict[tuple[int, str], list[float]] = {}
+    for _ in range(5):
         dist.barrier()
         pipe.forward_backward(x, criterion=_loss, labels=(y,))
         spans = pipe.timeline
-        busy += sum(end - start for _, start, end in spans)
-        makespan += max(end for _, _, end in spans)
         for action, start, end in spans:
-            {
-                ActionKind.FORWARD: f_times,
-                ActionKind.BACKWARD: b_times,
-                ActionKind.BACKWARD_INPUT: i_times,
-                ActionKind.BACKWARD_WEIGHT: w_times,
-            }[action.kind].append(end - start)
+            durations.setdefault((action.stage, action.kind.value), []).append(end - start)
+        local = torch.tensor(
+            [sum(end - start for _, start, end in spans), max(end for _, _, end in spans)],
+            dtype=torch.float64,
+        )
+        gathered = [torch.zeros_like(local) for _ in range(world)]
+        dist.all_gather(gathered, local)
+        makespan = max(float(t[1]) for t in gathered)
+        bubbles.append(1.0 - sum(float(t[0]) for t in gathered) / (world * makespan))
     pipe.record_timeline = False
-    world = dist.get_world_size()
-    totals = torch.tensor([busy, makespan], dtype=torch.float64)
-    dist.all_reduce(totals)  # busy summed over ranks
-    longest = torch.tensor([makespan], dtype=torch.float64)
-    dist.all_reduce(longest, op=dist.ReduceOp.MAX)
-    measured = 1.0 - float(totals[0]) / (world * float(longest[0]))
-
-    def mean(values: list[float]) -> float:
-        local = torch.tensor([sum(values), len(values)], dtype=torch.float64)
-        dist.all_reduce(local)
-        return float(local[0] / local[1]) if local[1] else 0.0
-
-    costs = Costs(
-        forward=mean(f_times),
-        backward=mean(b_times),
-        backward_input=mean(i_times),
-        backward_weight=mean(w_times),
-    )
-    return {"measured": measured, "simulated": simulate(pipe.schedule, costs).bubble_fraction}
+    means = {key: sum(v) / len(v) for key, v in durations.items()}
+    everyone: list[dict[tuple[int, str], float]] = [{} for _ in range(world)]
+    dist.all_gather_object(everyone, means)
+    table = {key: value for part in everyone for key, value in part.items()}
+    costs = Costs(per_action=lambda a: table[(a.stage, a.kind.value)])
+    return {
+        "measured": statistics.median(bubbles),
+        "simulated": simulate(pipe.schedule, costs).bubble_fraction,
+    }
 
 
 def _run(iters: int, kinds: list[str], out: str) -> None:

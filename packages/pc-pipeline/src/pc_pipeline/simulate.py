@@ -12,6 +12,7 @@ blocked actions marked.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from pc_pipeline.actions import Action, ActionKind
@@ -23,20 +24,27 @@ __all__ = ["Costs", "Simulation", "Span", "simulate"]
 @dataclass(frozen=True)
 class Costs:
     """Time of each action kind, in any unit. ``backward`` is a whole
-    backward (``I`` + ``W``)."""
+    backward (``I`` + ``W``). ``per_action``, if given, overrides them for
+    every compute action, e.g. with measured per-stage times."""
 
     forward: float = 1.0
     backward: float = 2.0
     backward_input: float = 1.0
     backward_weight: float = 1.0
     latency: float = 0.0
+    per_action: Callable[[Action], float] | None = None
 
     def __post_init__(self) -> None:
         for name in ("forward", "backward", "backward_input", "backward_weight", "latency"):
             if getattr(self, name) < 0:
                 raise ValueError(f"Costs.{name} must be >= 0, got {getattr(self, name)}.")
 
-    def of(self, kind: ActionKind) -> float:
+    def of(self, action: Action) -> float:
+        kind = action.kind
+        if not kind.is_compute:
+            return 0.0
+        if self.per_action is not None:
+            return self.per_action(action)
         return {
             ActionKind.FORWARD: self.forward,
             ActionKind.BACKWARD: self.backward,
@@ -127,7 +135,7 @@ def simulate(
                 if ready is None:
                     break
                 start = max(clock[r], ready)
-                end = start + costs.of(action.kind)
+                end = start + costs.of(action)
                 done[action] = end
                 clock[r] = end
                 pos[r] += 1
