@@ -32,6 +32,7 @@ from torch.distributed.pipelining import (
     ScheduleInterleaved1F1B,
 )
 
+from pc_comm import ShmCommunicator, TorchCommunicator
 from pc_comm.testing import spawn
 from pc_pipeline import (
     Costs,
@@ -62,17 +63,18 @@ def _loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return nn.functional.mse_loss(output, target)
 
 
-def _ours(kind: str) -> tuple[Pipeline, torch.optim.Optimizer]:
+def _ours(kind: str, transport: str) -> tuple[Pipeline, torch.optim.Optimizer]:
     rank, world = dist.get_rank(), dist.get_world_size()
+    comm = ShmCommunicator() if transport == "shm" else TorchCommunicator()
     if kind == "interleaved":
         parts = partition(_model(), rank, world, num_model_chunks=2)
         assert isinstance(parts, list)
-        pipe: Pipeline = Interleaved1F1B(parts, CHUNKS)
+        pipe: Pipeline = Interleaved1F1B(parts, CHUNKS, communicator=comm)
     else:
         stage = partition(_model(), rank, world)
         assert isinstance(stage, nn.Module)
         wrapper = {"gpipe": GPipe, "1f1b": PipeDream, "zb-h1": ZeroBubble}[kind]
-        pipe = wrapper(stage, CHUNKS)
+        pipe = wrapper(stage, CHUNKS, communicator=comm)
     return pipe, torch.optim.SGD(pipe.parameters(), lr=1e-3)
 
 
@@ -157,15 +159,16 @@ def _run(iters: int, kinds: list[str], out: str) -> None:
     fns: dict[str, Callable[[], None]] = {"single process": single_step}
     pipes: dict[str, Pipeline] = {}
     for kind in kinds:
-        pipe, opt = _ours(kind)
-        pipes[kind] = pipe
+        for transport in ("shm", "gloo"):
+            pipe, opt = _ours(kind, transport)
+            pipes[f"{kind} ({transport})"] = pipe
 
-        def ours(pipe: Pipeline = pipe, opt: torch.optim.Optimizer = opt) -> None:
-            pipe.forward_backward(x, criterion=_loss, labels=(y,))
-            opt.step()
-            opt.zero_grad()
+            def ours(pipe: Pipeline = pipe, opt: torch.optim.Optimizer = opt) -> None:
+                pipe.forward_backward(x, criterion=_loss, labels=(y,))
+                opt.step()
+                opt.zero_grad()
 
-        fns[f"pc {kind}"] = ours
+            fns[f"pc {kind} ({transport})"] = ours
         if kind == "zb-h1":
             continue
         step, topt = _torch(kind)
@@ -201,15 +204,22 @@ def main() -> None:
     single = times["single process"]
     title = f"MLP {BLOCKS}x{WIDTH}, batch {BATCH} in {CHUNKS} microbatches, 2 ranks"
     print(f"\n## Pipeline step, {title}\n")
-    print("| schedule | pc step (s) | torch step (s) | torch / pc | pc / single process |")
-    print("|---|---:|---:|---:|---:|")
+    print(
+        "| schedule | pc, shm (s) | pc, gloo (s) | torch, gloo (s) | torch / pc shm "
+        "| torch / pc gloo | pc shm / single process |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for kind in args.schedules:
-        ours = times[f"pc {kind}"]
+        shm, gloo = times[f"pc {kind} (shm)"], times[f"pc {kind} (gloo)"]
         theirs = times.get(f"torch {kind}")
-        ratio = f"{theirs / ours:.3f}" if theirs else "n/a"
         shown = f"{theirs:.4f}" if theirs else "n/a"
-        print(f"| {kind} | {ours:.4f} | {shown} | {ratio} | {ours / single:.3f} |")
-    print(f"| single process | {single:.4f} | | | 1.000 |")
+        r_shm = f"{theirs / shm:.3f}" if theirs else "n/a"
+        r_gloo = f"{theirs / gloo:.3f}" if theirs else "n/a"
+        print(
+            f"| {kind} | {shm:.4f} | {gloo:.4f} | {shown} | {r_shm} | {r_gloo} "
+            f"| {shm / single:.3f} |"
+        )
+    print(f"| single process | {single:.4f} | | | | | 1.000 |")
     print("\n## Bubble: measured vs simulated from measured action times\n")
     print("| schedule | measured | simulated |")
     print("|---|---:|---:|")

@@ -72,16 +72,21 @@ import torch.distributed as dist
 from pc_comm._host import HostExecutor
 from pc_comm.communicator import (
     Handle,
+    P2PKind,
     P2POp,
     ReduceOp,
+    check_contiguous,
     divide_for_average,
 )
+from pc_comm.shm_p2p import P2PChannels
 
 __all__ = ["ShmCommunicator", "ShmPeerError"]
 
 _LINE = 128  # bytes per control line: two cache lines, so ranks never share one
 _TSO = platform.machine().lower() in {"x86_64", "amd64", "i386", "i686"}
 _DEFAULT_SLOT_BYTES = 16 * 1024 * 1024
+_P2P_SLOT_BYTES = 1024 * 1024  # per piece of a send; a pair's ring holds _P2P_SLOTS
+_P2P_SLOTS = 4
 
 
 class ShmPeerError(RuntimeError):
@@ -239,6 +244,18 @@ class ShmCommunicator(HostExecutor):
         pids = [0] * self._world_size
         dist.all_gather_object(pids, os.getpid(), group=self.group)
         self._pids = pids
+        # Point-to-point rings, one per ordered pair [Note: point-to-point
+        # through shared memory, in pc_comm.shm_p2p]. The file is sparse: a
+        # pair's pages exist only once it sends.
+        self._p2p = P2PChannels(
+            self._map_shared(
+                P2PChannels.segment_bytes(self._world_size, _P2P_SLOT_BYTES, _P2P_SLOTS)
+            ),
+            self._rank,
+            self._world_size,
+            _P2P_SLOT_BYTES,
+            _P2P_SLOTS,
+        )
         HostExecutor.__init__(self, "pc-shm-comm")
 
     def _check_same_host(self) -> None:
@@ -561,23 +578,44 @@ class ShmCommunicator(HostExecutor):
 
     # -- the rest of the Communicator protocol ----------------------------
 
+    def _post_p2p(self, kind: P2PKind, tensor: torch.Tensor, peer: int) -> Handle:
+        if not 0 <= peer < self._world_size or peer == self._rank:
+            raise ValueError(
+                f"{kind.value} peer must be another rank in [0, {self._world_size}), got {peer} "
+                f"(this rank is {self._rank})."
+            )
+        check_contiguous(tensor, f"{kind.value} tensor")
+        if tensor.is_cuda:
+            raise ValueError(
+                "ShmCommunicator sends and receives host tensors; for CUDA tensors use "
+                "TorchCommunicator (NCCL moves them device to device)."
+            )
+        if not _TSO:
+            raise NotImplementedError(
+                "shared-memory send/recv relies on x86-64 store ordering; on "
+                f"{platform.machine()} use TorchCommunicator."
+            )
+        return self._p2p.post(kind, tensor, peer)
+
     def send(self, tensor: torch.Tensor, dst: int, *, async_op: bool = False) -> Handle:
-        raise NotImplementedError(
-            "ShmCommunicator implements collectives only; use TorchCommunicator for "
-            "send/recv (pipelines)."
-        )
+        handle = self._post_p2p(P2PKind.SEND, tensor, dst)
+        if not async_op:
+            handle.wait(self._timeout_s)
+        return handle
 
     def recv(self, tensor: torch.Tensor, src: int, *, async_op: bool = False) -> Handle:
-        raise NotImplementedError(
-            "ShmCommunicator implements collectives only; use TorchCommunicator for "
-            "send/recv (pipelines)."
-        )
+        handle = self._post_p2p(P2PKind.RECV, tensor, src)
+        if not async_op:
+            handle.wait(self._timeout_s)
+        return handle
 
     def batch_p2p(self, ops: Sequence[P2POp]) -> list[Handle]:
-        raise NotImplementedError(
-            "ShmCommunicator implements collectives only; use TorchCommunicator for "
-            "send/recv (pipelines)."
-        )
+        return [self._post_p2p(op.kind, op.tensor, op.peer) for op in ops]
+
+    def close(self) -> None:
+        """Stop the worker and point-to-point threads."""
+        self._p2p.close()
+        HostExecutor.close(self)
 
     def barrier(self) -> None:
         self._submit(lambda: self._barrier("barrier"), async_op=False)

@@ -11,6 +11,7 @@ training.
 
 from __future__ import annotations
 
+import platform
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -18,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pc_comm import TorchCommunicator
+from pc_comm import Communicator, ShmCommunicator, TorchCommunicator
 from pc_pipeline.actions import Action
 from pc_pipeline.builders import gpipe, interleaved_1f1b, one_f_one_b, zero_bubble_h1
 from pc_pipeline.executor import StepInputs, run_schedule
@@ -57,6 +58,18 @@ def _concat(outputs: list[Any]) -> Any:
     return outputs
 
 
+def _default_communicator(group: dist.ProcessGroup | None, device: torch.device) -> Communicator:
+    """Shared memory between host-resident stages on one x86-64 host (no
+    sockets, no transport threads; see pc_comm.shm_p2p); torch.distributed
+    otherwise (NCCL for CUDA stages, gloo across hosts)."""
+    if device.type == "cpu" and platform.machine().lower() in {"x86_64", "amd64"}:
+        hosts: list[str] = [""] * dist.get_world_size(group)
+        dist.all_gather_object(hosts, platform.node(), group=group)
+        if len(set(hosts)) == 1:
+            return ShmCommunicator(group)
+    return TorchCommunicator(group)
+
+
 class Pipeline(nn.Module):
     """Run this rank's stages under any schedule.
 
@@ -64,7 +77,10 @@ class Pipeline(nn.Module):
     num_ranks + rank`` for chunk ``c``); ``schedule`` is a builder
     ``(num_ranks, num_microbatches) -> Schedule`` or a fixed ``Schedule``.
     If a peer fails mid-step, this rank raises within ``timeout`` seconds
-    instead of waiting for it forever. The wrappers below take ``timeout``
+    instead of waiting for it forever. Stages talk through ``communicator``:
+    by default shared memory when every rank is on this (x86-64) host and the
+    stages live in host memory, torch.distributed over ``process_group``
+    otherwise. The wrappers below take ``timeout``
     and ``checkpoint`` as keywords too.
     """
 
@@ -77,8 +93,14 @@ class Pipeline(nn.Module):
         *,
         checkpoint: bool = False,
         timeout: float = 300.0,
+        communicator: Communicator | None = None,
     ) -> None:
         super().__init__()
+        if communicator is not None and process_group is not None:
+            raise ValueError(
+                "pass either process_group or communicator, not both: a communicator "
+                "already knows its ranks."
+            )
         if timeout <= 0:
             raise ValueError(f"timeout must be positive seconds, got {timeout}.")
         self.timeout = timeout  # a failed peer surfaces as an error here within it
@@ -88,7 +110,13 @@ class Pipeline(nn.Module):
             )
         if not modules:
             raise ValueError("a pipeline rank needs at least one stage module.")
-        self.comm = TorchCommunicator(process_group)
+        params = [p for m in modules for p in m.parameters()]
+        self.device = params[0].device if params else torch.device("cpu")
+        self.comm = (
+            communicator
+            if communicator is not None
+            else _default_communicator(process_group, self.device)
+        )
         self.chunks = chunks
         self.checkpoint = checkpoint
         ranks, rank = self.comm.world_size, self.comm.rank
@@ -114,8 +142,6 @@ class Pipeline(nn.Module):
         # in self.timeline: (action, start, end) seconds from the step start.
         self.record_timeline = False
         self.timeline: list[tuple[Action, float, float]] = []
-        params = list(self.stages.parameters())
-        self.device = params[0].device if params else torch.device("cpu")
 
     @property
     def is_first_stage(self) -> bool:
@@ -205,9 +231,16 @@ class GPipe(Pipeline):
         *,
         checkpoint: bool = False,
         timeout: float = 300.0,
+        communicator: Communicator | None = None,
     ) -> None:
         super().__init__(
-            [module], chunks, gpipe, process_group, checkpoint=checkpoint, timeout=timeout
+            [module],
+            chunks,
+            gpipe,
+            process_group,
+            checkpoint=checkpoint,
+            timeout=timeout,
+            communicator=communicator,
         )
 
 
@@ -223,9 +256,16 @@ class PipeDream(Pipeline):
         *,
         checkpoint: bool = False,
         timeout: float = 300.0,
+        communicator: Communicator | None = None,
     ) -> None:
         super().__init__(
-            [module], chunks, one_f_one_b, process_group, checkpoint=checkpoint, timeout=timeout
+            [module],
+            chunks,
+            one_f_one_b,
+            process_group,
+            checkpoint=checkpoint,
+            timeout=timeout,
+            communicator=communicator,
         )
 
 
@@ -241,6 +281,7 @@ class Interleaved1F1B(Pipeline):
         *,
         checkpoint: bool = False,
         timeout: float = 300.0,
+        communicator: Communicator | None = None,
     ) -> None:
         if not isinstance(modules, (list, tuple, nn.ModuleList)):
             raise TypeError(
@@ -253,7 +294,13 @@ class Interleaved1F1B(Pipeline):
             return interleaved_1f1b(ranks, microbatches, count)
 
         super().__init__(
-            list(modules), chunks, build, process_group, checkpoint=checkpoint, timeout=timeout
+            list(modules),
+            chunks,
+            build,
+            process_group,
+            checkpoint=checkpoint,
+            timeout=timeout,
+            communicator=communicator,
         )
 
 
@@ -271,7 +318,14 @@ class ZeroBubble(Pipeline):
         *,
         checkpoint: bool = False,
         timeout: float = 300.0,
+        communicator: Communicator | None = None,
     ) -> None:
         super().__init__(
-            [module], chunks, zero_bubble_h1, process_group, checkpoint=checkpoint, timeout=timeout
+            [module],
+            chunks,
+            zero_bubble_h1,
+            process_group,
+            checkpoint=checkpoint,
+            timeout=timeout,
+            communicator=communicator,
         )
