@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -135,11 +136,36 @@ def _measured_bubble(pipe: Pipeline, x: torch.Tensor, y: torch.Tensor) -> dict[s
     everyone: list[dict[tuple[int, str], float]] = [{} for _ in range(world)]
     dist.all_gather_object(everyone, means)
     table = {key: value for part in everyone for key, value in part.items()}
+    latency = _transfer_time(pipe, x.shape[0] // CHUNKS)
     costs = Costs(per_action=lambda a: table[(a.stage, a.kind.value)])
+    with_latency = Costs(per_action=costs.per_action, latency=latency)
     return {
         "measured": statistics.median(bubbles),
         "simulated": simulate(pipe.schedule, costs).bubble_fraction,
+        "simulated_latency": simulate(pipe.schedule, with_latency).bubble_fraction,
+        "latency_ms": latency * 1000,
     }
+
+
+def _transfer_time(pipe: Pipeline, rows: int) -> float:
+    """Half the median round trip of one activation (``rows`` x WIDTH fp32)
+    between ranks 0 and 1 over the pipeline's own communicator."""
+    comm, rank = pipe.comm, dist.get_rank()
+    buf = torch.randn(rows, WIDTH)
+    trips = []
+    for _ in range(20):
+        dist.barrier()
+        start = time.perf_counter()
+        if rank == 0:
+            comm.send(buf, 1)
+            comm.recv(buf, 1)
+        elif rank == 1:
+            comm.recv(buf, 0)
+            comm.send(buf, 0)
+        trips.append(time.perf_counter() - start)
+    half = torch.tensor([statistics.median(trips) / 2], dtype=torch.float64)
+    dist.broadcast(half, 0)
+    return float(half)
 
 
 def _run(iters: int, kinds: list[str], out: str) -> None:
@@ -221,10 +247,13 @@ def main() -> None:
         )
     print(f"| single process | {single:.4f} | | | | | 1.000 |")
     print("\n## Bubble: measured vs simulated from measured action times\n")
-    print("| schedule | measured | simulated |")
-    print("|---|---:|---:|")
+    print("| schedule | measured | simulated | simulated with latency | latency (ms) |")
+    print("|---|---:|---:|---:|---:|")
     for kind, b in bubbles.items():
-        print(f"| {kind} | {b['measured']:.1%} | {b['simulated']:.1%} |")
+        print(
+            f"| {kind} | {b['measured']:.1%} | {b['simulated']:.1%} "
+            f"| {b['simulated_latency']:.1%} | {b['latency_ms']:.2f} |"
+        )
     (RESULTS / "bench_pipeline.json").write_text(json.dumps(result, indent=2))
 
 
