@@ -241,12 +241,11 @@ class ShmCommunicator(HostExecutor):
         self._data = self._segment[control:]
         self._generation = 0
         self._symmetric: list[_Symmetric] = []
-        pids = [0] * self._world_size
-        dist.all_gather_object(pids, os.getpid(), group=self.group)
-        self._pids = pids
         # Point-to-point rings, one per ordered pair [Note: point-to-point
         # through shared memory, in pc_comm.shm_p2p]. The file is sparse: a
-        # pair's pages exist only once it sends.
+        # pair's pages exist only once it sends. Mapped before the pid
+        # exchange below, whose collective orders rank 0's unlink of its name
+        # before any rank returns [Note: segment lifetime].
         self._p2p = P2PChannels(
             self._map_shared(
                 P2PChannels.segment_bytes(self._world_size, _P2P_SLOT_BYTES, _P2P_SLOTS)
@@ -256,6 +255,9 @@ class ShmCommunicator(HostExecutor):
             _P2P_SLOT_BYTES,
             _P2P_SLOTS,
         )
+        pids = [0] * self._world_size
+        dist.all_gather_object(pids, os.getpid(), group=self.group)
+        self._pids = pids
         HostExecutor.__init__(self, "pc-shm-comm")
 
     def _check_same_host(self) -> None:
