@@ -1,0 +1,211 @@
+"""Tensor-parallel layers, built from an existing (unsharded) layer so the
+sharded model starts from exactly the weights of the unsharded one.
+
+- :class:`ColumnParallelLinear` splits the output features: each rank
+  computes a slice of the output (optionally gathered).
+- :class:`RowParallelLinear` splits the input features: each rank computes a
+  partial sum of the output, summed over the group.
+- :class:`VocabParallelEmbedding` splits the vocabulary rows.
+- :func:`vocab_parallel_cross_entropy` computes the loss from vocabulary-
+  sharded logits without ever gathering them.
+
+GPT-2's ``Conv1D`` stores its weight transposed (``[in, out]``); the
+``from_conv1d`` constructors read it as such.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pc_tensor.comm import copy_to_tp, gather_from_tp, reduce_from_tp
+
+__all__ = [
+    "ColumnParallelLinear",
+    "RowParallelLinear",
+    "VocabParallelEmbedding",
+    "vocab_parallel_cross_entropy",
+]
+
+
+def _shard_size(total: int, group: dist.ProcessGroup, what: str) -> tuple[int, int]:
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    if total % world:
+        fits = [d for d in range(1, total + 1) if total % d == 0 and d <= 64]
+        raise ValueError(
+            f"{what} ({total}) is not divisible by the tensor-parallel size ({world}); "
+            f"use a tp size in {fits}, or pad {what} to a multiple of {world}."
+        )
+    size = total // world
+    return size, rank * size
+
+
+class ColumnParallelLinear(nn.Module):
+    """``y = x W^T + b`` with ``W``'s output rows split over ``group``."""
+
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        group: dist.ProcessGroup,
+        *,
+        gather_output: bool = False,
+    ) -> None:
+        super().__init__()
+        out_features = weight.shape[0]
+        size, start = _shard_size(out_features, group, "out_features")
+        self.group = group
+        self.gather_output = gather_output
+        self.in_features, self.out_features = weight.shape[1], out_features
+        self.weight = nn.Parameter(weight.detach()[start : start + size].clone())
+        self.bias = (
+            nn.Parameter(bias.detach()[start : start + size].clone()) if bias is not None else None
+        )
+
+    @classmethod
+    def from_linear(
+        cls, layer: nn.Linear, group: dist.ProcessGroup, *, gather_output: bool = False
+    ) -> ColumnParallelLinear:
+        return cls(layer.weight, layer.bias, group, gather_output=gather_output)
+
+    @classmethod
+    def from_conv1d(
+        cls, layer: nn.Module, group: dist.ProcessGroup, *, gather_output: bool = False
+    ) -> ColumnParallelLinear:
+        weight: Any = layer.weight
+        return cls(weight.t(), getattr(layer, "bias", None), group, gather_output=gather_output)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = nn.functional.linear(copy_to_tp(x, self.group), self.weight, self.bias)
+        return gather_from_tp(out, self.group) if self.gather_output else out
+
+
+class RowParallelLinear(nn.Module):
+    """``y = x W^T + b`` with ``W``'s input columns split over ``group``;
+    the input arrives already split (the output of a column-parallel layer)
+    unless ``input_is_parallel=False``."""
+
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        group: dist.ProcessGroup,
+        *,
+        input_is_parallel: bool = True,
+    ) -> None:
+        super().__init__()
+        in_features = weight.shape[1]
+        size, start = _shard_size(in_features, group, "in_features")
+        self.group = group
+        self.input_is_parallel = input_is_parallel
+        self.in_features, self.out_features = in_features, weight.shape[0]
+        self.weight = nn.Parameter(weight.detach()[:, start : start + size].clone())
+        # The bias is added once, after the sum, so every rank holds all of it.
+        self.bias = nn.Parameter(bias.detach().clone()) if bias is not None else None
+
+    @classmethod
+    def from_linear(
+        cls, layer: nn.Linear, group: dist.ProcessGroup, *, input_is_parallel: bool = True
+    ) -> RowParallelLinear:
+        return cls(layer.weight, layer.bias, group, input_is_parallel=input_is_parallel)
+
+    @classmethod
+    def from_conv1d(
+        cls, layer: nn.Module, group: dist.ProcessGroup, *, input_is_parallel: bool = True
+    ) -> RowParallelLinear:
+        weight: Any = layer.weight
+        return cls(
+            weight.t(), getattr(layer, "bias", None), group, input_is_parallel=input_is_parallel
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel:
+            world, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+            x = x.chunk(world, dim=-1)[rank]
+        out = reduce_from_tp(nn.functional.linear(x, self.weight), self.group)
+        return out + self.bias if self.bias is not None else out
+
+
+class VocabParallelEmbedding(nn.Module):
+    """An embedding whose rows (the vocabulary) are split over ``group``."""
+
+    def __init__(self, weight: torch.Tensor, group: dist.ProcessGroup) -> None:
+        super().__init__()
+        size, start = _shard_size(weight.shape[0], group, "the vocabulary size")
+        self.group = group
+        self.num_embeddings, self.embedding_dim = weight.shape
+        self.start, self.end = start, start + size
+        self.weight = nn.Parameter(weight.detach()[start : start + size].clone())
+
+    @classmethod
+    def from_embedding(
+        cls, layer: nn.Embedding, group: dist.ProcessGroup
+    ) -> VocabParallelEmbedding:
+        return cls(layer.weight, group)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        outside = (ids < self.start) | (ids >= self.end)
+        local = (ids - self.start).masked_fill(outside, 0)
+        out = nn.functional.embedding(local, self.weight)
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from_tp(out, self.group)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any,
+        logits: torch.Tensor,
+        target: torch.Tensor,
+        group: dist.ProcessGroup,
+        start: int,
+        ignore_index: int,
+    ) -> torch.Tensor:
+        logits = logits.float()
+        maximum = logits.max(dim=-1).values
+        dist.all_reduce(maximum, op=dist.ReduceOp.MAX, group=group)
+        shifted = logits - maximum.unsqueeze(-1)
+        exp = shifted.exp()
+        total = exp.sum(dim=-1)
+        dist.all_reduce(total, group=group)
+        size = logits.shape[-1]
+        ignored = target == ignore_index
+        local = target - start
+        mine = (local >= 0) & (local < size) & ~ignored
+        index = local.clamp(0, size - 1).unsqueeze(-1)
+        picked = shifted.gather(-1, index).squeeze(-1) * mine
+        dist.all_reduce(picked, group=group)
+        losses = (total.log() - picked).masked_fill(ignored, 0.0)
+        count = (~ignored).sum().clamp(min=1)
+        softmax = exp / total.unsqueeze(-1)
+        ctx.save_for_backward(softmax, index, mine, ignored, count)
+        return losses.sum() / count
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
+        softmax, index, mine, ignored, count = ctx.saved_tensors
+        out = softmax.clone()
+        out.scatter_add_(-1, index, -mine.to(out.dtype).unsqueeze(-1))
+        out.masked_fill_(ignored.unsqueeze(-1), 0.0)
+        return out * (grad / count), None, None, None, None
+
+
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    group: dist.ProcessGroup,
+    *,
+    ignore_index: int = -100,
+) -> torch.Tensor:
+    """Mean cross-entropy over the non-ignored targets, from ``logits``
+    holding this rank's contiguous slice of the vocabulary (``[..., V/tp]``,
+    slice ``rank``). Only three reductions of one number per token cross the
+    group; the full logits never exist anywhere."""
+    start = dist.get_rank(group) * logits.shape[-1]
+    loss: torch.Tensor = _VocabParallelCrossEntropy.apply(  # type: ignore[no-untyped-call, unused-ignore]
+        logits, target, group, start, ignore_index
+    )
+    return loss
