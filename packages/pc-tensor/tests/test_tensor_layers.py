@@ -18,6 +18,7 @@ from pc_tensor import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
+    sync_replicated_grads,
     vocab_parallel_cross_entropy,
 )
 
@@ -130,6 +131,57 @@ def check_indivisible_sizes_are_rejected() -> None:
         VocabParallelEmbedding.from_embedding(nn.Embedding(33, 4), group)
 
 
+def check_sequence_parallel_block_matches_unsharded() -> None:
+    """LayerNorm -> column -> GELU -> row + residual, with activations split
+    along the sequence outside the linears: each rank's output slice, the
+    input gradient, the replicated LayerNorm's summed gradient and the
+    sharded weights after 3 steps equal the unsharded block's."""
+    group = dist.group.WORLD
+    assert group is not None
+    world = dist.get_world_size()
+    torch.manual_seed(5)
+    norm, up, down = nn.LayerNorm(8), nn.Linear(8, 16), nn.Linear(16, 8)
+    ref = [copy.deepcopy(m) for m in (norm, up, down)]
+    tp_norm = copy.deepcopy(norm)
+    col = ColumnParallelLinear.from_linear(up, group, sequence_parallel=True)
+    row = RowParallelLinear.from_linear(down, group, sequence_parallel=True)
+    ref_params = [p for m in ref for p in m.parameters()]
+    tp_params = [*tp_norm.parameters(), *col.parameters(), *row.parameters()]
+    ref_opt = torch.optim.SGD(ref_params, lr=0.1)
+    tp_opt = torch.optim.SGD(tp_params, lr=0.1)
+    seq = 4 * world
+    for step in range(3):
+        x = torch.randn(2, seq, 8, generator=torch.Generator().manual_seed(10 + step))
+        x_ref = x.clone().requires_grad_()
+        y_ref = x_ref + ref[2](nn.functional.gelu(ref[1](ref[0](x_ref))))
+        (y_ref.square().sum() / y_ref.numel()).backward()
+        x_local = _rows(x, dim=1).clone().requires_grad_()
+        y_local = x_local + row(nn.functional.gelu(col(tp_norm(x_local))))
+        _close(y_local, _rows(y_ref.detach(), dim=1))
+        (y_local.square().sum() / y_ref.numel()).backward()
+        assert x_local.grad is not None
+        assert x_ref.grad is not None
+        _close(x_local.grad, _rows(x_ref.grad, dim=1))
+        sync_replicated_grads(
+            [*tp_norm.parameters(), *[p for p in row.parameters() if p is row.bias]], group
+        )
+        for got, want in zip(tp_norm.parameters(), ref[0].parameters(), strict=True):
+            assert got.grad is not None
+            assert want.grad is not None
+            _close(got.grad, want.grad)
+        ref_opt.step()
+        tp_opt.step()
+        ref_opt.zero_grad()
+        tp_opt.zero_grad()
+    _close(col.weight, _rows(ref[1].weight))
+    _close(row.weight, _rows(ref[2].weight, dim=1))
+    assert row.bias is not None
+    ref_bias: torch.Tensor = ref[2].bias  # type: ignore[assignment, unused-ignore]
+    _close(row.bias, ref_bias)
+    with pytest.raises(ValueError, match=r"gather_output and sequence_parallel"):
+        ColumnParallelLinear.from_linear(up, group, gather_output=True, sequence_parallel=True)
+
+
 def check_all(case: str) -> None:
     if case == "mlp-linear":
         check_mlp_matches_unsharded("linear")
@@ -141,6 +193,8 @@ def check_all(case: str) -> None:
         check_embedding_and_loss_match_unsharded(False)
     elif case == "loss-ignore":
         check_embedding_and_loss_match_unsharded(True)
+    elif case == "sequence-parallel":
+        check_sequence_parallel_block_matches_unsharded()
     else:
         check_indivisible_sizes_are_rejected()
 
@@ -150,5 +204,15 @@ def test_parallel_layers_match_unsharded(world_size: int) -> None:
     run_subtests(
         check_all,
         world_size,
-        {"case": ["mlp-linear", "mlp-conv1d", "gather", "loss", "loss-ignore", "errors"]},
+        {
+            "case": [
+                "mlp-linear",
+                "mlp-conv1d",
+                "gather",
+                "loss",
+                "loss-ignore",
+                "sequence-parallel",
+                "errors",
+            ]
+        },
     )

@@ -1,11 +1,19 @@
 """Tensor and sequence parallelism with policies for Hugging Face models.
 
-Status: in progress (issue 9). The parallel layers and their collectives
-exist; sequence parallelism, the model policies and ``shard_model`` do not
+Status: in progress (issue 9). The parallel layers, their collectives and
+sequence parallelism exist; the model policies and ``shard_model`` do not
 yet.
 """
 
-from pc_tensor.comm import copy_to_tp, gather_from_tp, reduce_from_tp, split_to_tp
+from pc_tensor.comm import (
+    copy_to_tp,
+    gather_from_tp,
+    gather_sequence,
+    reduce_from_tp,
+    reduce_scatter_sequence,
+    split_to_tp,
+    sync_replicated_grads,
+)
 from pc_tensor.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -21,7 +29,10 @@ __all__ = [
     "VocabParallelEmbedding",
     "copy_to_tp",
     "gather_from_tp",
+    "gather_sequence",
     "reduce_from_tp",
+    "reduce_scatter_sequence",
     "split_to_tp",
+    "sync_replicated_grads",
     "vocab_parallel_cross_entropy",
 ]

@@ -13,7 +13,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["copy_to_tp", "gather_from_tp", "reduce_from_tp", "split_to_tp"]
+__all__ = [
+    "copy_to_tp",
+    "gather_from_tp",
+    "gather_sequence",
+    "reduce_from_tp",
+    "reduce_scatter_sequence",
+    "split_to_tp",
+    "sync_replicated_grads",
+]
 
 
 def _all_reduce(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -103,3 +111,63 @@ def split_to_tp(x: torch.Tensor, group: dist.ProcessGroup, dim: int = -1) -> tor
     """This rank's equal slice of ``x`` along ``dim``; backward gathers."""
     out: torch.Tensor = _Split.apply(x, group, dim)  # type: ignore[no-untyped-call, unused-ignore]
     return out
+
+
+class _GatherSequence(torch.autograd.Function):
+    """Sequence parallelism's entry to a column-parallel layer: all-gather
+    the sequence slices forward; backward sums the full-sequence gradients
+    of every rank and keeps this rank's slice (a reduce-scatter)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
+        ctx.group, ctx.dim = group, dim
+        return _gather(x, group, dim)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return _split(_all_reduce(grad.clone(), ctx.group), ctx.group, ctx.dim), None, None
+
+
+class _ReduceScatterSequence(torch.autograd.Function):
+    """Sequence parallelism's exit from a row-parallel layer: sum the partial
+    outputs and keep this rank's sequence slice; backward all-gathers."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
+        ctx.group, ctx.dim = group, dim
+        return _split(_all_reduce(x.clone(), group), group, dim)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return _gather(grad, ctx.group, ctx.dim), None, None
+
+
+def gather_sequence(x: torch.Tensor, group: dist.ProcessGroup, dim: int = 1) -> torch.Tensor:
+    """All-gather sequence slices (``dim``); backward reduce-scatters."""
+    out: torch.Tensor = _GatherSequence.apply(x, group, dim)  # type: ignore[no-untyped-call, unused-ignore]
+    return out
+
+
+def reduce_scatter_sequence(
+    x: torch.Tensor, group: dist.ProcessGroup, dim: int = 1
+) -> torch.Tensor:
+    """Sum over the group and keep this rank's sequence slice; backward
+    all-gathers."""
+    out: torch.Tensor = _ReduceScatterSequence.apply(x, group, dim)  # type: ignore[no-untyped-call, unused-ignore]
+    return out
+
+
+def sync_replicated_grads(params: list[torch.nn.Parameter], group: dist.ProcessGroup) -> None:
+    """Sum the gradients of parameters every rank holds whole (LayerNorm,
+    biases of row-parallel layers) over the group. Under sequence
+    parallelism each rank saw only its slice of the tokens, so each holds a
+    partial gradient; call this after backward, before the optimizer step."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()

@@ -21,7 +21,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pc_tensor.comm import copy_to_tp, gather_from_tp, reduce_from_tp
+from pc_tensor.comm import (
+    copy_to_tp,
+    gather_from_tp,
+    gather_sequence,
+    reduce_from_tp,
+    reduce_scatter_sequence,
+)
 
 __all__ = [
     "ColumnParallelLinear",
@@ -53,12 +59,22 @@ class ColumnParallelLinear(nn.Module):
         group: dist.ProcessGroup,
         *,
         gather_output: bool = False,
+        sequence_parallel: bool = False,
     ) -> None:
         super().__init__()
+        if gather_output and sequence_parallel:
+            raise ValueError(
+                "gather_output and sequence_parallel do not combine: under sequence "
+                "parallelism the column layer's input is gathered along the sequence and "
+                "its output stays split by features for the row layer that follows."
+            )
         out_features = weight.shape[0]
         size, start = _shard_size(out_features, group, "out_features")
         self.group = group
         self.gather_output = gather_output
+        # Input split along the sequence (dim 1); gathered here, its
+        # gradient reduce-scattered back.
+        self.sequence_parallel = sequence_parallel
         self.in_features, self.out_features = weight.shape[1], out_features
         self.weight = nn.Parameter(weight.detach()[start : start + size].clone())
         self.bias = (
@@ -67,19 +83,42 @@ class ColumnParallelLinear(nn.Module):
 
     @classmethod
     def from_linear(
-        cls, layer: nn.Linear, group: dist.ProcessGroup, *, gather_output: bool = False
+        cls,
+        layer: nn.Linear,
+        group: dist.ProcessGroup,
+        *,
+        gather_output: bool = False,
+        sequence_parallel: bool = False,
     ) -> ColumnParallelLinear:
-        return cls(layer.weight, layer.bias, group, gather_output=gather_output)
+        return cls(
+            layer.weight,
+            layer.bias,
+            group,
+            gather_output=gather_output,
+            sequence_parallel=sequence_parallel,
+        )
 
     @classmethod
     def from_conv1d(
-        cls, layer: nn.Module, group: dist.ProcessGroup, *, gather_output: bool = False
+        cls,
+        layer: nn.Module,
+        group: dist.ProcessGroup,
+        *,
+        gather_output: bool = False,
+        sequence_parallel: bool = False,
     ) -> ColumnParallelLinear:
         weight: Any = layer.weight
-        return cls(weight.t(), getattr(layer, "bias", None), group, gather_output=gather_output)
+        return cls(
+            weight.t(),
+            getattr(layer, "bias", None),
+            group,
+            gather_output=gather_output,
+            sequence_parallel=sequence_parallel,
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = nn.functional.linear(copy_to_tp(x, self.group), self.weight, self.bias)
+        x = gather_sequence(x, self.group) if self.sequence_parallel else copy_to_tp(x, self.group)
+        out = nn.functional.linear(x, self.weight, self.bias)
         return gather_from_tp(out, self.group) if self.gather_output else out
 
 
@@ -95,12 +134,16 @@ class RowParallelLinear(nn.Module):
         group: dist.ProcessGroup,
         *,
         input_is_parallel: bool = True,
+        sequence_parallel: bool = False,
     ) -> None:
         super().__init__()
         in_features = weight.shape[1]
         size, start = _shard_size(in_features, group, "in_features")
         self.group = group
         self.input_is_parallel = input_is_parallel
+        # Output reduce-scattered along the sequence (dim 1) instead of
+        # all-reduced: each rank keeps its sequence slice.
+        self.sequence_parallel = sequence_parallel
         self.in_features, self.out_features = in_features, weight.shape[0]
         self.weight = nn.Parameter(weight.detach()[:, start : start + size].clone())
         # The bias is added once, after the sum, so every rank holds all of it.
@@ -108,24 +151,48 @@ class RowParallelLinear(nn.Module):
 
     @classmethod
     def from_linear(
-        cls, layer: nn.Linear, group: dist.ProcessGroup, *, input_is_parallel: bool = True
+        cls,
+        layer: nn.Linear,
+        group: dist.ProcessGroup,
+        *,
+        input_is_parallel: bool = True,
+        sequence_parallel: bool = False,
     ) -> RowParallelLinear:
-        return cls(layer.weight, layer.bias, group, input_is_parallel=input_is_parallel)
+        return cls(
+            layer.weight,
+            layer.bias,
+            group,
+            input_is_parallel=input_is_parallel,
+            sequence_parallel=sequence_parallel,
+        )
 
     @classmethod
     def from_conv1d(
-        cls, layer: nn.Module, group: dist.ProcessGroup, *, input_is_parallel: bool = True
+        cls,
+        layer: nn.Module,
+        group: dist.ProcessGroup,
+        *,
+        input_is_parallel: bool = True,
+        sequence_parallel: bool = False,
     ) -> RowParallelLinear:
         weight: Any = layer.weight
         return cls(
-            weight.t(), getattr(layer, "bias", None), group, input_is_parallel=input_is_parallel
+            weight.t(),
+            getattr(layer, "bias", None),
+            group,
+            input_is_parallel=input_is_parallel,
+            sequence_parallel=sequence_parallel,
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             world, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
             x = x.chunk(world, dim=-1)[rank]
-        out = reduce_from_tp(nn.functional.linear(x, self.weight), self.group)
+        partial = nn.functional.linear(x, self.weight)
+        if self.sequence_parallel:
+            out = reduce_scatter_sequence(partial, self.group)
+        else:
+            out = reduce_from_tp(partial, self.group)
         return out + self.bias if self.bias is not None else out
 
 
