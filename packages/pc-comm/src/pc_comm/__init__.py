@@ -14,7 +14,7 @@ from pc_comm.communicator import (
     ReduceOp,
     SymmetricAllocator,
 )
-from pc_comm.ddp import DistributedDataParallel, default_communicator
+from pc_comm.ddp import DistributedDataParallel, default_communicator, on_one_host
 from pc_comm.env import DistEnv, DistEnvError, read_dist_env
 from pc_comm.hierarchical import HierarchicalCommunicator
 from pc_comm.launch import DistContext, init_distributed, launch_from_torch
@@ -48,5 +48,6 @@ __all__ = [
     "init_distributed",
     "launch_from_torch",
     "make_subgroups",
+    "on_one_host",
     "read_dist_env",
 ]

@@ -43,16 +43,20 @@ from pc_comm.communicator import Communicator, Handle, ReduceOp, SymmetricAlloca
 from pc_comm.hierarchical import HierarchicalCommunicator
 from pc_comm.shm import ShmCommunicator
 
-__all__ = ["DistributedDataParallel", "Reducer", "default_communicator"]
+__all__ = ["DistributedDataParallel", "Reducer", "default_communicator", "on_one_host"]
+
+
+def on_one_host(group: dist.ProcessGroup | None = None) -> bool:
+    """Collective: whether every rank of ``group`` runs on this host."""
+    hosts: list[str] = [""] * dist.get_world_size(group)
+    dist.all_gather_object(hosts, platform.node(), group=group)
+    return len(set(hosts)) == 1
 
 
 def default_communicator(group: dist.ProcessGroup | None = None) -> Communicator:
     """Shared memory when every rank of ``group`` is on this host; otherwise
     shared memory inside each node and torch.distributed between nodes."""
-    world = dist.get_world_size(group)
-    hosts: list[str] = [""] * world
-    dist.all_gather_object(hosts, platform.node(), group=group)
-    if len(set(hosts)) == 1:
+    if on_one_host(group):
         return ShmCommunicator(group)
     return HierarchicalCommunicator(group)
 

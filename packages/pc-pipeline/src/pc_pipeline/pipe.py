@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pc_comm import Communicator, ShmCommunicator, TorchCommunicator
+from pc_comm import Communicator, ShmCommunicator, TorchCommunicator, on_one_host
 from pc_pipeline.actions import Action
 from pc_pipeline.builders import gpipe, interleaved_1f1b, one_f_one_b, zero_bubble_h1
 from pc_pipeline.executor import StepInputs, run_schedule
@@ -62,11 +62,9 @@ def _default_communicator(group: dist.ProcessGroup | None, device: torch.device)
     """Shared memory between host-resident stages on one x86-64 host (no
     sockets, no transport threads; see pc_comm.shm_p2p); torch.distributed
     otherwise (NCCL for CUDA stages, gloo across hosts)."""
-    if device.type == "cpu" and platform.machine().lower() in {"x86_64", "amd64"}:
-        hosts: list[str] = [""] * dist.get_world_size(group)
-        dist.all_gather_object(hosts, platform.node(), group=group)
-        if len(set(hosts)) == 1:
-            return ShmCommunicator(group)
+    x86_host = device.type == "cpu" and platform.machine().lower() in {"x86_64", "amd64"}
+    if x86_host and on_one_host(group):  # the same answer on every rank, so collective-safe
+        return ShmCommunicator(group)
     return TorchCommunicator(group)
 
 
@@ -220,8 +218,10 @@ class Pipeline(nn.Module):
         return outputs
 
 
-class GPipe(Pipeline):
-    """GPipe: all microbatches forward, then all backward."""
+class _OneStagePipeline(Pipeline):
+    """A pipeline with one stage per rank under the class's ``builder``."""
+
+    builder: ScheduleBuilder
 
     def __init__(
         self,
@@ -236,7 +236,7 @@ class GPipe(Pipeline):
         super().__init__(
             [module],
             chunks,
-            gpipe,
+            type(self).builder,
             process_group,
             checkpoint=checkpoint,
             timeout=timeout,
@@ -244,29 +244,26 @@ class GPipe(Pipeline):
         )
 
 
-class PipeDream(Pipeline):
+class GPipe(_OneStagePipeline):
+    """GPipe: all microbatches forward, then all backward."""
+
+    builder = staticmethod(gpipe)
+
+
+class PipeDream(_OneStagePipeline):
     """1F1B (PipeDream-flush): GPipe's bubble with at most ``num_ranks``
     microbatches' activations alive per rank."""
 
-    def __init__(
-        self,
-        module: nn.Module,
-        chunks: int,
-        process_group: dist.ProcessGroup | None = None,
-        *,
-        checkpoint: bool = False,
-        timeout: float = 300.0,
-        communicator: Communicator | None = None,
-    ) -> None:
-        super().__init__(
-            [module],
-            chunks,
-            one_f_one_b,
-            process_group,
-            checkpoint=checkpoint,
-            timeout=timeout,
-            communicator=communicator,
-        )
+    builder = staticmethod(one_f_one_b)
+
+
+class ZeroBubble(_OneStagePipeline):
+    """ZB-H1: 1F1B with backward split into input and weight gradients;
+    weight gradients fill the bubble. With ``checkpoint=True`` the input and
+    the weight gradient each recompute the stage's forward (two backward
+    passes over one graph), so it costs one forward more than elsewhere."""
+
+    builder = staticmethod(zero_bubble_h1)
 
 
 class Interleaved1F1B(Pipeline):
@@ -297,33 +294,6 @@ class Interleaved1F1B(Pipeline):
             list(modules),
             chunks,
             build,
-            process_group,
-            checkpoint=checkpoint,
-            timeout=timeout,
-            communicator=communicator,
-        )
-
-
-class ZeroBubble(Pipeline):
-    """ZB-H1: 1F1B with backward split into input and weight gradients;
-    weight gradients fill the bubble. With ``checkpoint=True`` the input and
-    the weight gradient each recompute the stage's forward (two backward
-    passes over one graph), so it costs one forward more than elsewhere."""
-
-    def __init__(
-        self,
-        module: nn.Module,
-        chunks: int,
-        process_group: dist.ProcessGroup | None = None,
-        *,
-        checkpoint: bool = False,
-        timeout: float = 300.0,
-        communicator: Communicator | None = None,
-    ) -> None:
-        super().__init__(
-            [module],
-            chunks,
-            zero_bubble_h1,
             process_group,
             checkpoint=checkpoint,
             timeout=timeout,
