@@ -1,8 +1,10 @@
 """Tensor and sequence parallelism with policies for Hugging Face models.
 
-Status: in progress (issue 9). The parallel layers, their collectives and
-sequence parallelism exist; the model policies and ``shard_model`` do not
-yet.
+``shard_model(model, tp_group)`` shards a ``transformers`` GPT-2, Llama,
+BERT, OPT or Bloom model in place (attention heads and MLPs split
+Megatron-style, the vocabulary split with a loss that never gathers the
+logits, optional sequence parallelism); :class:`Policy` describes another
+model family.
 """
 
 from pc_tensor.comm import (
@@ -20,18 +22,35 @@ from pc_tensor.layers import (
     VocabParallelEmbedding,
     vocab_parallel_cross_entropy,
 )
+from pc_tensor.policies import POLICIES, Policy
+from pc_tensor.shard import (
+    ShardInfo,
+    ShardSpec,
+    full_state_dict,
+    gather_logits,
+    shard_info,
+    shard_model,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "POLICIES",
     "ColumnParallelLinear",
+    "Policy",
     "RowParallelLinear",
+    "ShardInfo",
+    "ShardSpec",
     "VocabParallelEmbedding",
     "copy_to_tp",
+    "full_state_dict",
     "gather_from_tp",
+    "gather_logits",
     "gather_sequence",
     "reduce_from_tp",
     "reduce_scatter_sequence",
+    "shard_info",
+    "shard_model",
     "split_to_tp",
     "sync_replicated_grads",
     "vocab_parallel_cross_entropy",

@@ -60,8 +60,17 @@ class ColumnParallelLinear(nn.Module):
         *,
         gather_output: bool = False,
         sequence_parallel: bool = False,
+        input_gathered: bool = False,
+        sequence_dim: int = 1,
+        parts: int = 1,
+        valid_out_features: int | None = None,
     ) -> None:
         super().__init__()
+        if input_gathered and sequence_parallel:
+            raise ValueError(
+                "input_gathered and sequence_parallel do not combine: input_gathered says "
+                "the caller already gathered the sequence with gather_sequence."
+            )
         if gather_output and sequence_parallel:
             raise ValueError(
                 "gather_output and sequence_parallel do not combine: under sequence "
@@ -69,56 +78,72 @@ class ColumnParallelLinear(nn.Module):
                 "its output stays split by features for the row layer that follows."
             )
         out_features = weight.shape[0]
-        size, start = _shard_size(out_features, group, "out_features")
+        if parts < 1 or out_features % parts:
+            raise ValueError(
+                f"parts={parts} must be a positive divisor of out_features ({out_features})."
+            )
+        size, start = _shard_size(out_features // parts, group, "out_features per part")
         self.group = group
         self.gather_output = gather_output
         # Input split along the sequence (dim 1); gathered here, its
         # gradient reduce-scattered back.
         self.sequence_parallel = sequence_parallel
+        self.sequence_dim = sequence_dim
+        # Input gathered by the caller with gather_sequence, whose backward
+        # already sums the gradient over the group: no copy_to_tp here.
+        self.input_gathered = input_gathered
         self.in_features, self.out_features = weight.shape[1], out_features
-        self.weight = nn.Parameter(weight.detach()[start : start + size].clone())
-        self.bias = (
-            nn.Parameter(bias.detach()[start : start + size].clone()) if bias is not None else None
+        # A fused projection (GPT-2's q|k|v) is ``parts`` stacked blocks of
+        # rows; each rank takes its slice of every block, in order.
+        rows = torch.cat(
+            [p[start : start + size] for p in weight.detach().chunk(parts, dim=0)], dim=0
         )
+        self.weight = nn.Parameter(rows.clone())
+        self.bias = (
+            nn.Parameter(
+                torch.cat([p[start : start + size] for p in bias.detach().chunk(parts)]).clone()
+            )
+            if bias is not None
+            else None
+        )
+        # Outputs at or past ``valid_out_features`` are padding (a vocabulary
+        # padded to a multiple of the group size): their logits read -inf.
+        self.valid_out_features = valid_out_features
+        self._invalid: torch.Tensor | None = None
+        if valid_out_features is not None and parts == 1:
+            local = torch.arange(start, start + size, device=weight.device)
+            if int(local[-1]) >= valid_out_features:
+                self._invalid = local >= valid_out_features
 
     @classmethod
     def from_linear(
         cls,
         layer: nn.Linear,
         group: dist.ProcessGroup,
-        *,
-        gather_output: bool = False,
-        sequence_parallel: bool = False,
+        **options: Any,
     ) -> ColumnParallelLinear:
-        return cls(
-            layer.weight,
-            layer.bias,
-            group,
-            gather_output=gather_output,
-            sequence_parallel=sequence_parallel,
-        )
+        """Shard an ``nn.Linear``; ``options`` are the constructor's."""
+        return cls(layer.weight, layer.bias, group, **options)
 
     @classmethod
     def from_conv1d(
         cls,
         layer: nn.Module,
         group: dist.ProcessGroup,
-        *,
-        gather_output: bool = False,
-        sequence_parallel: bool = False,
+        **options: Any,
     ) -> ColumnParallelLinear:
+        """Shard GPT-2's ``Conv1D`` (weight stored ``[in, out]``)."""
         weight: Any = layer.weight
-        return cls(
-            weight.t(),
-            getattr(layer, "bias", None),
-            group,
-            gather_output=gather_output,
-            sequence_parallel=sequence_parallel,
-        )
+        return cls(weight.t(), getattr(layer, "bias", None), group, **options)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = gather_sequence(x, self.group) if self.sequence_parallel else copy_to_tp(x, self.group)
+        if self.sequence_parallel:
+            x = gather_sequence(x, self.group, self.sequence_dim)
+        elif not self.input_gathered:
+            x = copy_to_tp(x, self.group)
         out = nn.functional.linear(x, self.weight, self.bias)
+        if self._invalid is not None:
+            out = out.masked_fill(self._invalid.to(out.device), float("-inf"))
         return gather_from_tp(out, self.group) if self.gather_output else out
 
 
@@ -135,6 +160,7 @@ class RowParallelLinear(nn.Module):
         *,
         input_is_parallel: bool = True,
         sequence_parallel: bool = False,
+        sequence_dim: int = 1,
     ) -> None:
         super().__init__()
         in_features = weight.shape[1]
@@ -144,6 +170,7 @@ class RowParallelLinear(nn.Module):
         # Output reduce-scattered along the sequence (dim 1) instead of
         # all-reduced: each rank keeps its sequence slice.
         self.sequence_parallel = sequence_parallel
+        self.sequence_dim = sequence_dim
         self.in_features, self.out_features = in_features, weight.shape[0]
         self.weight = nn.Parameter(weight.detach()[:, start : start + size].clone())
         # The bias is added once, after the sum, so every rank holds all of it.
@@ -154,35 +181,21 @@ class RowParallelLinear(nn.Module):
         cls,
         layer: nn.Linear,
         group: dist.ProcessGroup,
-        *,
-        input_is_parallel: bool = True,
-        sequence_parallel: bool = False,
+        **options: Any,
     ) -> RowParallelLinear:
-        return cls(
-            layer.weight,
-            layer.bias,
-            group,
-            input_is_parallel=input_is_parallel,
-            sequence_parallel=sequence_parallel,
-        )
+        """Shard an ``nn.Linear``; ``options`` are the constructor's."""
+        return cls(layer.weight, layer.bias, group, **options)
 
     @classmethod
     def from_conv1d(
         cls,
         layer: nn.Module,
         group: dist.ProcessGroup,
-        *,
-        input_is_parallel: bool = True,
-        sequence_parallel: bool = False,
+        **options: Any,
     ) -> RowParallelLinear:
+        """Shard GPT-2's ``Conv1D`` (weight stored ``[in, out]``)."""
         weight: Any = layer.weight
-        return cls(
-            weight.t(),
-            getattr(layer, "bias", None),
-            group,
-            input_is_parallel=input_is_parallel,
-            sequence_parallel=sequence_parallel,
-        )
+        return cls(weight.t(), getattr(layer, "bias", None), group, **options)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
@@ -190,7 +203,7 @@ class RowParallelLinear(nn.Module):
             x = x.chunk(world, dim=-1)[rank]
         partial = nn.functional.linear(x, self.weight)
         if self.sequence_parallel:
-            out = reduce_scatter_sequence(partial, self.group)
+            out = reduce_scatter_sequence(partial, self.group, self.sequence_dim)
         else:
             out = reduce_from_tp(partial, self.group)
         return out + self.bias if self.bias is not None else out
@@ -199,19 +212,31 @@ class RowParallelLinear(nn.Module):
 class VocabParallelEmbedding(nn.Module):
     """An embedding whose rows (the vocabulary) are split over ``group``."""
 
-    def __init__(self, weight: torch.Tensor, group: dist.ProcessGroup) -> None:
+    def __init__(
+        self, weight: torch.Tensor, group: dist.ProcessGroup, *, padded_size: int | None = None
+    ) -> None:
         super().__init__()
+        self.num_embeddings, self.embedding_dim = weight.shape
+        if padded_size is not None and padded_size != weight.shape[0]:
+            # Zero rows past the vocabulary so it splits evenly; no id ever
+            # reaches them, so they receive no gradient and stay zero.
+            if padded_size < weight.shape[0]:
+                raise ValueError(
+                    f"padded_size ({padded_size}) is smaller than the vocabulary "
+                    f"({weight.shape[0]})."
+                )
+            pad = weight.new_zeros(padded_size - weight.shape[0], weight.shape[1])
+            weight = torch.cat([weight.detach(), pad])
         size, start = _shard_size(weight.shape[0], group, "the vocabulary size")
         self.group = group
-        self.num_embeddings, self.embedding_dim = weight.shape
         self.start, self.end = start, start + size
         self.weight = nn.Parameter(weight.detach()[start : start + size].clone())
 
     @classmethod
     def from_embedding(
-        cls, layer: nn.Embedding, group: dist.ProcessGroup
+        cls, layer: nn.Embedding, group: dist.ProcessGroup, *, padded_size: int | None = None
     ) -> VocabParallelEmbedding:
-        return cls(layer.weight, group)
+        return cls(layer.weight, group, padded_size=padded_size)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         outside = (ids < self.start) | (ids >= self.end)
@@ -230,6 +255,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         group: dist.ProcessGroup,
         start: int,
         ignore_index: int,
+        divisor: torch.Tensor | None,
     ) -> torch.Tensor:
         logits = logits.float()
         maximum = logits.max(dim=-1).values
@@ -243,21 +269,22 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         local = target - start
         mine = (local >= 0) & (local < size) & ~ignored
         index = local.clamp(0, size - 1).unsqueeze(-1)
-        picked = shifted.gather(-1, index).squeeze(-1) * mine
+        # where, not a product: a padded vocabulary column holds -inf.
+        picked = torch.where(mine, shifted.gather(-1, index).squeeze(-1), 0.0)
         dist.all_reduce(picked, group=group)
         losses = (total.log() - picked).masked_fill(ignored, 0.0)
-        count = (~ignored).sum().clamp(min=1)
+        count = (~ignored).sum().clamp(min=1) if divisor is None else divisor
         softmax = exp / total.unsqueeze(-1)
         ctx.save_for_backward(softmax, index, mine, ignored, count)
         return losses.sum() / count
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None, None]:
         softmax, index, mine, ignored, count = ctx.saved_tensors
         out = softmax.clone()
         out.scatter_add_(-1, index, -mine.to(out.dtype).unsqueeze(-1))
         out.masked_fill_(ignored.unsqueeze(-1), 0.0)
-        return out * (grad / count), None, None, None, None
+        return out * (grad / count), None, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(
@@ -266,13 +293,17 @@ def vocab_parallel_cross_entropy(
     group: dist.ProcessGroup,
     *,
     ignore_index: int = -100,
+    num_items: torch.Tensor | int | None = None,
 ) -> torch.Tensor:
     """Mean cross-entropy over the non-ignored targets, from ``logits``
     holding this rank's contiguous slice of the vocabulary (``[..., V/tp]``,
     slice ``rank``). Only three reductions of one number per token cross the
-    group; the full logits never exist anywhere."""
+    group; the full logits never exist anywhere. With ``num_items`` the sum
+    is divided by it instead of by the count of targets (``transformers``'
+    ``num_items_in_batch`` under gradient accumulation)."""
     start = dist.get_rank(group) * logits.shape[-1]
+    divisor = None if num_items is None else torch.as_tensor(num_items, device=logits.device)
     loss: torch.Tensor = _VocabParallelCrossEntropy.apply(  # type: ignore[no-untyped-call, unused-ignore]
-        logits, target, group, start, ignore_index
+        logits, target, group, start, ignore_index, divisor
     )
     return loss

@@ -1,0 +1,460 @@
+"""``shard_model``: apply a :class:`~pc_tensor.policies.Policy` to a
+``transformers`` model in place.
+
+What changes, per block: the policy's column and row projections become
+:class:`ColumnParallelLinear` / :class:`RowParallelLinear` (``Conv1D`` read
+transposed), the attention modules' head counts and widths become this
+rank's share. The token embedding becomes a :class:`VocabParallelEmbedding`
+(the vocabulary padded with zero rows to a multiple of tp when it does not
+divide), the LM head a column-parallel projection tied to it where the
+original was tied, and the model's loss runs through
+:func:`vocab_parallel_cross_entropy`, so ``model(ids, labels=ids).loss`` is
+the unsharded model's loss while the full logits never exist on any rank.
+``outputs.logits`` holds this rank's vocabulary slice; see
+:func:`gather_logits`.
+
+Sequence parallelism (``sequence_parallel=True``): the hidden states between
+the parallel projections are split along the sequence. The first block's
+input is split on entry and the last block's output gathered, so the model
+outside the blocks is unchanged; inside, the norms and dropouts run on 1/tp
+of the tokens, and the gradients of the parameters every rank holds whole
+(norms, row biases) are summed over the group by a hook as they are
+computed, so gradient accumulation, ZeRO and pipelines see the full
+gradient.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pc_tensor.comm import gather_from_tp, gather_sequence, split_to_tp
+from pc_tensor.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    vocab_parallel_cross_entropy,
+)
+from pc_tensor.policies import POLICIES, Policy
+
+M = TypeVar("M", bound=nn.Module)
+
+__all__ = [
+    "ShardInfo",
+    "ShardSpec",
+    "full_state_dict",
+    "gather_logits",
+    "shard_info",
+    "shard_model",
+]
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """How one parameter was split: along ``dim`` of its sharded layout, as
+    ``parts`` fused blocks each split separately, the full tensor cut back to
+    ``size`` along ``dim`` (vocabulary padding) and transposed back to the
+    original layout where the original was a ``Conv1D``."""
+
+    dim: int
+    parts: int = 1
+    size: int | None = None
+    transpose: bool = False
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """What :func:`shard_model` did to a model."""
+
+    policy: str
+    group: dist.ProcessGroup
+    tp_size: int
+    sequence_parallel: bool
+    vocab_size: int
+    padded_vocab_size: int
+    sharded: tuple[str, ...]  # names of the parameters split across the group
+    replicated_in_blocks: tuple[str, ...]  # whole on every rank, inside the blocks
+    specs: dict[str, ShardSpec]  # state-dict key -> how it was split
+
+
+def _get(root: nn.Module, path: str) -> Any:
+    obj: Any = root
+    for part in path.split(".") if path else ():
+        obj = getattr(obj, part)
+    return obj
+
+
+def _set(root: nn.Module, path: str, value: nn.Module) -> None:
+    parent, _, name = path.rpartition(".")
+    setattr(_get(root, parent), name, value)
+
+
+def _is_conv1d(module: nn.Module) -> bool:
+    return type(module).__name__ == "Conv1D"
+
+
+def _unsupported(model: nn.Module) -> ValueError:
+    config = getattr(model, "config", None)
+    kind = getattr(config, "model_type", None)
+    return ValueError(
+        f"shard_model has no tensor-parallel policy for {type(model).__name__} "
+        f"(model_type={kind!r}). Supported model types: {', '.join(sorted(POLICIES))}. "
+        "For another model, describe it with pc_tensor.Policy (the block list, the column- "
+        "and row-parallel projections inside a block, the attention modules' head counts) "
+        "and pass shard_model(model, group, policy=...); docs/packages/pc-tensor.md shows one."
+    )
+
+
+def _hidden_arg(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[torch.Tensor | None, bool]:
+    """The hidden states a block or module was called with, and whether they
+    came as a keyword."""
+    if args and isinstance(args[0], torch.Tensor):
+        return args[0], False
+    value = kwargs.get("hidden_states")
+    return (value, True) if isinstance(value, torch.Tensor) else (None, False)
+
+
+def _replace_hidden(
+    args: tuple[Any, ...], kwargs: dict[str, Any], keyword: bool, value: torch.Tensor
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    if keyword:
+        kwargs = {**kwargs, "hidden_states": value}
+        return args, kwargs
+    return (value, *args[1:]), kwargs
+
+
+def _input_hook(
+    transform: Any,
+) -> Any:
+    def hook(
+        module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        hidden, keyword = _hidden_arg(args, kwargs)
+        if hidden is None:
+            raise TypeError(
+                f"sequence parallelism: {type(module).__name__} was called without a "
+                "hidden_states tensor as its first argument or keyword."
+            )
+        return _replace_hidden(args, kwargs, keyword, transform(hidden))
+
+    return hook
+
+
+def _split_sequence(group: dist.ProcessGroup, hidden: torch.Tensor) -> torch.Tensor:
+    world = dist.get_world_size(group)
+    if hidden.dim() < 2 or hidden.shape[1] % world:
+        raise ValueError(
+            f"sequence parallelism splits the sequence (dim 1) over {world} ranks, but the "
+            f"hidden states have shape {tuple(hidden.shape)}; pad the sequence length to a "
+            f"multiple of {world} (or shard with sequence_parallel=False)."
+        )
+    return split_to_tp(hidden, group, dim=1)
+
+
+def _gather_output(group: dist.ProcessGroup, module: nn.Module, args: Any, output: Any) -> Any:
+    if isinstance(output, torch.Tensor):
+        return gather_from_tp(output, group, dim=1)
+    if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
+        return (gather_from_tp(output[0], group, dim=1), *output[1:])
+    raise TypeError(
+        f"sequence parallelism: the last block ({type(module).__name__}) returned "
+        f"{type(output).__name__}; expected a tensor or a tuple starting with one."
+    )
+
+
+def _sum_over_group(group: dist.ProcessGroup, grad: torch.Tensor) -> torch.Tensor:
+    grad = grad.clone()
+    dist.all_reduce(grad, group=group)
+    return grad
+
+
+class _VocabParallelLossForward:
+    """Replaces the forward of a model whose LM head is vocabulary-sharded:
+    the labels are kept from the original forward (which would compute the
+    loss over the full vocabulary it no longer has, some inline, some
+    through ``loss_function``), and the loss is computed here from the
+    sharded logits, as ``transformers`` defines it: next-token (labels
+    shifted by one) for causal models, position-wise for masked ones;
+    ``-100`` ignored; ``num_items_in_batch`` and ``shift_labels`` honoured."""
+
+    def __init__(self, forward: Any, group: dist.ProcessGroup, causal: bool) -> None:
+        self.forward, self.group, self.causal = forward, group, causal
+
+    def __call__(self, *args: Any, labels: torch.Tensor | None = None, **kwargs: Any) -> Any:
+        num_items = kwargs.pop("num_items_in_batch", None)
+        shift_labels = kwargs.pop("shift_labels", None)
+        out = self.forward(*args, **kwargs)
+        if shift_labels is not None:
+            target = shift_labels
+        elif labels is None:
+            return out
+        elif self.causal:
+            target = nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
+        else:
+            target = labels
+        logits = out["logits"] if isinstance(out, dict) else out[0]
+        loss = vocab_parallel_cross_entropy(
+            logits.float().reshape(-1, logits.shape[-1]),
+            target.to(logits.device).reshape(-1),
+            self.group,
+            num_items=num_items,
+        )
+        if isinstance(out, tuple):
+            return (loss, *out)
+        return type(out)(loss=loss, **{k: v for k, v in out.items() if k != "loss"})
+
+
+def shard_model(
+    model: M,
+    tp_group: dist.ProcessGroup | None = None,
+    policy: Policy | None = None,
+    *,
+    sequence_parallel: bool = False,
+    pad_vocab: bool = True,
+) -> M:
+    """Shard ``model`` over ``tp_group`` (default: the world) in place and
+    return it. Every rank of the group must call it with the same model
+    (same weights: build it from the same seed, or load the same
+    checkpoint). ``policy`` defaults to the built-in one for the model's
+    ``config.model_type``; ``pad_vocab=False`` turns a vocabulary tp does not
+    divide into an error instead of padding."""
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "shard_model needs torch.distributed initialised (torchrun, or "
+            "dist.init_process_group) and a tensor-parallel group."
+        )
+    group = tp_group if tp_group is not None else dist.group.WORLD
+    assert group is not None
+    if getattr(model, "_pc_tensor", None) is not None:
+        raise ValueError("this model is already sharded (shard_model was called on it before).")
+    config = getattr(model, "config", None)
+    if policy is None:
+        policy = POLICIES.get(getattr(config, "model_type", None) or "")
+        if policy is None:
+            raise _unsupported(model)
+    tp = dist.get_world_size(group)
+    for name in policy.head_counts:
+        count = getattr(config, name, None)
+        if isinstance(count, int) and count % tp:
+            fits = [d for d in range(1, count + 1) if count % d == 0]
+            raise ValueError(
+                f"{policy.name}: config.{name} = {count} is not divisible by the tensor-"
+                f"parallel size {tp}; attention heads are split whole across ranks. Use a tp "
+                f"size in {fits}."
+            )
+    if policy.check is not None and (problem := policy.check(config)) is not None:
+        raise ValueError(problem)
+
+    base: nn.Module = getattr(model, "base_model", model)
+    try:
+        blocks = list(_get(base, policy.blocks))
+        embedding = _get(base, policy.embedding)
+    except AttributeError as exc:
+        raise ValueError(
+            f"policy {policy.name!r} does not fit {type(model).__name__}: {exc}. The "
+            "policy's paths are relative to model.base_model."
+        ) from exc
+    if not isinstance(embedding, nn.Embedding):
+        raise TypeError(
+            f"policy {policy.name!r}: {policy.embedding} is {type(embedding).__name__}, "
+            "expected nn.Embedding."
+        )
+
+    specs: dict[int, ShardSpec] = {}  # id of a new sharded parameter -> its split
+    replaced: set[int] = set()  # ids of the original parameters now sharded away
+    # Holds the originals alive until the end: a freed one's id may be reused.
+    originals: list[nn.Module] = []
+    sharded: set[int] = set()  # ids of the new sharded parameters
+    for block in blocks:
+        gathered = [prefix + "." for prefix in policy.gather_at]
+        for path, parts in policy.column.items():
+            old = _get(block, path)
+            inside = sequence_parallel and any(path.startswith(p) for p in gathered)
+            options: dict[str, Any] = {
+                "parts": parts,
+                "sequence_parallel": sequence_parallel and not inside,
+                "input_gathered": inside,
+                "sequence_dim": 0 if path in policy.flat_tokens else 1,
+            }
+            new = (
+                ColumnParallelLinear.from_conv1d(old, group, **options)
+                if _is_conv1d(old)
+                else ColumnParallelLinear.from_linear(old, group, **options)
+            )
+            replaced.update(id(p) for p in old.parameters())
+            originals.append(old)
+            sharded.update(id(p) for p in new.parameters())
+            conv = _is_conv1d(old)
+            specs[id(new.weight)] = ShardSpec(0, parts, transpose=conv)
+            if new.bias is not None:
+                specs[id(new.bias)] = ShardSpec(0, parts)
+            _set(block, path, new)
+        for path in policy.row:
+            old = _get(block, path)
+            row_options: dict[str, Any] = {
+                "sequence_parallel": sequence_parallel,
+                "sequence_dim": 0 if path in policy.flat_tokens else 1,
+            }
+            row = (
+                RowParallelLinear.from_conv1d(old, group, **row_options)
+                if _is_conv1d(old)
+                else RowParallelLinear.from_linear(old, group, **row_options)
+            )
+            replaced.update(id(p) for p in old.parameters())
+            originals.append(old)
+            sharded.add(id(row.weight))
+            specs[id(row.weight)] = ShardSpec(1, transpose=_is_conv1d(old))
+            _set(block, path, row)
+        for path, attributes in policy.heads.items():
+            attention = _get(block, path)
+            for attribute in attributes:
+                value = getattr(attention, attribute)
+                if value % tp:
+                    raise ValueError(
+                        f"{policy.name}: {path}.{attribute} = {value} is not divisible by "
+                        f"the tensor-parallel size {tp}."
+                    )
+                setattr(attention, attribute, value // tp)
+            if policy.prepare_attention is not None:
+                policy.prepare_attention(attention, group)
+
+    vocab = embedding.num_embeddings
+    padded = -(-vocab // tp) * tp if pad_vocab else vocab
+    new_embedding = VocabParallelEmbedding.from_embedding(embedding, group, padded_size=padded)
+    replaced.add(id(embedding.weight))
+    originals.append(embedding)
+    sharded.add(id(new_embedding.weight))
+    specs[id(new_embedding.weight)] = ShardSpec(0, size=vocab)
+    _set(base, policy.embedding, new_embedding)
+
+    retie: dict[int, nn.Parameter] = {}
+    head_path = policy.lm_heads.get(type(model).__name__)
+    if head_path is not None:
+        head = _get(model, head_path)
+        weight = head.weight.detach()
+        bias = head.bias.detach() if head.bias is not None else None
+        if padded != vocab:
+            weight = torch.cat([weight, weight.new_zeros(padded - vocab, weight.shape[1])])
+            bias = torch.cat([bias, bias.new_zeros(padded - vocab)]) if bias is not None else None
+        new_head = ColumnParallelLinear(
+            weight, bias, group, valid_out_features=vocab if padded != vocab else None
+        )
+        if head.weight is embedding.weight:
+            new_head.weight = new_embedding.weight
+        replaced.update(id(p) for p in head.parameters())
+        originals.append(head)
+        sharded.update(id(p) for p in new_head.parameters())
+        specs.update({id(p): ShardSpec(0, size=vocab) for p in new_head.parameters()})
+        if head.bias is not None and new_head.bias is not None:
+            retie[id(head.bias)] = new_head.bias  # BERT's predictions.bias is decoder.bias
+        _set(model, head_path, new_head)
+        model.forward = _VocabParallelLossForward(
+            model.forward, group, causal=policy.loss == "causal"
+        )
+
+    # A parameter elsewhere still tied to one that was sharded away (an
+    # output layer this policy does not know) would silently train a copy.
+    for module_name, module in model.named_modules():
+        for name, param in list(module._parameters.items()):
+            if param is None or id(param) not in replaced:
+                continue
+            if id(param) in retie:
+                module._parameters[name] = retie[id(param)]
+                continue
+            raise ValueError(
+                f"{type(model).__name__}.{module_name}.{name} is tied to a parameter that "
+                f"tensor parallelism shards, and policy {policy.name!r} does not shard it. "
+                f"Classes whose output layer it shards: {', '.join(policy.lm_heads)}; "
+                "other heads must not share the embedding or the block projections."
+            )
+
+    names = {id(p): n for n, p in model.named_parameters()}
+    replicated: list[str] = []
+    if sequence_parallel:
+        blocks[0].register_forward_pre_hook(
+            _input_hook(partial(_split_sequence, group)), with_kwargs=True
+        )
+        blocks[-1].register_forward_hook(partial(_gather_output, group))
+        for block in blocks:
+            for path in policy.gather_at:
+                _get(block, path).register_forward_pre_hook(
+                    _input_hook(partial(gather_sequence, group=group)), with_kwargs=True
+                )
+            for param in block.parameters():
+                if id(param) not in sharded and param.requires_grad:
+                    param.register_hook(partial(_sum_over_group, group))
+                    replicated.append(names[id(param)])
+    info = ShardInfo(
+        policy=policy.name,
+        group=group,
+        tp_size=tp,
+        sequence_parallel=sequence_parallel,
+        vocab_size=vocab,
+        padded_vocab_size=padded,
+        sharded=tuple(n for p_id, n in names.items() if p_id in sharded),
+        replicated_in_blocks=tuple(replicated),
+        specs={
+            key: specs[id(value)]
+            for key, value in model.state_dict(keep_vars=True).items()
+            if id(value) in specs
+        },
+    )
+    model.__dict__["_pc_tensor"] = info
+    return model
+
+
+def shard_info(model: nn.Module) -> ShardInfo:
+    """What :func:`shard_model` did to ``model``."""
+    info = getattr(model, "_pc_tensor", None)
+    if not isinstance(info, ShardInfo):
+        raise ValueError(f"{type(model).__name__} was not sharded with pc_tensor.shard_model.")
+    return info
+
+
+def gather_logits(logits: torch.Tensor, model: nn.Module) -> torch.Tensor:
+    """The full-vocabulary logits from each rank's slice (padding columns
+    dropped). Costs a gather of the whole ``[..., V]`` tensor: for
+    inspection and generation, not for the loss."""
+    info = shard_info(model)
+    full = gather_from_tp(logits, info.group, dim=-1)
+    return full[..., : info.vocab_size]
+
+
+def _unshard(tensor: torch.Tensor, spec: ShardSpec, group: dist.ProcessGroup) -> torch.Tensor:
+    pieces = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(pieces, tensor.detach().contiguous(), group=group)
+    if spec.parts > 1:
+        blocks = [p.chunk(spec.parts, dim=spec.dim) for p in pieces]
+        full = torch.cat(
+            [torch.cat([b[k] for b in blocks], dim=spec.dim) for k in range(spec.parts)],
+            dim=spec.dim,
+        )
+    else:
+        full = torch.cat(pieces, dim=spec.dim)
+    if spec.size is not None:
+        full = full.narrow(spec.dim, 0, spec.size)
+    return full.t().contiguous() if spec.transpose else full
+
+
+def full_state_dict(model: nn.Module, *, grads: bool = False) -> dict[str, torch.Tensor]:
+    """The unsharded model's state dict (its keys and layouts: ``Conv1D``
+    transposed back, vocabulary padding dropped), gathered on every rank of
+    the group; ``load_state_dict`` of the original model takes it. With
+    ``grads=True``, the full gradients instead (zeros where none)."""
+    info = shard_info(model)
+    out: dict[str, torch.Tensor] = {}
+    for key, value in model.state_dict(keep_vars=True).items():
+        tensor = value
+        if grads:
+            grad = value.grad if isinstance(value, nn.Parameter) else None
+            tensor = grad if grad is not None else torch.zeros_like(value)
+        spec = info.specs.get(key)
+        out[key] = (
+            _unshard(tensor, spec, info.group) if spec is not None else tensor.detach().clone()
+        )
+    return out
