@@ -82,7 +82,8 @@ class ColumnParallelLinear(nn.Module):
             raise ValueError(
                 f"parts={parts} must be a positive divisor of out_features ({out_features})."
             )
-        size, start = _shard_size(out_features // parts, group, "out_features per part")
+        what = "out_features" if parts == 1 else f"out_features of each of the {parts} parts"
+        size, start = _shard_size(out_features // parts, group, what)
         self.group = group
         self.gather_output = gather_output
         # Input split along the sequence (dim 1); gathered here, its
