@@ -69,12 +69,12 @@ def build(name: str, seed: int = 0, **overrides: object) -> PreTrainedModel:
     return model_class(config_class(**{**defaults, **overrides}))
 
 
-def batch(name: str, step: int, vocab: int) -> dict[str, torch.Tensor]:
-    """Inputs and labels for one step: 2 sequences of 8 tokens; BERT masks
+def batch(name: str, step: int, vocab: int, size: int = 2) -> dict[str, torch.Tensor]:
+    """Inputs and labels for one step: ``size`` sequences of 8 tokens; BERT masks
     a few positions (-100 elsewhere), the causal models predict every next
     token."""
     gen = torch.Generator().manual_seed(1000 + step)
-    ids = torch.randint(0, vocab, (2, 8), generator=gen)
+    ids = torch.randint(0, vocab, (size, 8), generator=gen)
     if name == "bert":
         labels = torch.full_like(ids, -100)
         labels[:, ::3] = ids[:, ::3]

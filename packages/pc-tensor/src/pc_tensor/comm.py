@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensor
 
 __all__ = [
     "copy_to_tp",
@@ -24,14 +25,24 @@ __all__ = [
 ]
 
 
+def _is_fake(x: torch.Tensor) -> bool:
+    """Shape-only tensors (a pipeline's shape inference runs stages under
+    FakeTensorMode): collectives keep their shapes and move no data."""
+    return x.is_meta or isinstance(x, FakeTensor)
+
+
 def _all_reduce(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     x = x.contiguous()
-    dist.all_reduce(x, group=group)
+    if not _is_fake(x):
+        dist.all_reduce(x, group=group)
     return x
 
 
 def _gather(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
-    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    world = dist.get_world_size(group)
+    if _is_fake(x):
+        return torch.cat([x] * world, dim=dim)
+    parts = [torch.empty_like(x) for _ in range(world)]
     dist.all_gather(parts, x.contiguous(), group=group)
     return torch.cat(parts, dim=dim)
 

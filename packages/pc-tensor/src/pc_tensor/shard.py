@@ -374,6 +374,11 @@ def shard_model(
             )
 
     names = {id(p): n for n, p in model.named_parameters()}
+    for param in model.parameters():
+        if id(param) in sharded:
+            # Megatron's marker, read by pc_zero's gradient clipping: this
+            # parameter's norm sums over the tensor-parallel group.
+            param.tensor_model_parallel = True  # type: ignore[attr-defined]
     replicated: list[str] = []
     if sequence_parallel:
         blocks[0].register_forward_pre_hook(

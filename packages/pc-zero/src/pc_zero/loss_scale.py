@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from pc_comm import Communicator, ReduceOp
 
@@ -58,6 +59,9 @@ def unscale_clip_and_check(
     scaler: DynamicLossScaler | None,
     max_norm: float,
     device: torch.device,
+    *,
+    count_ranges: list[list[tuple[int, int]]] | None = None,
+    tp_group: dist.ProcessGroup | None = None,
 ) -> tuple[bool, float]:
     """Unscaling, the overflow check (any rank) and global-norm clipping of
     this rank's fp32 gradient shards, shared by every ZeRO stage: one norm
@@ -65,15 +69,27 @@ def unscale_clip_and_check(
     one multiply per tensor. A non-finite gradient anywhere makes that sum
     inf or NaN (squares of fp32 values cannot overflow fp64), so it is also
     the overflow flag; on overflow the scaler backs off and nothing is
-    changed. Returns (step may proceed, unscaled global norm)."""
+    changed. Returns (step may proceed, unscaled global norm).
+
+    Under tensor parallelism, ``count_ranges[i]`` lists the ranges of
+    ``grads[i]`` that count (each parameter once across the group) and the
+    sum of squares is also reduced over ``tp_group``."""
     if scaler is None and max_norm == 0:
         return True, math.nan
-    if grads:
-        norms = torch.stack([torch.linalg.vector_norm(g).to(device) for g in grads])
+    if count_ranges is not None:
+        parts = [
+            g[lo:hi] for g, ranges in zip(grads, count_ranges, strict=True) for lo, hi in ranges
+        ]
+    else:
+        parts = list(grads)
+    if parts:
+        norms = torch.stack([torch.linalg.vector_norm(g).to(device) for g in parts])
         squares = norms.double().square().sum().reshape(1)
     else:
         squares = torch.zeros(1, dtype=torch.float64, device=device)
     comm.all_reduce(squares, ReduceOp.SUM)
+    if tp_group is not None:
+        dist.all_reduce(squares, group=tp_group)
     total = float(squares)
     if scaler is not None and not math.isfinite(total):
         scaler.update(True)

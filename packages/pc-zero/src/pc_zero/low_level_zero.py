@@ -71,7 +71,10 @@ class LowLevelZeroOptimizer(Optimizer):
     ``loss_scale``: the dynamic scale for fp16 parameters (on by default for
     fp16, unused otherwise). ``cpu_offload``: masters, optimizer states and
     the step on the host (Adam/AdamW step through pc-offload's fused CPU
-    optimizers).
+    optimizers). ``tp_process_group``: the tensor-parallel group the model
+    is sharded over (pc_tensor): the global norm for clipping then sums the
+    parameters marked ``tensor_model_parallel`` over it and counts the
+    others, which every tensor-parallel rank holds whole, once.
     """
 
     def __init__(
@@ -87,6 +90,7 @@ class LowLevelZeroOptimizer(Optimizer):
         loss_scale: LossScaleConfig | None = None,
         cpu_offload: bool = False,
         partition_grad: bool | None = None,
+        tp_process_group: dist.ProcessGroup | None = None,
     ) -> None:
         if partition_grad is not None:
             stage = 2 if partition_grad else 1
@@ -131,6 +135,8 @@ class LowLevelZeroOptimizer(Optimizer):
         self._alias_master = self.dtype == torch.float32 and not cpu_offload
 
         self._build_layout(optimizer, reduce_bucket_size)
+        self.tp_group = tp_process_group
+        self._norm_ranges = self._plan_norm_ranges() if tp_process_group is not None else None
         self.inner = self._make_inner(optimizer)
         # Optimizer machinery (hooks, LR schedulers) works on this object;
         # param_groups and state are the inner optimizer's own.
@@ -456,9 +462,36 @@ class LowLevelZeroOptimizer(Optimizer):
 
     def _checks_pass(self, grads: list[torch.Tensor]) -> bool:
         ok, _ = unscale_clip_and_check(
-            grads, self.comm, self.scaler, self.clip_grad_norm, self.device
+            grads,
+            self.comm,
+            self.scaler,
+            self.clip_grad_norm,
+            self.device,
+            count_ranges=self._norm_ranges,
+            tp_group=self.tp_group,
         )
         return ok
+
+    def _plan_norm_ranges(self) -> list[list[tuple[int, int]]]:
+        """Per bucket, the ranges of this rank's piece that count towards
+        the global norm under tensor parallelism: a sharded parameter's
+        elements on every tensor-parallel rank, a replicated one's on
+        tensor-parallel rank 0 only (it is the same on every rank)."""
+        assert self.tp_group is not None
+        first = dist.get_rank(self.tp_group) == 0
+        ranges: list[list[tuple[int, int]]] = []
+        for b in self.buckets:
+            lo, hi = b.piece_range(self.rank)
+            mine: list[tuple[int, int]] = []
+            for slot in b.slots:
+                param = self._params[slot.index]
+                if not (first or getattr(param, "tensor_model_parallel", False)):
+                    continue
+                start, end = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+                if start < end:
+                    mine.append((start - lo, end - lo))
+            ranges.append(mine)
+        return ranges
 
     def _gather_params(self) -> None:
         handles = []
