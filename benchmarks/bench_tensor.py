@@ -1,0 +1,169 @@
+"""pc-tensor against torch's tensor parallelism (DTensor,
+``parallelize_module`` with the Megatron plan and ``loss_parallel``), same
+model, same step, side by side in one run.
+
+A ``transformers`` Llama (4 layers, hidden 512, 8 heads, MLP 1408,
+vocabulary 8192), batch 4 x 256 tokens, next-token loss from vocabulary-
+sharded logits, AdamW; 2 ranks with one thread each on gloo, tp 2. Rows:
+the whole model in one process, pc tensor parallelism with and without
+sequence parallelism, and torch's. Also the parameter bytes each rank
+holds.
+
+    python benchmarks/bench_tensor.py [--iters 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from _common import alternate, step_times
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    loss_parallel,
+    parallelize_module,
+)
+from torch.distributed.tensor.placement_types import Replicate, Shard
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from pc_comm.testing import spawn
+from pc_tensor import shard_model
+
+RESULTS = Path(__file__).resolve().parent.parent / "bench-results"
+LAYERS, BATCH, SEQUENCE, VOCAB = 4, 4, 256, 8192
+
+
+def _model() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=512,
+        intermediate_size=1408,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        max_position_embeddings=SEQUENCE,
+        tie_word_embeddings=False,
+    )
+    return LlamaForCausalLM(config)
+
+
+def _torch_tp(model: LlamaForCausalLM) -> LlamaForCausalLM:
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    plan: dict[str, ParallelStyle] = {
+        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate()),
+        "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
+    }
+    for i in range(LAYERS):
+        for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"):
+            plan[f"model.layers.{i}.{name}"] = ColwiseParallel()
+        plan[f"model.layers.{i}.mlp.gate_proj"] = ColwiseParallel()
+        plan[f"model.layers.{i}.mlp.up_proj"] = ColwiseParallel()
+        plan[f"model.layers.{i}.self_attn.o_proj"] = RowwiseParallel()
+        plan[f"model.layers.{i}.mlp.down_proj"] = RowwiseParallel()
+    parallelize_module(model, mesh, plan)
+    return model
+
+
+def _adamw(params: list[nn.Parameter]) -> list[torch.optim.Optimizer]:
+    """AdamW with foreach kernels. Under torch's tensor parallelism the
+    sharded parameters are DTensors and the rest plain tensors, which one
+    foreach call cannot mix: one optimizer for each kind."""
+    kinds = [
+        [p for p in params if hasattr(p, "to_local")],
+        [p for p in params if not hasattr(p, "to_local")],
+    ]
+    return [torch.optim.AdamW(k, lr=1e-4, foreach=True) for k in kinds if k]
+
+
+def _bytes(model: nn.Module) -> int:
+    total = 0
+    for p in model.parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p
+        total += local.numel() * local.element_size()
+    return total
+
+
+def _run(iters: int, out: str) -> None:
+    torch.set_num_threads(1)
+    rank = dist.get_rank()
+    ids = torch.randint(0, VOCAB, (BATCH, SEQUENCE), generator=torch.Generator().manual_seed(0))
+    base = _model()
+    models = {
+        "single process": base,
+        "pc tp": shard_model(copy.deepcopy(base)),
+        "pc tp + sp": shard_model(copy.deepcopy(base), sequence_parallel=True),
+        "torch tp": _torch_tp(copy.deepcopy(base)),
+    }
+    optimizers = {name: _adamw(list(m.parameters())) for name, m in models.items()}
+    losses: dict[str, float] = {}
+
+    def step(name: str) -> None:
+        model, optimizer = models[name], optimizers[name]
+        if name == "single process" and rank != 0:
+            return
+        if name.startswith("torch"):
+            logits = model(input_ids=ids).logits
+            with loss_parallel():
+                loss = nn.functional.cross_entropy(
+                    logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten()
+                )
+                loss.backward()
+        else:
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+        for opt in optimizer:
+            opt.step()
+            opt.zero_grad()
+        losses[name] = float(loss.full_tensor() if hasattr(loss, "full_tensor") else loss)
+
+    fns: dict[str, Callable[[], None]] = {
+        name: (lambda name=name: step(name))
+        for name in models  # type: ignore[misc]
+    }
+    for fn in fns.values():  # warm-up
+        fn()
+    samples = alternate(fns, iters, sync=True)
+    times = step_times(samples)
+    if rank == 0:
+        result = {
+            "times": times,
+            "bytes": {name: _bytes(m) for name, m in models.items()},
+            "losses": losses,
+        }
+        Path(out).write_text(json.dumps(result))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--iters", type=int, default=8)
+    args = parser.parse_args()
+    RESULTS.mkdir(exist_ok=True)
+    out = RESULTS / "tensor.json"
+    spawn(_run, 2, args=(args.iters, str(out)), timeout=1800)
+    result = json.loads(out.read_text())
+    times, sizes = result["times"], result["bytes"]
+    single = times["single process"]
+    print("\n## Tensor parallelism: Llama 4 layers, hidden 512, tp 2, 2 CPU ranks\n")
+    print("| | step (s) | / single process | / torch tp | parameter MiB per rank |")
+    print("|---|---:|---:|---:|---:|")
+    for name, seconds in times.items():
+        print(
+            f"| {name} | {seconds:.3f} | {seconds / single:.3f} | "
+            f"{seconds / times['torch tp']:.3f} | {sizes[name] / 2**20:.1f} |"
+        )
+    print(f"\nlosses after the last step (every row ran the same steps): {result['losses']}")
+    (RESULTS / "bench_tensor.json").write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
