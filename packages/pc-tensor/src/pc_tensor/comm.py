@@ -56,6 +56,23 @@ def _split(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
     return x.chunk(world, dim=dim)[rank].contiguous()
 
 
+def _reduce_scatter(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
+    """Sum over the group and keep this rank's slice along ``dim``: one
+    reduce-scatter where the backend has it (NCCL), an all-reduce and a
+    slice on gloo, which has none."""
+    if _is_fake(x) or dist.get_backend(group) == "gloo":
+        return _split(_all_reduce(x.clone(), group), group, dim)
+    world = dist.get_world_size(group)
+    if x.shape[dim] % world:
+        raise ValueError(
+            f"cannot split dimension {dim} of size {x.shape[dim]} over {world} ranks evenly."
+        )
+    front = x.movedim(dim, 0).contiguous()
+    out = front.new_empty((front.shape[0] // world, *front.shape[1:]))
+    dist.reduce_scatter_tensor(out, front, group=group)
+    return out.movedim(0, dim).contiguous()
+
+
 class _Copy(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -136,7 +153,7 @@ class _GatherSequence(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return _split(_all_reduce(grad.clone(), ctx.group), ctx.group, ctx.dim), None, None
+        return _reduce_scatter(grad, ctx.group, ctx.dim), None, None
 
 
 class _ReduceScatterSequence(torch.autograd.Function):
@@ -146,7 +163,7 @@ class _ReduceScatterSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
         ctx.group, ctx.dim = group, dim
-        return _split(_all_reduce(x.clone(), group), group, dim)
+        return _reduce_scatter(x, group, dim)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
