@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+from functools import partial
 from collections.abc import Callable
 from pathlib import Path
 
@@ -117,7 +118,7 @@ def _run(iters: int, out: str) -> None:
                 loss = nn.functional.cross_entropy(
                     logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten()
                 )
-                loss.backward()
+                loss.backward()  # type: ignore[no-untyped-call, unused-ignore]
         else:
             loss = model(input_ids=ids, labels=ids).loss
             loss.backward()
@@ -126,10 +127,7 @@ def _run(iters: int, out: str) -> None:
             opt.zero_grad()
         losses[name] = float(loss.full_tensor() if hasattr(loss, "full_tensor") else loss)
 
-    fns: dict[str, Callable[[], None]] = {
-        name: (lambda name=name: step(name))
-        for name in models  # type: ignore[misc]
-    }
+    fns: dict[str, Callable[[], None]] = {name: partial(step, name) for name in models}
     for fn in fns.values():  # warm-up
         fn()
     samples = alternate(fns, iters, sync=True)
