@@ -17,8 +17,8 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-from functools import partial
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
