@@ -75,6 +75,7 @@ def batch(name: str, step: int, vocab: int, size: int = 2) -> dict[str, torch.Te
     token."""
     gen = torch.Generator().manual_seed(1000 + step)
     ids = torch.randint(0, vocab, (size, 8), generator=gen)
+    ids[:, 1:4] = torch.tensor([0, 1, 3])  # the padding ids of BERT, OPT and Bloom
     if name == "bert":
         labels = torch.full_like(ids, -100)
         labels[:, ::3] = ids[:, ::3]

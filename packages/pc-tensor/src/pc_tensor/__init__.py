@@ -28,8 +28,11 @@ from pc_tensor.shard import (
     ShardSpec,
     full_state_dict,
     gather_logits,
+    load_full_state_dict,
     shard_info,
     shard_model,
+    shard_tensor,
+    unshard_tensor,
 )
 
 __version__ = "0.1.0"
@@ -47,11 +50,14 @@ __all__ = [
     "gather_from_tp",
     "gather_logits",
     "gather_sequence",
+    "load_full_state_dict",
     "reduce_from_tp",
     "reduce_scatter_sequence",
     "shard_info",
     "shard_model",
+    "shard_tensor",
     "split_to_tp",
     "sync_replicated_grads",
+    "unshard_tensor",
     "vocab_parallel_cross_entropy",
 ]

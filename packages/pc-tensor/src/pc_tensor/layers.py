@@ -214,9 +214,16 @@ class VocabParallelEmbedding(nn.Module):
     """An embedding whose rows (the vocabulary) are split over ``group``."""
 
     def __init__(
-        self, weight: torch.Tensor, group: dist.ProcessGroup, *, padded_size: int | None = None
+        self,
+        weight: torch.Tensor,
+        group: dist.ProcessGroup,
+        *,
+        padded_size: int | None = None,
+        padding_idx: int | None = None,
     ) -> None:
         super().__init__()
+        # As nn.Embedding's: that row's lookups pass no gradient to it.
+        self.padding_idx = padding_idx
         self.num_embeddings, self.embedding_dim = weight.shape
         if padded_size is not None and padded_size != weight.shape[0]:
             # Zero rows past the vocabulary so it splits evenly; no id ever
@@ -237,12 +244,21 @@ class VocabParallelEmbedding(nn.Module):
     def from_embedding(
         cls, layer: nn.Embedding, group: dist.ProcessGroup, *, padded_size: int | None = None
     ) -> VocabParallelEmbedding:
-        return cls(layer.weight, group, padded_size=padded_size)
+        if layer.max_norm is not None or layer.scale_grad_by_freq or layer.sparse:
+            raise ValueError(
+                "VocabParallelEmbedding supports padding_idx but not max_norm, "
+                "scale_grad_by_freq or sparse embeddings."
+            )
+        return cls(layer.weight, group, padded_size=padded_size, padding_idx=layer.padding_idx)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         outside = (ids < self.start) | (ids >= self.end)
         local = (ids - self.start).masked_fill(outside, 0)
-        out = nn.functional.embedding(local, self.weight)
+        pad = self.padding_idx
+        mine = pad is not None and self.start <= pad < self.end
+        out = nn.functional.embedding(
+            local, self.weight, padding_idx=pad - self.start if mine and pad is not None else None
+        )
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
         return reduce_from_tp(out, self.group)
 

@@ -49,8 +49,11 @@ __all__ = [
     "ShardSpec",
     "full_state_dict",
     "gather_logits",
+    "load_full_state_dict",
     "shard_info",
     "shard_model",
+    "shard_tensor",
+    "unshard_tensor",
 ]
 
 
@@ -430,7 +433,9 @@ def gather_logits(logits: torch.Tensor, model: nn.Module) -> torch.Tensor:
     return full[..., : info.vocab_size]
 
 
-def _unshard(tensor: torch.Tensor, spec: ShardSpec, group: dist.ProcessGroup) -> torch.Tensor:
+def unshard_tensor(tensor: torch.Tensor, spec: ShardSpec, group: dist.ProcessGroup) -> torch.Tensor:
+    """The full tensor, in the original layout, from every rank's ``tensor``
+    split as ``spec`` says (a collective over ``group``)."""
     pieces = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
     dist.all_gather(pieces, tensor.detach().contiguous(), group=group)
     if spec.parts > 1:
@@ -460,6 +465,50 @@ def full_state_dict(model: nn.Module, *, grads: bool = False) -> dict[str, torch
             tensor = grad if grad is not None else torch.zeros_like(value)
         spec = info.specs.get(key)
         out[key] = (
-            _unshard(tensor, spec, info.group) if spec is not None else tensor.detach().clone()
+            unshard_tensor(tensor, spec, info.group)
+            if spec is not None
+            else tensor.detach().clone()
         )
     return out
+
+
+def shard_tensor(
+    full: torch.Tensor, spec: ShardSpec, group: dist.ProcessGroup, local_shape: torch.Size
+) -> torch.Tensor:
+    """This rank's piece of ``full`` (original layout) split as ``spec``
+    says, shaped ``local_shape``: the inverse of :func:`unshard_tensor`."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    tensor = full.t() if spec.transpose else full
+    if spec.size is not None:  # padding rows up to the padded vocabulary
+        padded = local_shape[spec.dim] * world
+        extra = padded - tensor.shape[spec.dim]
+        if extra:
+            shape = list(tensor.shape)
+            shape[spec.dim] = extra
+            tensor = torch.cat([tensor, tensor.new_zeros(shape)], dim=spec.dim)
+    if spec.parts > 1:
+        pieces = [p.chunk(world, dim=spec.dim)[rank] for p in tensor.chunk(spec.parts, spec.dim)]
+        mine = torch.cat(pieces, dim=spec.dim)
+    else:
+        mine = tensor.chunk(world, dim=spec.dim)[rank]
+    if mine.shape != local_shape:
+        raise ValueError(
+            f"a full tensor of shape {tuple(full.shape)} does not shard to this rank's "
+            f"{tuple(local_shape)}: was it saved from another model?"
+        )
+    return mine.contiguous()
+
+
+def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Load an unsharded state dict (as :func:`full_state_dict` gives, or
+    the original model's) into the sharded ``model``: each rank keeps its
+    piece. Keys and shapes are checked as ``load_state_dict`` does."""
+    info = shard_info(model)
+    own = model.state_dict()
+    local: dict[str, torch.Tensor] = {}
+    for key, value in state.items():
+        spec = info.specs.get(key)
+        if spec is not None and key in own:
+            value = shard_tensor(value, spec, info.group, own[key].shape)
+        local[key] = value.to(own[key].dtype) if key in own else value
+    model.load_state_dict(local)

@@ -1,0 +1,270 @@
+"""``Booster``: one object that wraps a model, optimizer, criterion,
+dataloader and LR scheduler for a plugin's parallel strategy, runs the
+backward pass the strategy needs, and saves and loads checkpoints that any
+other plugin, at any world size, can load.
+
+Checkpoint files (written by rank 0, atomically: a temporary name, then a
+rename):
+
+- model: ``safetensors`` of the full state dict under the unwrapped
+  model's keys; with ``shard=True`` several files of at most
+  ``size_per_shard`` MiB plus ``model.safetensors.index.json``, the layout
+  ``transformers`` reads; a ``transformers`` model also gets its
+  ``config.json``, so ``from_pretrained(directory)`` loads it;
+- optimizer: the canonical form (state per parameter name, full tensors)
+  through ``torch.save``;
+- LR scheduler: its ``state_dict`` through ``torch.save``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pc_booster.plugin import Plugin, Precision, SupportsNoSync, SupportsPipeline
+
+__all__ = ["Booster"]
+
+_WEIGHTS = "model.safetensors"
+_INDEX = "model.safetensors.index.json"
+
+
+def _atomic(path: Path, write: Any) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    write(tmp)
+    os.replace(tmp, path)
+
+
+def _distinct(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """safetensors refuses tensors sharing memory (tied weights): copies."""
+    seen: set[int] = set()
+    out = {}
+    for key, value in state.items():
+        value = value.detach().cpu().contiguous()
+        if value.data_ptr() in seen:
+            value = value.clone()
+        seen.add(value.data_ptr())
+        out[key] = value
+    return out
+
+
+class Booster:
+    """``Booster(plugin=..., mixed_precision="fp16" | "bf16" | None)``.
+
+    The default plugin is :class:`~pc_booster.TorchDDPPlugin`.
+    ``mixed_precision`` is implemented by the plugin: ZeRO and Gemini keep
+    fp32 masters (fp16 with a dynamic loss scale), FSDP casts parameters in
+    forward; a plugin that cannot do the asked precision says so.
+    """
+
+    def __init__(
+        self, plugin: Plugin | None = None, mixed_precision: Precision | str = None
+    ) -> None:
+        if mixed_precision not in (None, "fp16", "bf16"):
+            raise ValueError(
+                f"mixed_precision must be 'fp16', 'bf16' or None, got {mixed_precision!r}."
+            )
+        if plugin is None:
+            from pc_booster.plugins import TorchDDPPlugin
+
+            plugin = TorchDDPPlugin()
+        if not isinstance(plugin, Plugin):
+            raise TypeError(f"plugin must be a pc_booster Plugin, got {type(plugin).__name__}.")
+        self.plugin = plugin
+        self.mixed_precision: Precision = mixed_precision
+
+    # -- training --------------------------------------------------------------
+
+    def boost(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        criterion: Any = None,
+        dataloader: Any = None,
+        lr_scheduler: Any = None,
+    ) -> tuple[Any, Any, Any, Any, Any]:
+        """Wrap the objects for the plugin. Use what it returns from here on:
+        plugins that shard parameters rebuild the optimizer over the shards
+        (same class, hyperparameters and param groups), and the LR
+        scheduler is re-pointed at it."""
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"boost() takes an nn.Module, got {type(model).__name__}.")
+        boosted = self.plugin.boost(
+            model, optimizer, criterion, dataloader, lr_scheduler, self.mixed_precision
+        )
+        if lr_scheduler is not None and boosted.optimizer is not None:
+            lr_scheduler.optimizer = boosted.optimizer
+        return (
+            boosted.model,
+            boosted.optimizer,
+            boosted.criterion,
+            boosted.dataloader,
+            boosted.lr_scheduler,
+        )
+
+    def backward(self, loss: torch.Tensor, optimizer: Any) -> None:
+        """``loss.backward()`` as the plugin needs it (loss scaling)."""
+        self.plugin.backward(loss, optimizer)
+
+    def no_sync(
+        self, model: nn.Module | None = None, optimizer: Any = None
+    ) -> AbstractContextManager[None]:
+        """Accumulate gradients without synchronising them."""
+        if not isinstance(self.plugin, SupportsNoSync):
+            raise ValueError(f"{type(self.plugin).__name__} does not support no_sync.")
+        return self.plugin.no_sync(model, optimizer)  # type: ignore[arg-type]
+
+    def execute_pipeline(
+        self,
+        data_iter: Iterator[Any],
+        model: nn.Module,
+        criterion: Any,
+        optimizer: Any = None,
+        return_loss: bool = True,
+        return_outputs: bool = False,
+    ) -> dict[str, Any]:
+        if not isinstance(self.plugin, SupportsPipeline):
+            raise ValueError(
+                f"{type(self.plugin).__name__} does not run pipelines; execute_pipeline needs "
+                "a plugin with pipeline parallelism."
+            )
+        return self.plugin.execute_pipeline(
+            data_iter, model, criterion, optimizer, return_loss, return_outputs
+        )
+
+    # -- checkpoints -----------------------------------------------------------
+
+    def save_model(
+        self,
+        model: nn.Module,
+        checkpoint: str | os.PathLike[str],
+        shard: bool = False,
+        size_per_shard: int = 1024,
+    ) -> None:
+        """Write the full model to directory ``checkpoint`` (collective: every
+        rank calls it; rank 0 writes)."""
+        from safetensors.torch import save_file
+
+        state = _distinct(self.plugin.model_state_dict(model))
+        if dist.get_rank() == 0:
+            out = Path(checkpoint)
+            out.mkdir(parents=True, exist_ok=True)
+            if shard:
+                limit = size_per_shard * 2**20
+                files: list[dict[str, torch.Tensor]] = [{}]
+                used = 0
+                for key, value in state.items():
+                    size = value.numel() * value.element_size()
+                    if files[-1] and used + size > limit:
+                        files.append({})
+                        used = 0
+                    files[-1][key] = value
+                    used += size
+                weight_map = {}
+                for k, part in enumerate(files):
+                    name = f"model-{k + 1:05d}-of-{len(files):05d}.safetensors"
+                    _atomic(out / name, lambda p, part=part: save_file(part, str(p)))
+                    weight_map.update(dict.fromkeys(part, name))
+                total = sum(v.numel() * v.element_size() for v in state.values())
+                index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+                _atomic(out / _INDEX, lambda p: p.write_text(json.dumps(index, indent=2)))
+            else:
+                _atomic(out / _WEIGHTS, lambda p: save_file(state, str(p)))
+            module = self.plugin.boosted(model).module
+            config = getattr(module, "config", None)
+            if config is not None and hasattr(config, "save_pretrained"):
+                config.save_pretrained(str(out))
+        dist.barrier()
+
+    def load_model(
+        self, model: nn.Module, checkpoint: str | os.PathLike[str], strict: bool = True
+    ) -> None:
+        """Load a directory written by :meth:`save_model` (under any plugin
+        and world size), or a ``transformers`` ``save_pretrained`` one."""
+        from safetensors.torch import load_file
+
+        path = Path(checkpoint)
+        if (path / _INDEX).exists():
+            index = json.loads((path / _INDEX).read_text())
+            state: dict[str, torch.Tensor] = {}
+            for name in sorted(set(index["weight_map"].values())):
+                state.update(load_file(str(path / name)))
+        elif (path / _WEIGHTS).exists():
+            state = load_file(str(path / _WEIGHTS))
+        else:
+            raise FileNotFoundError(
+                f"no model checkpoint in {path}: expected {_WEIGHTS} or {_INDEX} "
+                "(written by Booster.save_model or save_pretrained)."
+            )
+        module = self.plugin.boosted(model).module
+        expected = set(module.state_dict())
+        missing, unexpected = expected - set(state), set(state) - expected
+        # A tied weight may be saved once (transformers drops the copy).
+        tied = {k for k in missing if self._tied_source(module, k) in state}
+        for key in tied:
+            state[key] = state[self._tied_source(module, key)]
+        missing -= tied
+        if strict and (missing or unexpected):
+            raise ValueError(
+                f"checkpoint {path} does not match the model: missing {sorted(missing)[:5]}, "
+                f"unexpected {sorted(unexpected)[:5]}. Was it saved from another model? "
+                "Pass strict=False to load the common keys."
+            )
+        if not strict:
+            own = module.state_dict()
+            state = {
+                **own,
+                **{k: v for k, v in state.items() if k in own},
+            }
+        self.plugin.load_model_state_dict(model, state)
+
+    @staticmethod
+    def _tied_source(module: nn.Module, key: str) -> str:
+        """The first state-dict key holding the same tensor as ``key``."""
+        state = module.state_dict(keep_vars=True)
+        target = state.get(key)
+        for other, value in state.items():
+            if value is target:
+                return other
+        return key
+
+    def save_optimizer(
+        self, optimizer: Any, checkpoint: str | os.PathLike[str], shard: bool = False
+    ) -> None:
+        """Write the optimizer's state (canonical form) to file
+        ``checkpoint`` (collective; rank 0 writes). ``shard`` is accepted
+        for Colossal-AI's signature; the file is one either way."""
+        state = self.plugin.optimizer_state_dict(optimizer)
+        if dist.get_rank() == 0:
+            path = Path(checkpoint)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            _atomic(path, lambda p: torch.save(state, p))
+        dist.barrier()
+
+    def load_optimizer(self, optimizer: Any, checkpoint: str | os.PathLike[str]) -> None:
+        """Load a file written by :meth:`save_optimizer`, under any plugin
+        and world size. Load the model first."""
+        state = torch.load(Path(checkpoint), map_location="cpu", weights_only=False)
+        if not isinstance(state, dict) or "param_groups" not in state:
+            raise ValueError(
+                f"{checkpoint} is not an optimizer checkpoint of Booster.save_optimizer."
+            )
+        self.plugin.load_optimizer_state_dict(optimizer, state)
+
+    def save_lr_scheduler(self, lr_scheduler: Any, checkpoint: str | os.PathLike[str]) -> None:
+        if dist.get_rank() == 0:
+            path = Path(checkpoint)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            _atomic(path, lambda p: torch.save(lr_scheduler.state_dict(), p))
+        dist.barrier()
+
+    def load_lr_scheduler(self, lr_scheduler: Any, checkpoint: str | os.PathLike[str]) -> None:
+        lr_scheduler.load_state_dict(torch.load(Path(checkpoint), weights_only=False))

@@ -1,0 +1,308 @@
+"""What a plugin is: a thin assembly of the layers below (no algorithm lives
+here), plus the small capability interfaces the :class:`~pc_booster.Booster`
+checks before it calls them.
+
+Every plugin turns ``(model, optimizer, criterion, dataloader, lr_scheduler)``
+into wrapped objects, and converts its model and optimizer state to and from
+one *canonical* form, which is what makes a checkpoint saved under any plugin
+at any world size load under any other:
+
+- model: the unwrapped model's ``state_dict`` keys with full (unsharded)
+  tensors;
+- optimizer: ``{"state": {parameter name: {key: full tensor or scalar}},
+  "param_groups": [{hyperparameters..., "params": [parameter names]}]}``.
+"""
+
+from __future__ import annotations
+
+import inspect
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.optim import Optimizer
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+__all__ = [
+    "Boosted",
+    "CanonicalOptimizerState",
+    "Plugin",
+    "Precision",
+    "SupportsNoSync",
+    "SupportsPipeline",
+    "rebuild_optimizer",
+]
+
+Precision = Literal["fp16", "bf16"] | None
+CanonicalOptimizerState = dict[str, Any]
+
+
+@dataclass
+class Boosted:
+    """What :meth:`Plugin.configure` returns and remembers per model."""
+
+    model: nn.Module
+    optimizer: Any
+    criterion: Any
+    dataloader: Any
+    lr_scheduler: Any
+    # The model as the user built it (unwrapped), for names and export.
+    module: nn.Module
+
+
+class Plugin(ABC):
+    """Base of every plugin. Subclasses implement :meth:`configure` and the
+    four canonical state conversions."""
+
+    #: mixed-precision settings this plugin implements
+    supported_precisions: tuple[Precision, ...] = (None, "fp16", "bf16")
+
+    def __init__(self) -> None:
+        self._boosted: dict[int, Boosted] = {}
+
+    # -- groups ----------------------------------------------------------------
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup:
+        """The data-parallel ranks: the dataloader samples by rank in it."""
+        group = dist.group.WORLD
+        assert group is not None
+        return group
+
+    # -- boosting --------------------------------------------------------------
+
+    @abstractmethod
+    def configure(
+        self,
+        model: nn.Module,
+        optimizer: Optimizer | None,
+        criterion: Any,
+        dataloader: Any,
+        lr_scheduler: Any,
+        precision: Precision,
+    ) -> Boosted: ...
+
+    def boost(
+        self,
+        model: nn.Module,
+        optimizer: Optimizer | None,
+        criterion: Any,
+        dataloader: Any,
+        lr_scheduler: Any,
+        precision: Precision,
+    ) -> Boosted:
+        if precision not in self.supported_precisions:
+            raise ValueError(
+                f"{type(self).__name__} does not support mixed_precision={precision!r}; it "
+                f"supports {list(self.supported_precisions)}. Use another plugin or "
+                "another precision."
+            )
+        if optimizer is not None:
+            own = {id(p) for p in model.parameters()}
+            if any(id(p) not in own for g in optimizer.param_groups for p in g["params"]):
+                raise ValueError(
+                    "the optimizer holds parameters that are not the model's: build it over "
+                    "the model you pass to boost() (model.parameters(), or param groups of it)."
+                )
+        boosted = self.configure(model, optimizer, criterion, dataloader, lr_scheduler, precision)
+        self._boosted[id(boosted.model)] = boosted
+        if boosted.optimizer is not None:
+            self._boosted[id(boosted.optimizer)] = boosted
+        return boosted
+
+    def boosted(self, obj: Any) -> Boosted:
+        """The record of a model or optimizer this plugin boosted."""
+        found = self._boosted.get(id(obj))
+        if found is None:
+            raise ValueError(
+                f"this {type(obj).__name__} was not boosted by this plugin; pass the objects "
+                "booster.boost returned."
+            )
+        return found
+
+    def backward(self, loss: torch.Tensor, optimizer: Any) -> None:
+        """``loss.backward()``, through the optimizer when it scales losses."""
+        if hasattr(optimizer, "backward"):
+            optimizer.backward(loss)
+        else:
+            loss.backward()  # type: ignore[no-untyped-call, unused-ignore]
+
+    def prepare_dataloader(
+        self,
+        dataset: Dataset[Any],
+        batch_size: int,
+        shuffle: bool = False,
+        seed: int = 1024,
+        drop_last: bool = False,
+        **kwargs: Any,
+    ) -> DataLoader[Any]:
+        """A DataLoader over this rank's share of ``dataset``: a
+        DistributedSampler by data-parallel rank (tensor- and pipeline-
+        parallel ranks of one replica read the same samples)."""
+        group = self.dp_group
+        sampler: DistributedSampler[Any] = DistributedSampler(
+            dataset,
+            num_replicas=dist.get_world_size(group),
+            rank=dist.get_rank(group),
+            shuffle=shuffle,
+            seed=seed,
+            drop_last=drop_last,
+        )
+        return DataLoader(dataset, batch_size=batch_size, sampler=sampler, **kwargs)
+
+    # -- canonical state -------------------------------------------------------
+
+    @abstractmethod
+    def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """Full tensors under the unwrapped model's keys, on every rank."""
+
+    @abstractmethod
+    def load_model_state_dict(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None: ...
+
+    @abstractmethod
+    def optimizer_state_dict(self, optimizer: Any) -> CanonicalOptimizerState: ...
+
+    @abstractmethod
+    def load_optimizer_state_dict(self, optimizer: Any, state: CanonicalOptimizerState) -> None: ...
+
+
+class SupportsNoSync(ABC):
+    """Gradient accumulation without communication."""
+
+    @abstractmethod
+    def no_sync(self, model: nn.Module, optimizer: Any) -> AbstractContextManager[None]: ...
+
+
+class SupportsPipeline(ABC):
+    """Pipeline parallelism: the step runs through ``execute_pipeline``."""
+
+    @abstractmethod
+    def execute_pipeline(
+        self,
+        data_iter: Iterator[Any],
+        model: nn.Module,
+        criterion: Any,
+        optimizer: Any,
+        return_loss: bool = True,
+        return_outputs: bool = False,
+    ) -> dict[str, Any]: ...
+
+
+def rebuild_optimizer(
+    optimizer: Optimizer, old_names: dict[int, str], new_params: dict[str, nn.Parameter]
+) -> Optimizer:
+    """The same optimizer class, hyperparameters and param groups over the
+    parameters a wrapper put in place of the originals (sharded ones),
+    matched by name. An optimizer over parameters the model does not have
+    is refused."""
+    groups = []
+    for group in optimizer.param_groups:
+        params = []
+        for p in group["params"]:
+            name = old_names.get(id(p))
+            if name is None:
+                raise ValueError(
+                    "the optimizer holds a parameter that is not the model's; build it over "
+                    "model.parameters() (several param groups are fine)."
+                )
+            params.append(new_params[name])
+        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": params})
+    # Each group carries every hyperparameter; the constructor gets the
+    # defaults it accepts (``defaults`` may hold keys it does not take).
+    accepted = inspect.signature(type(optimizer).__init__).parameters
+    defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+    return type(optimizer)(groups, **defaults)
+
+
+def names_by_id(model: nn.Module) -> dict[int, str]:
+    return {id(p): n for n, p in model.named_parameters()}
+
+
+def torch_to_canonical(
+    state: dict[str, Any], names: Sequence[str | None]
+) -> CanonicalOptimizerState:
+    """A torch-format optimizer state dict (indices in param-group order)
+    to the canonical form; ``names[i]`` is parameter ``i``'s name."""
+    out: dict[str, Any] = {}
+    for index, value in state["state"].items():
+        name = names[int(index)]
+        if name is not None:
+            out[name] = {
+                k: v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v
+                for k, v in value.items()
+            }
+    groups = []
+    for group in state["param_groups"]:
+        hyper = {k: v for k, v in group.items() if k != "params"}
+        groups.append({**hyper, "params": [names[i] for i in group["params"]]})
+    return {"state": out, "param_groups": groups}
+
+
+def canonical_to_torch(
+    state: CanonicalOptimizerState,
+    names: Sequence[str | None],
+    groups: Sequence[tuple[Sequence[int], dict[str, Any]]],
+) -> dict[str, Any]:
+    """The canonical form to a torch-format dict for an optimizer whose
+    parameter ``i`` (in param-group order) is named ``names[i]`` and whose
+    groups are ``(member indices, current hyperparameters)``. Each group
+    takes its hyperparameters from the checkpoint's group holding the same
+    parameters (its own where the checkpoint has none). Keys other plugins
+    add and this one does not use (``master``) are dropped by the caller."""
+    index = {n: i for i, n in enumerate(names) if n is not None}
+    missing = [n for n in state["state"] if n not in index]
+    if missing:
+        raise ValueError(
+            f"the optimizer checkpoint has state for parameters this model lacks: "
+            f"{missing[:5]}{'...' if len(missing) > 5 else ''}. Was it saved from another model?"
+        )
+    saved_group_of = {
+        n: g for g, group in enumerate(state["param_groups"]) for n in group["params"]
+    }
+    out_groups = []
+    for members, current in groups:
+        saved = {saved_group_of.get(names[i]) for i in members} - {None}
+        if len(saved) > 1:
+            raise ValueError(
+                "the optimizer's param groups differ from the checkpoint's: one group here "
+                "holds parameters of several saved groups. Build the param groups as they "
+                "were when it was saved."
+            )
+        source = state["param_groups"][saved.pop()] if saved else current
+        hyper = {k: v for k, v in source.items() if k != "params"}
+        out_groups.append({**hyper, "params": list(members)})
+    return {
+        "state": {index[n]: v for n, v in state["state"].items()},
+        "param_groups": out_groups,
+    }
+
+
+def torch_groups(optimizer: Optimizer) -> list[tuple[list[int], dict[str, Any]]]:
+    """``optimizer``'s groups as (member indices, hyperparameters)."""
+    out, offset = [], 0
+    for group in optimizer.param_groups:
+        members = list(range(offset, offset + len(group["params"])))
+        offset += len(members)
+        out.append((members, {k: v for k, v in group.items() if k != "params"}))
+    return out
+
+
+def without(state: CanonicalOptimizerState, *keys: str) -> CanonicalOptimizerState:
+    """``state`` without the per-parameter entries ``keys``."""
+    return {
+        **state,
+        "state": {
+            n: {k: v for k, v in entry.items() if k not in keys}
+            for n, entry in state["state"].items()
+        },
+    }
+
+
+def optimizer_names(optimizer: Optimizer, names: dict[int, str]) -> list[str | None]:
+    """Each parameter's name, in the optimizer's param-group order."""
+    return [names.get(id(p)) for g in optimizer.param_groups for p in g["params"]]
