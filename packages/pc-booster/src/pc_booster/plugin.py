@@ -39,6 +39,7 @@ __all__ = [
 ]
 
 Precision = Literal["fp16", "bf16"] | None
+_IMPLEMENTATION = ("foreach", "fused", "capturable", "differentiable")
 CanonicalOptimizerState = dict[str, Any]
 
 
@@ -275,9 +276,20 @@ def canonical_to_torch(
             )
         source = state["param_groups"][saved.pop()] if saved else current
         hyper = {k: v for k, v in source.items() if k != "params"}
+        # How the step runs is this optimizer's business, not the
+        # checkpoint's (a ZeRO optimizer steps fused kernels inside).
+        hyper.update({k: current[k] for k in _IMPLEMENTATION if k in current})
         out_groups.append({**hyper, "params": list(members)})
+    # Copies: tensors read back from one file may be views of one storage
+    # (as the writer held them), which in-place optimizer updates must not
+    # share.
     return {
-        "state": {index[n]: v for n, v in state["state"].items()},
+        "state": {
+            index[n]: {
+                k: x.detach().clone() if isinstance(x, torch.Tensor) else x for k, x in v.items()
+            }
+            for n, v in state["state"].items()
+        },
         "param_groups": out_groups,
     }
 
