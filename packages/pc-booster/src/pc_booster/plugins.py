@@ -40,6 +40,15 @@ __all__ = [
 _DTYPES: dict[str, torch.dtype] = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
+def _loss_scale(initial_scale: float, growth_interval: int, hysteresis: int) -> Any:
+    """The fp16 dynamic loss scale's settings (unused for fp32 and bf16)."""
+    from pc_zero import LossScaleConfig
+
+    return LossScaleConfig(
+        initial_scale=initial_scale, growth_interval=growth_interval, hysteresis=hysteresis
+    )
+
+
 def _device() -> torch.device:
     if torch.cuda.is_available() and dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
@@ -181,8 +190,12 @@ class LowLevelZeroPlugin(Plugin, SupportsNoSync):
         reduce_bucket_size_in_m: float = 1.0,
         overlap_communication: bool = True,
         max_norm: float = 0.0,
+        initial_scale: float = 2.0**16,
+        growth_interval: int = 1000,
+        hysteresis: int = 2,
     ) -> None:
         super().__init__()
+        self.loss_scale = _loss_scale(initial_scale, growth_interval, hysteresis)
         if stage not in (1, 2):
             raise ValueError(
                 f"LowLevelZeroPlugin: stage must be 1 or 2, got {stage}; ZeRO-3 is "
@@ -219,6 +232,7 @@ class LowLevelZeroPlugin(Plugin, SupportsNoSync):
             reduce_bucket_size=self.bucket,
             overlap_communication=self.overlap_communication,
             clip_grad_norm=self.max_norm,
+            loss_scale=self.loss_scale,
         )
         return Boosted(model, zero, criterion, dataloader, lr_scheduler, module=model)
 
@@ -365,8 +379,12 @@ class GeminiPlugin(_Sharded, SupportsNoSync):
         min_chunk_size_m: float = 32.0,
         max_norm: float = 0.0,
         prefetch: bool = True,
+        initial_scale: float = 2.0**16,
+        growth_interval: int = 1000,
+        hysteresis: int = 2,
     ) -> None:
         super().__init__()
+        self.loss_scale = _loss_scale(initial_scale, growth_interval, hysteresis)
         if placement_policy not in ("static", "auto"):
             raise ValueError(
                 f"GeminiPlugin: placement_policy must be 'static' or 'auto', got "
@@ -403,7 +421,7 @@ class GeminiPlugin(_Sharded, SupportsNoSync):
             model, device=_device(), mixed_precision=dtype, sync_module_states=True, **self.options
         )
         inner = rebuild_optimizer(optimizer, names, dict(model.named_parameters()))
-        zero = GeminiOptimizer(inner, wrapped, max_norm=self.max_norm)
+        zero = GeminiOptimizer(inner, wrapped, max_norm=self.max_norm, loss_scale=self.loss_scale)
         return Boosted(wrapped, zero, criterion, dataloader, lr_scheduler, module=model)
 
     def no_sync(self, model: nn.Module, optimizer: Any) -> AbstractContextManager[None]:
@@ -551,8 +569,12 @@ class HybridParallelPlugin(Plugin, SupportsNoSync):
         pp_style: str = "1f1b",
         enable_sequence_parallelism: bool = False,
         max_norm: float = 0.0,
+        initial_scale: float = 2.0**16,
+        growth_interval: int = 1000,
+        hysteresis: int = 2,
     ) -> None:
         super().__init__()
+        self.loss_scale = _loss_scale(initial_scale, growth_interval, hysteresis)
         for name, value in (("tp_size", tp_size), ("pp_size", pp_size)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(
@@ -660,6 +682,7 @@ class HybridParallelPlugin(Plugin, SupportsNoSync):
                 dp_process_group=groups.dp,
                 tp_process_group=groups.tp if self.tp_size > 1 else None,
                 clip_grad_norm=self.max_norm,
+                loss_scale=self.loss_scale,
             )
         elif dp > 1:
             wrapped = DistributedDataParallel(model, process_group=groups.dp)
