@@ -54,7 +54,7 @@ def _reference_losses(precision: str, steps: int, size: int) -> list[float]:
     for step in range(steps):
         loss = model(**batch("gpt2", step, size=size)).loss
         (loss * scale).backward()
-        grads = [p.grad.float() / scale for p in params]  # type: ignore[union-attr]
+        grads = [p.grad.float() / scale for p in params]
         for p in params:
             p.grad = None
         losses.append(loss.item())
