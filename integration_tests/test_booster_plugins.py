@@ -89,3 +89,61 @@ def test_plugins_match_single_process(world_size: int) -> None:
         {"plugin": list(PLUGINS), "model_name": list(MODELS)},
         timeout=840,
     )
+
+
+def check_accumulation_dataloader_and_scheduler(plugin: str) -> None:
+    """Two micro-batches per step, the first under ``booster.no_sync``,
+    match one step on the whole batch; the LR scheduler passed to boost
+    drives the (possibly rebuilt) optimizer and round-trips through
+    save/load; the dataloader gives each data-parallel rank its share."""
+    booster = Booster(plugin=PLUGINS[plugin]())
+    ref = build("gpt2")
+    copied = copy.deepcopy(ref)
+    optimizer = _adamw(copied)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
+    model, optimizer, _, _, scheduler = booster.boost(copied, optimizer, lr_scheduler=scheduler)
+    group = booster.plugin.dp_group
+    dp_rank, dp = dist.get_rank(group), dist.get_world_size(group)
+    ref_opt = _adamw(ref)
+    ref_scheduler = torch.optim.lr_scheduler.LambdaLR(ref_opt, lambda step: 1.0 / (1 + step))
+    for step in range(3):
+        full = batch("gpt2", step, size=4 * dp)
+        mine = {k: v[4 * dp_rank : 4 * dp_rank + 4] for k, v in full.items()}
+        halves = [{k: v[:2] for k, v in mine.items()}, {k: v[2:] for k, v in mine.items()}]
+        with booster.no_sync(model, optimizer):
+            booster.backward(model(**halves[0]).loss / 2, optimizer)
+        booster.backward(model(**halves[1]).loss / 2, optimizer)
+        optimizer.step()
+        optimizer.zero_grad()
+        scheduler.step()
+        ref(**full).loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        ref_scheduler.step()
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(ref_opt.param_groups[0]["lr"])
+    state = booster.plugin.model_state_dict(model)
+    for key, value in ref.state_dict().items():
+        _close(state[key], value, f"accumulated {key}")
+
+    path = f"/tmp/pc-booster-scheduler-{plugin}.pt"
+    booster.save_lr_scheduler(scheduler, path)
+    again = torch.optim.lr_scheduler.LambdaLR(_adamw(build("gpt2")), lambda step: 1.0)
+    booster.load_lr_scheduler(again, path)
+    assert again.last_epoch == scheduler.last_epoch == 3
+
+    data = list(range(8 * dp))
+    loader = booster.plugin.prepare_dataloader(data, batch_size=2)  # type: ignore[arg-type]
+    seen = [int(x) for b in loader for x in b]
+    assert len(seen) == 8
+    everyone: list[list[int]] = [[] for _ in range(dp)]
+    dist.all_gather_object(everyone, seen, group=group)
+    assert sorted(x for part in everyone for x in part) == data
+
+
+def test_accumulation_dataloader_and_scheduler() -> None:
+    run_subtests(
+        check_accumulation_dataloader_and_scheduler,
+        4,
+        {"plugin": [p for p in PLUGINS if p not in CLIP]},
+        timeout=600,
+    )

@@ -29,7 +29,11 @@ def _close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
 
 
 def _adamw(params: object) -> torch.optim.AdamW:
-    return torch.optim.AdamW(params, lr=1e-3, eps=1e-6, weight_decay=0.01)  # type: ignore[arg-type]
+    # lr 1e-4: Adam divides by the gradient's RMS (plus eps), so an entry
+    # whose gradient is near zero turns a last-bit difference from another
+    # reduction order into a step of up to lr * |g| / eps; 1e-4 keeps that
+    # inside the fp32 tolerance.
+    return torch.optim.AdamW(params, lr=1e-4, eps=1e-6, weight_decay=0.01)  # type: ignore[arg-type]
 
 
 def check_zero_with_tensor_parallel(
