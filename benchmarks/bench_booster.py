@@ -3,7 +3,9 @@ step time and the model-state bytes each rank holds (parameters, gradients
 and optimizer states), the numbers behind the plugin-selection guide.
 
 GPT-2 (6 layers, hidden 512, 8 heads, vocab 8192, sequence 256, batch 4 per
-data-parallel rank, fp32, AdamW), 2 ranks with one thread each on CPU.
+data-parallel rank, fp32, AdamW), 2 ranks with one thread each on CPU. The
+tensor-parallel plugin has one data-parallel rank here, so its step covers
+half the tokens: compare tokens/s.
 
     python benchmarks/bench_booster.py [--iters 5]
 """
@@ -47,14 +49,14 @@ PLUGINS: dict[str, Callable[[], Plugin]] = {
 
 
 def _bytes(tensors: list[torch.Tensor]) -> int:
-    """Bytes of the distinct storages behind ``tensors`` (views of one flat
-    buffer count once)."""
+    """Bytes of ``tensors`` (each counted once): their own elements, not
+    their storages, which may be a shared segment holding every rank's
+    buffer (pc DDP's symmetric gradient buckets)."""
     seen: dict[int, int] = {}
     for t in tensors:
         local = t.to_local() if hasattr(t, "to_local") else t
         if local.numel():
-            storage = local.untyped_storage()
-            seen[storage.data_ptr()] = storage.nbytes()
+            seen[local.data_ptr()] = local.numel() * local.element_size()
     return sum(seen.values())
 
 
@@ -76,12 +78,14 @@ def _run(iters: int, out: str) -> None:
     torch.set_num_threads(1)
     fns: dict[str, Callable[[], None]] = {}
     sizes: dict[str, int] = {}
+    tokens: dict[str, int] = {}  # per step, over the data-parallel ranks
     for name, make in PLUGINS.items():
         booster = Booster(plugin=make())
         model = step_gpt2()
         model, optimizer, *_ = booster.boost(model, torch.optim.AdamW(model.parameters(), lr=1e-4))
         group = booster.plugin.dp_group
         seed = dist.get_rank(group)
+        tokens[name] = 4 * 256 * dist.get_world_size(group)
         ids = torch.randint(0, 8192, (4, 256), generator=torch.Generator().manual_seed(seed))
 
         def step(model: Any = model, optimizer: Any = optimizer, booster: Booster = booster,
@@ -101,7 +105,7 @@ def _run(iters: int, out: str) -> None:
         fns[name] = step
     times = step_times(alternate(fns, iters, sync=True))
     if dist.get_rank() == 0:
-        Path(out).write_text(json.dumps({"times": times, "bytes": sizes}))
+        Path(out).write_text(json.dumps({"times": times, "bytes": sizes, "tokens": tokens}))
 
 
 def main() -> None:
@@ -112,13 +116,17 @@ def main() -> None:
     out = RESULTS / "booster.json"
     spawn(_run, 2, args=(args.iters, str(out)), timeout=3000)
     result = json.loads(out.read_text())
-    times, sizes = result["times"], result["bytes"]
-    base = times["torch DDP"]
+    times, sizes, tokens = result["times"], result["bytes"], result["tokens"]
+    base = tokens["torch DDP"] / times["torch DDP"]
     print("\n## Booster plugins: GPT-2 6 x 512, vocab 8192, 2 CPU ranks, fp32 AdamW\n")
-    print("| plugin | step (s) | / torch DDP | model states per rank (MiB) |")
-    print("|---|---:|---:|---:|")
+    print("| plugin | step (s) | tokens / step | tokens/s | / torch DDP | states per rank (MiB) |")
+    print("|---|---:|---:|---:|---:|---:|")
     for name, seconds in times.items():
-        print(f"| {name} | {seconds:.3f} | {seconds / base:.3f} | {sizes[name] / 2**20:.1f} |")
+        rate = tokens[name] / seconds
+        print(
+            f"| {name} | {seconds:.3f} | {tokens[name]} | {rate:.0f} | {rate / base:.3f} | "
+            f"{sizes[name] / 2**20:.1f} |"
+        )
     (RESULTS / "bench_booster.json").write_text(json.dumps(result, indent=2))
 
 
