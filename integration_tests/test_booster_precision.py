@@ -11,11 +11,13 @@ bf16 keeps 8 bits of mantissa."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 from booster_models import batch, build
+from safetensors.torch import load_file
 
 from pc_booster import (
     Booster,
@@ -128,7 +130,69 @@ def check_refusals() -> None:
         Booster(plugin=TorchDDPPlugin()).execute_pipeline(iter([]), model, None)
 
 
+def _steps(booster: Booster, model: object, optimizer: object, scheduler: object,
+           steps: range) -> list[float]:  # fmt: skip
+    group = booster.plugin.dp_group
+    dp_rank, dp = dist.get_rank(group), dist.get_world_size(group)
+    losses = []
+    for step in steps:
+        full = batch("gpt2", step, size=2 * dp)
+        loss = model(**{k: v[2 * dp_rank : 2 * dp_rank + 2] for k, v in full.items()}).loss  # type: ignore[operator]
+        booster.backward(loss, optimizer)
+        optimizer.step()  # type: ignore[attr-defined]
+        optimizer.zero_grad()  # type: ignore[attr-defined]
+        scheduler.step()  # type: ignore[attr-defined]
+        losses.append(loss.item())
+    return losses
+
+
+def check_reload(plugin: str, precision: str) -> None:
+    """Save and reload under mixed precision: the export holds the fp32
+    masters, loading restores them exactly (not re-derived from the rounded
+    parameters), the LR scheduler keeps driving the reloaded optimizer, and
+    training continues exactly as without the restart."""
+
+    def boosted(seed: int) -> tuple[Booster, object, object, object]:
+        booster = Booster(plugin=PLUGINS[plugin](), mixed_precision=precision)
+        model = build("gpt2", seed=seed)
+        model.transformer.wpe.weight.requires_grad_(False)  # a frozen parameter
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1 + s))
+        wrapped, optimizer, _, _, scheduler = booster.boost(
+            model, optimizer, lr_scheduler=scheduler
+        )
+        return booster, wrapped, optimizer, scheduler
+
+    booster, model, optimizer, scheduler = boosted(0)
+    _steps(booster, model, optimizer, scheduler, range(2))
+    root = Path(f"/tmp/pc-booster-reload-{plugin}-{precision}")
+    booster.save_model(model, root)  # type: ignore[arg-type]
+    booster.save_optimizer(optimizer, root / "optimizer.pt")
+    booster.save_lr_scheduler(scheduler, root / "scheduler.pt")
+    saved = load_file(str(root / "model.safetensors"))
+    assert all(v.dtype == torch.float32 for v in saved.values())
+
+    again, model2, optimizer2, scheduler2 = boosted(7)
+    again.load_model(model2, root)  # type: ignore[arg-type]
+    state = again.plugin.model_state_dict(model2)  # type: ignore[arg-type]
+    for key, value in saved.items():
+        assert torch.equal(state[key], value), key
+    again.load_optimizer(optimizer2, root / "optimizer.pt")
+    again.load_lr_scheduler(scheduler2, root / "scheduler.pt")
+
+    expected = _steps(booster, model, optimizer, scheduler, range(2, 4))
+    losses = _steps(again, model2, optimizer2, scheduler2, range(2, 4))
+    assert losses == expected, (losses, expected)
+    lr = optimizer2.param_groups[0]["lr"]  # type: ignore[attr-defined]
+    assert lr == pytest.approx(1e-3 / 5)
+    inner = getattr(optimizer2, "inner", optimizer2)
+    assert inner.param_groups[0]["lr"] == lr  # type: ignore[attr-defined]
+
+
 def check_all(case: str, precision: str) -> None:
+    if case.startswith("reload-"):
+        check_reload(case.removeprefix("reload-"), precision)
+        return
     if case == "refusals":
         if precision == "bf16":
             check_refusals()
@@ -140,6 +204,15 @@ def test_mixed_precision_and_refusals() -> None:
     run_subtests(
         check_all,
         4,
-        {"case": [*PLUGINS, "refusals"], "precision": ["bf16", "fp16"]},
+        {
+            "case": [
+                *PLUGINS,
+                "refusals",
+                "reload-zero1",
+                "reload-gemini",
+                "reload-hybrid-tp2-zero1",
+            ],
+            "precision": ["bf16", "fp16"],
+        },
         timeout=540,
     )

@@ -208,9 +208,9 @@ class Booster:
         expected = set(module.state_dict())
         missing, unexpected = expected - set(state), set(state) - expected
         # A tied weight may be saved once (transformers drops the copy).
-        tied = {k for k in missing if self._tied_source(module, k) in state}
+        tied = {k for k in missing if self._tied_source(module, k, state) in state}
         for key in tied:
-            state[key] = state[self._tied_source(module, key)]
+            state[key] = state[self._tied_source(module, key, state)]
         missing -= tied
         if strict and (missing or unexpected):
             raise ValueError(
@@ -218,23 +218,25 @@ class Booster:
                 f"unexpected {sorted(unexpected)[:5]}. Was it saved from another model? "
                 "Pass strict=False to load the common keys."
             )
-        if not strict:
-            own = module.state_dict()
-            state = {
-                **own,
-                **{k: v for k, v in state.items() if k in own},
-            }
+        if not strict and missing:
+            # The keys the checkpoint lacks keep their current (full) values.
+            current = self.plugin.model_state_dict(model)
+            state = {**current, **{k: v for k, v in state.items() if k in current}}
+        elif not strict:
+            state = {k: v for k, v in state.items() if k in expected}
         self.plugin.load_model_state_dict(model, state)
 
     @staticmethod
-    def _tied_source(module: nn.Module, key: str) -> str:
-        """The first state-dict key holding the same tensor as ``key``."""
+    def _tied_source(module: nn.Module, key: str, present: Any = ()) -> str:
+        """A key holding the same tensor as ``key`` (tied weights), one in
+        ``present`` when there is one."""
         state = module.state_dict(keep_vars=True)
         target = state.get(key)
-        for other, value in state.items():
-            if value is target:
+        aliases = [other for other, value in state.items() if value is target and other != key]
+        for other in aliases:
+            if other in present:
                 return other
-        return key
+        return aliases[0] if aliases else key
 
     def save_optimizer(
         self, optimizer: Any, checkpoint: str | os.PathLike[str], shard: bool = False

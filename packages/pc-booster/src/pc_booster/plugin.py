@@ -195,7 +195,11 @@ class SupportsPipeline(ABC):
 
 
 def rebuild_optimizer(
-    optimizer: Optimizer, old_names: dict[int, str], new_params: dict[str, nn.Parameter]
+    optimizer: Optimizer,
+    old_names: dict[int, str],
+    new_params: dict[str, nn.Parameter],
+    *,
+    skip_missing: bool = False,
 ) -> Optimizer:
     """The same optimizer class, hyperparameters and param groups over the
     parameters a wrapper put in place of the originals (sharded ones),
@@ -211,6 +215,8 @@ def rebuild_optimizer(
                     "the optimizer holds a parameter that is not the model's; build it over "
                     "model.parameters() (several param groups are fine)."
                 )
+            if name not in new_params and skip_missing:
+                continue  # e.g. a frozen parameter the wrapper does not manage
             params.append(new_params[name])
         groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": params})
     # Each group carries every hyperparameter; the constructor gets the

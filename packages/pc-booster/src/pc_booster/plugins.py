@@ -81,6 +81,63 @@ def _load_cast(module: nn.Module, state: dict[str, torch.Tensor]) -> None:
     module.load_state_dict({k: v.to(own[k].dtype) if k in own else v for k, v in state.items()})
 
 
+# -- ZeRO-1/2 state: the fp32 masters are the parameters' true values --------------
+
+
+def _zero_names(optimizer: Any, module: nn.Module) -> list[str | None]:
+    names = names_by_id(module)
+    return [names.get(id(p)) for p in optimizer._params]
+
+
+def _zero_model_state(module: nn.Module, optimizer: Any) -> dict[str, torch.Tensor]:
+    """The model's state with each trainable parameter taken from the fp32
+    masters (collective), not from its fp16/bf16 rounding."""
+    state = _clone_state(module)
+    if optimizer is not None and not optimizer._alias_master:
+        names = _zero_names(optimizer, module)
+        for index, value in optimizer.full_params().items():
+            name = names[index]
+            if name is not None:
+                state[name] = value
+    return state
+
+
+def _zero_load_masters(module: nn.Module, optimizer: Any, state: dict[str, torch.Tensor]) -> None:
+    """Full-precision values into the masters too (else the next step
+    writes the old masters back over the loaded weights)."""
+    if optimizer is None or optimizer._alias_master:
+        return
+    names = _zero_names(optimizer, module)
+    optimizer.load_full_params(
+        {i: state[n] for i, n in enumerate(names) if n is not None and n in state}
+    )
+
+
+def _zero_optimizer_state(optimizer: Any, module: nn.Module) -> CanonicalOptimizerState:
+    full = optimizer.state_dict()
+    canonical = torch_to_canonical(full, _zero_names(optimizer, module))
+    canonical["loss_scaler"] = full.get("loss_scaler")
+    return canonical
+
+
+def _zero_load_optimizer(optimizer: Any, module: nn.Module, state: CanonicalOptimizerState) -> None:
+    groups = [
+        (indices, {k: v for k, v in group.items() if k != "params"})
+        for indices, group in zip(optimizer._group_indices, optimizer.param_groups, strict=True)
+    ]
+    converted = canonical_to_torch(state, _zero_names(optimizer, module), groups)
+    if not optimizer._alias_master and not any("master" in e for e in converted["state"].values()):
+        # A checkpoint without masters (from an fp32 plugin): keep the
+        # full-precision masters the model load set, rather than letting the
+        # optimizer re-derive them from the rounded parameters.
+        for index, value in optimizer.full_params().items():
+            if index in converted["state"]:
+                converted["state"][index]["master"] = value
+    if state.get("loss_scaler") is not None:
+        converted["loss_scaler"] = state["loss_scaler"]
+    optimizer.load_state_dict(converted)
+
+
 class _DataParallel(Plugin, SupportsNoSync):
     """What the two DDP plugins share: the optimizer is the user's, over the
     model's own parameters, so both state conversions are by name."""
@@ -242,6 +299,11 @@ class LowLevelZeroPlugin(Plugin, SupportsNoSync):
             yield
 
     def no_sync(self, model: nn.Module, optimizer: Any) -> AbstractContextManager[None]:
+        if optimizer is None:
+            raise ValueError(
+                "LowLevelZeroPlugin accumulates in the optimizer: pass it, "
+                "booster.no_sync(model, optimizer)."
+            )
         if self.stage == 2:
             # Stage 2 holds no full gradient to accumulate locally: each
             # backward reduce-scatters into the gradient shard, where
@@ -250,30 +312,19 @@ class LowLevelZeroPlugin(Plugin, SupportsNoSync):
         return self._no_sync(optimizer)
 
     def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        return _clone_state(self.boosted(model).module)
+        boosted = self.boosted(model)
+        return _zero_model_state(boosted.module, boosted.optimizer)
 
     def load_model_state_dict(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
-        _load_cast(self.boosted(model).module, state)
-
-    def _names(self, optimizer: Any) -> list[str | None]:
-        names = names_by_id(self.boosted(optimizer).module)
-        return [names.get(id(p)) for p in optimizer._params]
+        boosted = self.boosted(model)
+        _load_cast(boosted.module, state)
+        _zero_load_masters(boosted.module, boosted.optimizer, state)
 
     def optimizer_state_dict(self, optimizer: Any) -> CanonicalOptimizerState:
-        full = optimizer.state_dict()
-        canonical = torch_to_canonical(full, self._names(optimizer))
-        canonical["loss_scaler"] = full.get("loss_scaler")
-        return canonical
+        return _zero_optimizer_state(optimizer, self.boosted(optimizer).module)
 
     def load_optimizer_state_dict(self, optimizer: Any, state: CanonicalOptimizerState) -> None:
-        groups = [
-            (indices, {k: v for k, v in group.items() if k != "params"})
-            for indices, group in zip(optimizer._group_indices, optimizer.param_groups, strict=True)
-        ]
-        converted = canonical_to_torch(state, self._names(optimizer), groups)
-        if state.get("loss_scaler") is not None:
-            converted["loss_scaler"] = state["loss_scaler"]
-        optimizer.load_state_dict(converted)
+        _zero_load_optimizer(optimizer, self.boosted(optimizer).module, state)
 
 
 class _Sharded(Plugin):
@@ -332,7 +383,12 @@ class _Sharded(Plugin):
                 wrapper.comm.all_reduce(full)
                 full_entry[key] = full.view(shape).cpu()
             state[name] = full_entry
-        return {"state": state, "param_groups": saved["param_groups"]}
+        scaler = getattr(optimizer, "scaler", None)
+        return {
+            "state": state,
+            "param_groups": saved["param_groups"],
+            "loss_scaler": scaler.state_dict() if scaler is not None else None,
+        }
 
     def load_optimizer_state_dict(self, optimizer: Any, state: CanonicalOptimizerState) -> None:
         inner = optimizer.inner if hasattr(optimizer, "inner") else optimizer
@@ -343,6 +399,11 @@ class _Sharded(Plugin):
             torch_groups(inner),
         )
         inner.load_state_dict(converted)  # hyperparameters
+        scaler = getattr(optimizer, "scaler", None)
+        if scaler is not None and state.get("loss_scaler") is not None:
+            scaler.load_state_dict(state["loss_scaler"])
+        if hasattr(optimizer, "inner"):  # torch swapped the group objects: re-alias
+            optimizer.param_groups, optimizer.state = inner.param_groups, inner.state
         for name, param, start, numel, _ in self._parts(optimizer):
             entry = state["state"].get(name)
             if entry is None:
@@ -417,10 +478,16 @@ class GeminiPlugin(_Sharded, SupportsNoSync):
             raise ValueError("GeminiPlugin shards an optimizer: pass one to boost().")
         names = names_by_id(model)
         dtype = _DTYPES[precision] if precision is not None else torch.float32
+        with torch.no_grad():  # frozen parameters stay whole on every rank, in the compute dtype
+            for param in model.parameters():
+                if not param.requires_grad and param.is_floating_point():
+                    param.data = param.data.to(dtype)
         wrapped = GeminiDDP(
             model, device=_device(), mixed_precision=dtype, sync_module_states=True, **self.options
         )
-        inner = rebuild_optimizer(optimizer, names, dict(model.named_parameters()))
+        # Chunks hold trainable parameters only; frozen ones leave the optimizer.
+        trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+        inner = rebuild_optimizer(optimizer, names, trainable, skip_missing=True)
         zero = GeminiOptimizer(inner, wrapped, max_norm=self.max_norm, loss_scale=self.loss_scale)
         return Boosted(wrapped, zero, criterion, dataloader, lr_scheduler, module=model)
 
@@ -689,6 +756,11 @@ class HybridParallelPlugin(Plugin, SupportsNoSync):
         return Boosted(wrapped, optimizer, criterion, dataloader, lr_scheduler, module=model)
 
     def no_sync(self, model: nn.Module, optimizer: Any) -> AbstractContextManager[None]:
+        if self.zero_stage == 1 and optimizer is None:
+            raise ValueError(
+                "with zero_stage=1 gradients accumulate in the optimizer: pass it, "
+                "booster.no_sync(model, optimizer)."
+            )
         if self.zero_stage == 1:
             context: AbstractContextManager[None] = optimizer.no_sync()
             return context
@@ -700,47 +772,84 @@ class HybridParallelPlugin(Plugin, SupportsNoSync):
 
     # -- canonical state -------------------------------------------------------
 
-    def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        module = self.boosted(model).module
-        if self.tp_size > 1:
-            from pc_tensor import full_state_dict
+    def _masters_by_name(self, boosted: Boosted) -> dict[str, torch.Tensor]:
+        """This rank's fp32 masters (tp-local), by name, when they are
+        separate from the parameters; empty otherwise."""
+        optimizer = boosted.optimizer
+        if not self.zero_stage or optimizer is None or optimizer._alias_master:
+            return {}
+        names = _zero_names(optimizer, boosted.module)
+        out: dict[str, torch.Tensor] = {}
+        for index, value in optimizer.full_params().items():
+            name = names[index]
+            if name is not None:
+                out[name] = value
+        return out
 
-            return {k: v.float().cpu() for k, v in full_state_dict(module).items()}
-        return _clone_state(module)
+    def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        boosted = self.boosted(model)
+        module = boosted.module
+        masters = self._masters_by_name(boosted)
+        if self.tp_size == 1:
+            state = _clone_state(module)
+            state.update(masters)
+            return state
+        from pc_tensor import full_state_dict, shard_info, unshard_tensor
+
+        state = {k: v.float().cpu() for k, v in full_state_dict(module).items()}
+        info = shard_info(module)
+        device = _device()  # NCCL gathers device tensors only
+        for name, value in masters.items():
+            spec = info.specs.get(name)
+            state[name] = (
+                unshard_tensor(value.to(device), spec, info.group).cpu()
+                if spec is not None
+                else value
+            )
+        return state
 
     def load_model_state_dict(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
-        module = self.boosted(model).module
-        if self.tp_size > 1:
-            from pc_tensor import load_full_state_dict
-
-            load_full_state_dict(module, state)
-        else:
+        boosted = self.boosted(model)
+        module = boosted.module
+        if self.tp_size == 1:
             _load_cast(module, state)
+            if self.zero_stage:
+                _zero_load_masters(module, boosted.optimizer, state)
+            return
+        from pc_tensor import load_full_state_dict, shard_info, shard_tensor
 
-    def _names(self, optimizer: Any) -> list[str | None]:
-        names = names_by_id(self.boosted(optimizer).module)
-        params = (
-            optimizer._params
-            if self.zero_stage
-            else [p for g in optimizer.param_groups for p in g["params"]]
-        )
-        return [names.get(id(p)) for p in params]
+        load_full_state_dict(module, state)
+        if self.zero_stage and boosted.optimizer is not None:
+            info = shard_info(module)
+            local = dict(module.named_parameters())
+            pieces = {
+                name: shard_tensor(value, info.specs[name], info.group, local[name].shape)
+                if name in info.specs
+                else value
+                for name, value in state.items()
+                if name in local
+            }
+            _zero_load_masters(module, boosted.optimizer, pieces)
 
     def optimizer_state_dict(self, optimizer: Any) -> CanonicalOptimizerState:
-        full = optimizer.state_dict()
-        canonical = torch_to_canonical(full, self._names(optimizer))
-        canonical["loss_scaler"] = full.get("loss_scaler")
+        module = self.boosted(optimizer).module
+        if self.zero_stage:
+            canonical = _zero_optimizer_state(optimizer, module)
+        else:
+            names = optimizer_names(optimizer, names_by_id(module))
+            canonical = torch_to_canonical(optimizer.state_dict(), names)
         if self.tp_size > 1:
             from pc_tensor import shard_info, unshard_tensor
 
-            info = shard_info(self.boosted(optimizer).module)
+            info = shard_info(module)
+            device = _device()  # NCCL gathers device tensors only
             for name, entry in canonical["state"].items():
                 spec = info.specs.get(name)
                 if spec is None:
                     continue
                 for key, value in entry.items():
                     if isinstance(value, torch.Tensor) and value.dim() > 0:
-                        entry[key] = unshard_tensor(value, spec, info.group)
+                        entry[key] = unshard_tensor(value.to(device), spec, info.group).cpu()
         return canonical
 
     def load_optimizer_state_dict(self, optimizer: Any, state: CanonicalOptimizerState) -> None:
@@ -761,17 +870,8 @@ class HybridParallelPlugin(Plugin, SupportsNoSync):
                 }
             state = {**state, "state": entries}
         if self.zero_stage:
-            groups = [
-                (indices, {k: v for k, v in group.items() if k != "params"})
-                for indices, group in zip(
-                    optimizer._group_indices, optimizer.param_groups, strict=True
-                )
-            ]
-            converted = canonical_to_torch(state, self._names(optimizer), groups)
-            if state.get("loss_scaler") is not None:
-                converted["loss_scaler"] = state["loss_scaler"]
-        else:
-            converted = canonical_to_torch(
-                without(state, "master"), self._names(optimizer), torch_groups(optimizer)
-            )
+            _zero_load_optimizer(optimizer, module, state)
+            return
+        names = optimizer_names(optimizer, names_by_id(module))
+        converted = canonical_to_torch(without(state, "master"), names, torch_groups(optimizer))
         optimizer.load_state_dict(converted)

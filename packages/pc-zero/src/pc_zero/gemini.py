@@ -245,3 +245,6 @@ class GeminiOptimizer(Optimizer):
         if scaler is not None and self.scaler is not None:
             self.scaler.load_state_dict(scaler)
         self.inner.load_state_dict(state)
+        # torch swaps in new group and state objects: re-alias them.
+        self.param_groups = self.inner.param_groups
+        self.state = self.inner.state

@@ -567,3 +567,46 @@ class LowLevelZeroOptimizer(Optimizer):
         from pc_zero.state import load_full_state_dict
 
         load_full_state_dict(self, state_dict)
+        # torch's load_state_dict swaps in new group and state objects; an
+        # LR scheduler holding this optimizer must see them.
+        self.param_groups = self.inner.param_groups
+        self.state = self.inner.state
+
+    # -- full-precision parameters ------------------------------------------------------
+
+    def full_params(self) -> dict[int, torch.Tensor]:
+        """Every trainable parameter at full precision, by its index in the
+        original optimizer's order: the fp32 masters gathered (collective),
+        on the host. With fp16/bf16 parameters these are the values the
+        optimizer steps, which the model's copies only round."""
+        out: dict[int, torch.Tensor] = {}
+        for b, master in zip(self.buckets, self._masters, strict=True):
+            full = torch.empty(b.numel, dtype=torch.float32, device=self.device)
+            self.comm.all_gather(full, master.to(self.device, torch.float32))
+            for slot in b.slots:
+                value = full[slot.offset : slot.offset + slot.numel]
+                out[slot.index] = value.view(slot.shape).cpu().clone()
+        return out
+
+    def load_full_params(self, values: dict[int, torch.Tensor]) -> None:
+        """Set parameters from full values (index in the original order ->
+        tensor; every rank passes the same): the masters take them at full
+        precision and the model's parameters their rounding. Use it to load
+        weights into a model whose optimizer keeps separate masters (fp16,
+        bf16, ``cpu_offload``); writing the model's parameters alone would
+        be undone by the next step."""
+        for b, master in zip(self.buckets, self._masters, strict=True):
+            lo, hi = b.piece_range(self.rank)
+            for slot in b.slots:
+                value = values.get(slot.index)
+                start, end = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+                if value is None or start >= end:
+                    continue
+                if value.numel() != slot.numel:
+                    raise ValueError(
+                        f"parameter {slot.index}: got {value.numel()} values for a parameter "
+                        f"of shape {tuple(slot.shape)}."
+                    )
+                flat = value.reshape(-1).to(master.device, master.dtype)
+                master[start - lo : end - lo].copy_(flat[start - slot.offset : end - slot.offset])
+        self._gather_params()

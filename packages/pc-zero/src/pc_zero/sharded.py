@@ -171,6 +171,9 @@ class ShardedModule(nn.Module):
         (fp32 masters); with ``writeback`` changes made inside are kept."""
         self._check_idle("summon_full_params()")
         fulls: list[torch.Tensor] = []
+        # Which exposed gradients were dropped (zero_grad(set_to_none=True)):
+        # re-pointing afterwards must not bring their stale shards back.
+        dropped = [slot.param for c in self.chunks for slot in c.slots if slot.param.grad is None]
         for chunk in self.chunks:
             assert chunk.shard is not None
             full = torch.empty(chunk.size, dtype=chunk.shard_dtype, device=chunk.device)
@@ -188,6 +191,8 @@ class ShardedModule(nn.Module):
                     lo = chunk.rank * chunk.shard_size
                     chunk.shard.copy_(full[lo : lo + chunk.shard_size])
                 chunk.repoint()
+            for param in dropped:
+                param.grad = None
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The unwrapped module's state dict with full fp32 values, on every rank."""
