@@ -40,6 +40,7 @@ PLUGINS: dict[str, Callable[[], Plugin]] = {
     "gemini": GeminiPlugin,
     "hybrid-tp2-zero1": lambda: HybridParallelPlugin(tp_size=2, zero_stage=1),
     "hybrid-tp2-sp": lambda: HybridParallelPlugin(tp_size=2, enable_sequence_parallelism=True),
+    "hybrid-pp2-zero1": lambda: HybridParallelPlugin(pp_size=2, zero_stage=1, num_microbatches=2),
 }
 GLOBAL_BATCH, SAVED_AT = 4, 2
 
@@ -57,8 +58,13 @@ def _train(
     losses = []
     for step in steps:
         full = batch("gpt2", step, size=GLOBAL_BATCH)
-        loss = model(**{k: v[dp_rank * per : (dp_rank + 1) * per] for k, v in full.items()}).loss
-        booster.backward(loss, optimizer)
+        mine = {k: v[dp_rank * per : (dp_rank + 1) * per] for k, v in full.items()}
+        plugin = booster.plugin
+        if isinstance(plugin, HybridParallelPlugin) and plugin.pp_size > 1:
+            loss = booster.execute_pipeline(iter([mine]), model, None, optimizer)["loss"]
+        else:
+            loss = model(**mine).loss
+            booster.backward(loss, optimizer)
         optimizer.step()  # type: ignore[attr-defined]
         optimizer.zero_grad()  # type: ignore[attr-defined]
         mean = loss.detach().float().clone()

@@ -19,6 +19,7 @@ from pc_booster.plugin import (
     Plugin,
     Precision,
     SupportsNoSync,
+    SupportsPipeline,
     canonical_to_torch,
     names_by_id,
     optimizer_names,
@@ -620,7 +621,7 @@ class TorchFSDPPlugin(Plugin, SupportsNoSync):
         )
 
 
-class HybridParallelPlugin(Plugin, SupportsNoSync):
+class HybridParallelPlugin(Plugin, SupportsNoSync, SupportsPipeline):
     """Tensor parallelism (pc-tensor's ``shard_model``, optionally with
     sequence parallelism) x data parallelism (pc-comm's DDP, or ZeRO-1/2
     over the data-parallel ranks with clipping across the tensor-parallel
@@ -667,11 +668,14 @@ class HybridParallelPlugin(Plugin, SupportsNoSync):
                 "HybridParallelPlugin: sequence parallelism splits the sequence over the "
                 "tensor-parallel ranks; set tp_size > 1 or enable_sequence_parallelism=False."
             )
-        if pp_size > 1:
+        if pp_size > 1 and enable_sequence_parallelism:
             raise ValueError(
-                "HybridParallelPlugin: pipeline parallelism (pp_size > 1) is not assembled "
-                "into the plugin yet; use pc_pipeline directly (see docs/packages/"
-                "pc-pipeline.md), or pp_size=1."
+                "HybridParallelPlugin: sequence parallelism with pipelines is not supported "
+                "yet (the stages would pass sequence slices); set one of them off."
+            )
+        if num_microbatches is not None and num_microbatches < 1:
+            raise ValueError(
+                f"HybridParallelPlugin: num_microbatches must be >= 1, got {num_microbatches}."
             )
         if max_norm and zero_stage == 0 and tp_size > 1:
             raise ValueError(
@@ -736,10 +740,14 @@ class HybridParallelPlugin(Plugin, SupportsNoSync):
             shard_model(model, groups.tp, sequence_parallel=self.sequence_parallel)
         if precision is not None:
             model.to(_DTYPES[precision])
+        dp = dist.get_world_size(groups.dp)
+        if self.pp_size > 1:
+            return self._configure_pipeline(
+                model, names, optimizer, criterion, dataloader, lr_scheduler
+            )
         if optimizer is not None:
             optimizer = rebuild_optimizer(optimizer, names, dict(model.named_parameters()))
         wrapped: nn.Module = model
-        dp = dist.get_world_size(groups.dp)
         if self.zero_stage:
             if optimizer is None:
                 raise ValueError("zero_stage > 0 shards an optimizer: pass one to boost().")
@@ -755,7 +763,169 @@ class HybridParallelPlugin(Plugin, SupportsNoSync):
             wrapped = DistributedDataParallel(model, process_group=groups.dp)
         return Boosted(wrapped, optimizer, criterion, dataloader, lr_scheduler, module=model)
 
+    # -- pipelines ---------------------------------------------------------------
+
+    def _configure_pipeline(
+        self,
+        model: nn.Module,
+        names: dict[int, str],
+        optimizer: Optimizer | None,
+        criterion: Any,
+        dataloader: Any,
+        lr_scheduler: Any,
+    ) -> Boosted:
+        from pc_booster.pipeline import pipeline_layers
+        from pc_comm import DistributedDataParallel
+        from pc_pipeline import Interleaved1F1B, PipeDream, Sequential, ZeroBubble, partition
+        from pc_zero import LowLevelZeroOptimizer
+
+        groups = self.groups
+        layers, self._loss_kind = pipeline_layers(model)
+        chunks_per_rank = 2 if self.pp_style == "interleaved" else 1
+        stages = self.pp_size * chunks_per_rank
+        blocks = len(layers) - 2
+        if blocks % stages:
+            raise ValueError(
+                f"HybridParallelPlugin: {blocks} transformer blocks do not split evenly into "
+                f"{stages} pipeline stages (pp_size={self.pp_size}"
+                f"{', 2 chunks per rank' if chunks_per_rank > 1 else ''}); choose a pp_size "
+                "that divides the number of layers."
+            )
+        balance = [blocks // stages] * stages
+        balance[0] += 1  # the embedding
+        balance[-1] += 1  # the head
+        sequence = Sequential(*layers)
+        pp_rank, pp = dist.get_rank(groups.pp), self.pp_size
+
+        def stage_modules(rank: int) -> list[nn.Module]:
+            part = partition(sequence, rank, pp, chunks_per_rank, balance=balance)
+            return list(part) if isinstance(part, list) else [part]
+
+        holders: dict[int, list[int]] = {}  # parameter id -> pp ranks holding it
+        for rank in range(pp):
+            for module in stage_modules(rank):
+                for param in module.parameters():
+                    if rank not in holders.setdefault(id(param), []):
+                        holders[id(param)].append(rank)
+        by_name = dict(model.named_parameters())
+        self._owner = {  # every alias of a tied weight too (BERT's decoder bias)
+            n: holders[id(p)][0]
+            for n, p in model.named_parameters(remove_duplicate=False)
+            if id(p) in holders
+        }
+        mine = stage_modules(pp_rank)
+        own = {n: p for n, p in by_name.items() if pp_rank in holders.get(id(p), [])}
+        self._tied = self._tie_groups(holders, by_name, pp_rank)
+
+        dp = dist.get_world_size(groups.dp)
+        if not self.zero_stage and dp > 1:
+            # Buffers are synchronised once, here: re-broadcasting them every
+            # micro-batch would overwrite tensors earlier micro-batches'
+            # graphs still hold (BERT's token_type_ids).
+            mine = [
+                DistributedDataParallel(m, process_group=groups.dp, broadcast_buffers=False)
+                for m in mine
+            ]
+        chunks = self.num_microbatches or pp
+        if self.pp_style == "interleaved":
+            pipe: nn.Module = Interleaved1F1B(mine, chunks, groups.pp)
+        elif self.pp_style == "zbv":
+            pipe = ZeroBubble(mine[0], chunks, groups.pp)
+        else:
+            pipe = PipeDream(mine[0], chunks, groups.pp)
+        if optimizer is not None:
+            optimizer = rebuild_optimizer(optimizer, names, own, skip_missing=True)
+            if self.zero_stage:
+                optimizer = LowLevelZeroOptimizer(
+                    optimizer,
+                    stage=self.zero_stage,
+                    dp_process_group=groups.dp,
+                    tp_process_group=groups.tp if self.tp_size > 1 else None,
+                    clip_grad_norm=self.max_norm,
+                    loss_scale=self.loss_scale,
+                )
+        return Boosted(pipe, optimizer, criterion, dataloader, lr_scheduler, module=model)
+
+    def _tie_groups(
+        self, holders: dict[int, list[int]], by_name: dict[str, nn.Parameter], pp_rank: int
+    ) -> list[tuple[nn.Parameter, dist.ProcessGroup]]:
+        """Groups summing the gradients of weights held by several stages
+        (an LM head tied to the embedding): one group per tie and per
+        data/tensor-parallel position, created by every rank in one order."""
+        dims = self.groups.dims
+        ties = sorted({tuple(r) for r in holders.values() if len(r) > 1})
+        out: list[tuple[nn.Parameter, dist.ProcessGroup]] = []
+        me = self.groups.coord
+        for tie in ties:
+            for d in range(dims.dp):
+                for t in range(dims.tp):
+                    ranks = [(d * dims.pp + p) * dims.tp + t for p in tie]
+                    group = dist.new_group(ranks)
+                    if d == me.dp and t == me.tp and pp_rank in tie:
+                        for param in by_name.values():
+                            if tuple(holders.get(id(param), ())) == tie:
+                                out.append((param, group))
+        return out
+
+    def _lm_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        if self._loss_kind == "causal":
+            logits, labels = logits[:, :-1], labels[:, 1:]
+        flat, target = logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)
+        if self.tp_size > 1:
+            from pc_tensor import vocab_parallel_cross_entropy
+
+            return vocab_parallel_cross_entropy(flat, target, self.groups.tp)
+        return nn.functional.cross_entropy(flat.float(), target)
+
+    def execute_pipeline(
+        self,
+        data_iter: Iterator[Any],
+        model: nn.Module,
+        criterion: Any,
+        optimizer: Any,
+        return_loss: bool = True,
+        return_outputs: bool = False,
+    ) -> dict[str, Any]:
+        """One step's forward and backward through the pipeline on the next
+        batch of ``data_iter`` (a dict with ``input_ids`` and optionally
+        ``labels``, or a tensor of ids). ``criterion(logits, labels)``
+        defaults to the model's LM loss (vocabulary-parallel under tensor
+        parallelism). Returns ``{"loss", "outputs"}``: the mean loss over
+        the micro-batches on every rank, and the outputs on the last
+        stage's ranks (None elsewhere). Then call ``optimizer.step()``."""
+        if self.pp_size == 1:
+            raise ValueError("execute_pipeline needs pp_size > 1; call the model directly.")
+        batch = next(data_iter)
+        ids = batch["input_ids"] if isinstance(batch, dict) else batch
+        labels = batch.get("labels", ids) if isinstance(batch, dict) else ids
+        loss_fn = criterion if criterion is not None else self._lm_loss
+        context: AbstractContextManager[None] = (
+            optimizer.no_sync() if self.zero_stage == 1 else nullcontext()
+        )
+        with context:
+            losses, outputs = model.forward_backward(  # type: ignore[operator]
+                ids, criterion=loss_fn, labels=(labels,), return_outputs=return_outputs
+            )
+        for param, group in self._tied:
+            if self.zero_stage == 1:
+                grad = optimizer.accumulated_grad(param)
+            else:
+                if param.grad is None:
+                    param.grad = torch.zeros_like(param)
+                grad = param.grad
+            dist.all_reduce(grad, group=group)
+        loss = (
+            losses.detach().float().mean()
+            if losses is not None
+            else torch.zeros((), device=_device())
+        )
+        last = dist.get_global_rank(self.groups.pp, self.pp_size - 1)
+        dist.broadcast(loss, last, group=self.groups.pp)
+        return {"loss": loss if return_loss else None, "outputs": outputs}
+
     def no_sync(self, model: nn.Module, optimizer: Any) -> AbstractContextManager[None]:
+        if self.pp_size > 1:
+            return nullcontext()  # a pipeline step accumulates its micro-batches itself
         if self.zero_stage == 1 and optimizer is None:
             raise ValueError(
                 "with zero_stage=1 gradients accumulate in the optimizer: pass it, "
@@ -787,6 +957,17 @@ class HybridParallelPlugin(Plugin, SupportsNoSync):
         return out
 
     def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        state = self._local_model_state(model)
+        if self.pp_size > 1:  # each weight from the stage that trains it
+            group = self.groups.pp
+            for key in sorted(state):
+                owner = self._owner.get(key, 0)
+                value = state[key].to(_device())
+                dist.broadcast(value, dist.get_global_rank(group, owner), group=group)
+                state[key] = value.cpu()
+        return state
+
+    def _local_model_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
         boosted = self.boosted(model)
         module = boosted.module
         masters = self._masters_by_name(boosted)
@@ -850,10 +1031,37 @@ class HybridParallelPlugin(Plugin, SupportsNoSync):
                 for key, value in entry.items():
                     if isinstance(value, torch.Tensor) and value.dim() > 0:
                         entry[key] = unshard_tensor(value.to(device), spec, info.group).cpu()
+        if self.pp_size > 1:  # every stage's part, on every rank
+            parts: list[Any] = [None] * self.pp_size
+            dist.all_gather_object(parts, canonical, group=self.groups.pp)
+            merged: dict[str, Any] = {}
+            for part in parts:
+                merged.update(part["state"])
+            groups = [
+                {**g, "params": [n for part in parts for n in part["param_groups"][i]["params"]]}
+                for i, g in enumerate(canonical["param_groups"])
+            ]
+            canonical = {**canonical, "state": merged, "param_groups": groups}
         return canonical
 
     def load_optimizer_state_dict(self, optimizer: Any, state: CanonicalOptimizerState) -> None:
         module = self.boosted(optimizer).module
+        if self.pp_size > 1:  # this stage's parameters only
+            by_id = names_by_id(module)
+            params = (
+                optimizer._params
+                if self.zero_stage
+                else [p for g in optimizer.param_groups for p in g["params"]]
+            )
+            mine = {by_id[id(p)] for p in params if id(p) in by_id}
+            state = {
+                **state,
+                "state": {n: v for n, v in state["state"].items() if n in mine},
+                "param_groups": [
+                    {**g, "params": [n for n in g["params"] if n in mine]}
+                    for g in state["param_groups"]
+                ],
+            }
         if self.tp_size > 1:
             from pc_tensor import shard_info, shard_tensor
 

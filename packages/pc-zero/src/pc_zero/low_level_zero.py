@@ -572,6 +572,26 @@ class LowLevelZeroOptimizer(Optimizer):
         self.param_groups = self.inner.param_groups
         self.state = self.inner.state
 
+    def accumulated_grad(self, param: torch.Tensor) -> torch.Tensor:
+        """Stage 1, between ``no_sync`` backwards and ``step``: the gradient
+        accumulated locally for ``param`` (a view to modify in place, for
+        example to sum a weight tied across pipeline stages). A parameter
+        that received none yet gets zeros, counted as received."""
+        if self.stage != 1:
+            raise ValueError(
+                "accumulated_grad is for stage 1, whose full gradients wait in a local "
+                "buffer under no_sync; stage 2 keeps only its shard."
+            )
+        if param not in self._where:
+            raise ValueError("this parameter is not in the optimizer (or does not require grad).")
+        k, slot = self._where[param]
+        view = self._grad_view(self.buckets[k], slot)
+        if (k, slot.offset) not in self._accumulated:
+            view.zero_()
+            self._accumulated.add((k, slot.offset))
+        self._need_reduce = True
+        return view
+
     # -- full-precision parameters ------------------------------------------------------
 
     def full_params(self) -> dict[int, torch.Tensor]:
