@@ -39,6 +39,9 @@ __all__ = [
 ]
 
 _DTYPES: dict[str, torch.dtype] = {"fp16": torch.float16, "bf16": torch.bfloat16}
+# Process groups by (default group, layout), shared by the plugins of a job.
+_SUBGROUPS: dict[tuple[int, int, int], Any] = {}
+_TIE_GROUPS: dict[tuple[int, tuple[int, ...]], dist.ProcessGroup] = {}
 
 
 def _loss_scale(initial_scale: float, growth_interval: int, hysteresis: int) -> Any:
@@ -711,7 +714,12 @@ class HybridParallelPlugin(Plugin, SupportsNoSync, SupportsPipeline):
 
             _require_initialized("HybridParallelPlugin")
             self._check_world()
-            self._groups = make_subgroups(pp_size=self.pp_size, tp_size=self.tp_size)
+            # Creating process groups is a collective over the whole job and
+            # not cheap: plugins of one layout share them.
+            key = (id(dist.group.WORLD), self.pp_size, self.tp_size)
+            if key not in _SUBGROUPS:
+                _SUBGROUPS[key] = make_subgroups(pp_size=self.pp_size, tp_size=self.tp_size)
+            self._groups = _SUBGROUPS[key]
         return self._groups
 
     @property
@@ -859,8 +867,11 @@ class HybridParallelPlugin(Plugin, SupportsNoSync, SupportsPipeline):
         for tie in ties:
             for d in range(dims.dp):
                 for t in range(dims.tp):
-                    ranks = [(d * dims.pp + p) * dims.tp + t for p in tie]
-                    group = dist.new_group(ranks)
+                    ranks = tuple((d * dims.pp + p) * dims.tp + t for p in tie)
+                    key = (id(dist.group.WORLD), ranks)
+                    if key not in _TIE_GROUPS:
+                        _TIE_GROUPS[key] = dist.new_group(list(ranks))
+                    group = _TIE_GROUPS[key]
                     if d == me.dp and t == me.tp and pp_rank in tie:
                         for param in by_name.values():
                             if tuple(holders.get(id(param), ())) == tie:
