@@ -208,9 +208,10 @@ class Booster:
         expected = set(module.state_dict())
         missing, unexpected = expected - set(state), set(state) - expected
         # A tied weight may be saved once (transformers drops the copy).
-        tied = {k for k in missing if self._tied_source(module, k, state) in state}
+        sources = {k: self._tied_source(module, k, state) for k in missing}
+        tied = {k for k, source in sources.items() if source in state}
         for key in tied:
-            state[key] = state[self._tied_source(module, key, state)]
+            state[key] = state[sources[key]]
         missing -= tied
         if strict and (missing or unexpected):
             raise ValueError(

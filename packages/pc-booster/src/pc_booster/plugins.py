@@ -93,17 +93,39 @@ def _zero_names(optimizer: Any, module: nn.Module) -> list[str | None]:
     return [names.get(id(p)) for p in optimizer._params]
 
 
+def _zero_masters(module: nn.Module, optimizer: Any) -> dict[str, torch.Tensor]:
+    """The fp32 masters by parameter name (collective), when they are
+    separate from the parameters (fp16/bf16, offload); empty otherwise."""
+    if optimizer is None or optimizer._alias_master:
+        return {}
+    names = _zero_names(optimizer, module)
+    return {
+        name: value
+        for index, value in optimizer.full_params().items()
+        if (name := names[index]) is not None
+    }
+
+
 def _zero_model_state(module: nn.Module, optimizer: Any) -> dict[str, torch.Tensor]:
     """The model's state with each trainable parameter taken from the fp32
-    masters (collective), not from its fp16/bf16 rounding."""
-    state = _clone_state(module)
-    if optimizer is not None and not optimizer._alias_master:
-        names = _zero_names(optimizer, module)
-        for index, value in optimizer.full_params().items():
-            name = names[index]
-            if name is not None:
-                state[name] = value
-    return state
+    masters, not from its fp16/bf16 rounding."""
+    return {**_clone_state(module), **_zero_masters(module, optimizer)}
+
+
+def _torch_optimizer_state(optimizer: Optimizer, module: nn.Module) -> CanonicalOptimizerState:
+    """A plain torch optimizer's state, canonical."""
+    names = optimizer_names(optimizer, names_by_id(module))
+    return torch_to_canonical(optimizer.state_dict(), names)
+
+
+def _torch_load_optimizer(
+    optimizer: Optimizer, module: nn.Module, state: CanonicalOptimizerState
+) -> None:
+    """Canonical state into a plain torch optimizer (no masters kept)."""
+    names = optimizer_names(optimizer, names_by_id(module))
+    optimizer.load_state_dict(
+        canonical_to_torch(without(state, "master"), names, torch_groups(optimizer))
+    )
 
 
 def _zero_load_masters(module: nn.Module, optimizer: Any, state: dict[str, torch.Tensor]) -> None:
@@ -176,13 +198,10 @@ class _DataParallel(Plugin, SupportsNoSync):
         _load_cast(self.boosted(model).module, state)
 
     def optimizer_state_dict(self, optimizer: Any) -> CanonicalOptimizerState:
-        names = optimizer_names(optimizer, names_by_id(self.boosted(optimizer).module))
-        return torch_to_canonical(optimizer.state_dict(), names)
+        return _torch_optimizer_state(optimizer, self.boosted(optimizer).module)
 
     def load_optimizer_state_dict(self, optimizer: Any, state: CanonicalOptimizerState) -> None:
-        names = optimizer_names(optimizer, names_by_id(self.boosted(optimizer).module))
-        converted = canonical_to_torch(without(state, "master"), names, torch_groups(optimizer))
-        optimizer.load_state_dict(converted)
+        _torch_load_optimizer(optimizer, self.boosted(optimizer).module, state)
 
 
 class TorchDDPPlugin(_DataParallel):
@@ -353,7 +372,8 @@ class _Sharded(Plugin):
     def optimizer_state_dict(self, optimizer: Any) -> CanonicalOptimizerState:
         inner = optimizer.inner if hasattr(optimizer, "inner") else optimizer
         names = names_by_id(self.boosted(optimizer).module)
-        saved = torch_to_canonical(inner.state_dict(), optimizer_names(inner, names))
+        groups = {"state": {}, "param_groups": inner.state_dict()["param_groups"]}
+        saved = torch_to_canonical(groups, optimizer_names(inner, names))  # groups by name
         parts = list(self._parts(optimizer))
         wrapper: Any = self.boosted(optimizer).model
         # Which keys each parameter has, and its scalars ("step"), agreed
@@ -953,20 +973,6 @@ class HybridParallelPlugin(Plugin, SupportsNoSync, SupportsPipeline):
 
     # -- canonical state -------------------------------------------------------
 
-    def _masters_by_name(self, boosted: Boosted) -> dict[str, torch.Tensor]:
-        """This rank's fp32 masters (tp-local), by name, when they are
-        separate from the parameters; empty otherwise."""
-        optimizer = boosted.optimizer
-        if not self.zero_stage or optimizer is None or optimizer._alias_master:
-            return {}
-        names = _zero_names(optimizer, boosted.module)
-        out: dict[str, torch.Tensor] = {}
-        for index, value in optimizer.full_params().items():
-            name = names[index]
-            if name is not None:
-                out[name] = value
-        return out
-
     def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         state = self._local_model_state(model)
         if self.pp_size > 1:  # each weight from the stage that trains it
@@ -981,7 +987,7 @@ class HybridParallelPlugin(Plugin, SupportsNoSync, SupportsPipeline):
     def _local_model_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
         boosted = self.boosted(model)
         module = boosted.module
-        masters = self._masters_by_name(boosted)
+        masters = _zero_masters(module, boosted.optimizer) if self.zero_stage else {}
         if self.tp_size == 1:
             state = _clone_state(module)
             state.update(masters)
@@ -1028,8 +1034,7 @@ class HybridParallelPlugin(Plugin, SupportsNoSync, SupportsPipeline):
         if self.zero_stage:
             canonical = _zero_optimizer_state(optimizer, module)
         else:
-            names = optimizer_names(optimizer, names_by_id(module))
-            canonical = torch_to_canonical(optimizer.state_dict(), names)
+            canonical = _torch_optimizer_state(optimizer, module)
         if self.tp_size > 1:
             from pc_tensor import shard_info, unshard_tensor
 
@@ -1090,7 +1095,5 @@ class HybridParallelPlugin(Plugin, SupportsNoSync, SupportsPipeline):
             state = {**state, "state": entries}
         if self.zero_stage:
             _zero_load_optimizer(optimizer, module, state)
-            return
-        names = optimizer_names(optimizer, names_by_id(module))
-        converted = canonical_to_torch(without(state, "master"), names, torch_groups(optimizer))
-        optimizer.load_state_dict(converted)
+        else:
+            _torch_load_optimizer(optimizer, module, state)

@@ -15,7 +15,7 @@ GPT-2's ``Conv1D`` stores its weight transposed (``[in, out]``); the
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -49,7 +49,33 @@ def _shard_size(total: int, group: dist.ProcessGroup, what: str) -> tuple[int, i
     return size, rank * size
 
 
-class ColumnParallelLinear(nn.Module):
+_Layer = TypeVar("_Layer", bound="_FromLayer")
+
+
+class _FromLayer(nn.Module):
+    """The constructors both parallel linears share: from an ``nn.Linear``
+    or from GPT-2's ``Conv1D`` (weight stored ``[in, out]``); ``options``
+    are the class's constructor options."""
+
+    @classmethod
+    def from_linear(
+        cls: type[_Layer], layer: nn.Linear, group: dist.ProcessGroup, **options: Any
+    ) -> _Layer:
+        make: Any = cls  # each subclass takes (weight, bias, group, **options)
+        built: _Layer = make(layer.weight, layer.bias, group, **options)
+        return built
+
+    @classmethod
+    def from_conv1d(
+        cls: type[_Layer], layer: nn.Module, group: dist.ProcessGroup, **options: Any
+    ) -> _Layer:
+        weight: Any = layer.weight
+        make: Any = cls
+        built: _Layer = make(weight.t(), getattr(layer, "bias", None), group, **options)
+        return built
+
+
+class ColumnParallelLinear(_FromLayer):
     """``y = x W^T + b`` with ``W``'s output rows split over ``group``."""
 
     def __init__(
@@ -116,27 +142,6 @@ class ColumnParallelLinear(nn.Module):
             if int(local[-1]) >= valid_out_features:
                 self._invalid = local >= valid_out_features
 
-    @classmethod
-    def from_linear(
-        cls,
-        layer: nn.Linear,
-        group: dist.ProcessGroup,
-        **options: Any,
-    ) -> ColumnParallelLinear:
-        """Shard an ``nn.Linear``; ``options`` are the constructor's."""
-        return cls(layer.weight, layer.bias, group, **options)
-
-    @classmethod
-    def from_conv1d(
-        cls,
-        layer: nn.Module,
-        group: dist.ProcessGroup,
-        **options: Any,
-    ) -> ColumnParallelLinear:
-        """Shard GPT-2's ``Conv1D`` (weight stored ``[in, out]``)."""
-        weight: Any = layer.weight
-        return cls(weight.t(), getattr(layer, "bias", None), group, **options)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
             x = gather_sequence(x, self.group, self.sequence_dim)
@@ -148,7 +153,7 @@ class ColumnParallelLinear(nn.Module):
         return gather_from_tp(out, self.group) if self.gather_output else out
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_FromLayer):
     """``y = x W^T + b`` with ``W``'s input columns split over ``group``;
     the input arrives already split (the output of a column-parallel layer)
     unless ``input_is_parallel=False``."""
@@ -176,27 +181,6 @@ class RowParallelLinear(nn.Module):
         self.weight = nn.Parameter(weight.detach()[:, start : start + size].clone())
         # The bias is added once, after the sum, so every rank holds all of it.
         self.bias = nn.Parameter(bias.detach().clone()) if bias is not None else None
-
-    @classmethod
-    def from_linear(
-        cls,
-        layer: nn.Linear,
-        group: dist.ProcessGroup,
-        **options: Any,
-    ) -> RowParallelLinear:
-        """Shard an ``nn.Linear``; ``options`` are the constructor's."""
-        return cls(layer.weight, layer.bias, group, **options)
-
-    @classmethod
-    def from_conv1d(
-        cls,
-        layer: nn.Module,
-        group: dist.ProcessGroup,
-        **options: Any,
-    ) -> RowParallelLinear:
-        """Shard GPT-2's ``Conv1D`` (weight stored ``[in, out]``)."""
-        weight: Any = layer.weight
-        return cls(weight.t(), getattr(layer, "bias", None), group, **options)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:

@@ -101,6 +101,17 @@ def _is_conv1d(module: nn.Module) -> bool:
     return type(module).__name__ == "Conv1D"
 
 
+L = TypeVar("L", ColumnParallelLinear, RowParallelLinear)
+
+
+def _shard_layer(
+    cls: type[L], layer: nn.Module, group: dist.ProcessGroup, options: dict[str, Any]
+) -> L:
+    if _is_conv1d(layer):
+        return cls.from_conv1d(layer, group, **options)
+    return cls.from_linear(layer, group, **options)  # type: ignore[arg-type]
+
+
 def _unsupported(model: nn.Module) -> ValueError:
     config = getattr(model, "config", None)
     kind = getattr(config, "model_type", None)
@@ -284,11 +295,7 @@ def shard_model(
                 "input_gathered": inside,
                 "sequence_dim": 0 if path in policy.flat_tokens else 1,
             }
-            new = (
-                ColumnParallelLinear.from_conv1d(old, group, **options)
-                if _is_conv1d(old)
-                else ColumnParallelLinear.from_linear(old, group, **options)
-            )
+            new = _shard_layer(ColumnParallelLinear, old, group, options)
             replaced.update(id(p) for p in old.parameters())
             originals.append(old)
             sharded.update(id(p) for p in new.parameters())
@@ -303,11 +310,7 @@ def shard_model(
                 "sequence_parallel": sequence_parallel,
                 "sequence_dim": 0 if path in policy.flat_tokens else 1,
             }
-            row = (
-                RowParallelLinear.from_conv1d(old, group, **row_options)
-                if _is_conv1d(old)
-                else RowParallelLinear.from_linear(old, group, **row_options)
-            )
+            row = _shard_layer(RowParallelLinear, old, group, row_options)
             replaced.update(id(p) for p in old.parameters())
             originals.append(old)
             sharded.add(id(row.weight))
