@@ -48,7 +48,7 @@ def _install_workspace(session: nox.Session, *extra: str) -> None:
     """All packages editable in one pip call, plus ``extra`` requirements."""
     editable: list[str] = []
     for package in PACKAGES:
-        spec = f"packages/{package}[hf]" if package == "pc-booster" else f"packages/{package}"
+        spec = f"packages/{package}[hf,train]" if package == "pc-booster" else f"packages/{package}"
         editable += ["-e", spec]
     session.install(*_constraints(session), *editable, *extra)
 

@@ -3,7 +3,8 @@
 ``Booster`` with its plugins (``TorchDDPPlugin``, ``DDPPlugin``,
 ``LowLevelZeroPlugin``, ``TorchFSDPPlugin``, ``GeminiPlugin``,
 ``HybridParallelPlugin``), checkpoints any plugin loads at any world size,
-and the ``pc-train`` command (:mod:`pc_booster.train`).
+the ``pc-train`` command (:mod:`pc_booster.train`) and ``pc-estimate``
+(:mod:`pc_booster.estimate`).
 """
 
 from pc_booster.booster import Booster
@@ -16,7 +17,10 @@ from pc_booster.plugins import (
     TorchDDPPlugin,
     TorchFSDPPlugin,
 )
-from pc_booster.train import TrainConfig, load_byte_corpus, train
+from pc_booster.data import load_byte_corpus
+from pc_booster.estimate import estimate, recommend
+from pc_booster.train import train
+from pc_booster.train_config import TrainConfig
 
 __all__ = [
     "Booster",
@@ -30,6 +34,8 @@ __all__ = [
     "TorchDDPPlugin",
     "TorchFSDPPlugin",
     "TrainConfig",
+    "estimate",
     "load_byte_corpus",
+    "recommend",
     "train",
 ]

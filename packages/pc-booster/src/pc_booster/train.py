@@ -1,293 +1,496 @@
-"""``pc-train``: train a small causal language model data-parallel.
+"""``pc-train``: train a ``transformers`` causal LM with any pc plugin.
 
 Run it plainly and it starts ``--nproc`` local processes itself through
 torch's elastic launcher; run it under ``torchrun`` and it joins the job
-torchrun started (any number of nodes). Each rank trains on its slice of
-every global batch and gradients are averaged through pc-comm.
-
-The default corpus is the Python standard library's own source files read
-as bytes (vocabulary 256), which every machine with Python has, so nothing is
-downloaded. The model is a ``transformers`` GPT-2 built from a config with
-random weights.
+torchrun started (any number of nodes). Every step's global batch is a
+function of (seed, step), split over the data-parallel ranks, so a resumed
+run sees the batches an uninterrupted one would; checkpoints hold the
+model, optimizer, LR schedule, every rank's RNG and the history, so with
+``--deterministic`` (the default) a resumed run repeats the loss curve
+bitwise. See docs/packages/pc-booster.md for the tour.
 """
 
 from __future__ import annotations
 
-import argparse
+import logging
 import math
 import os
-import sysconfig
+import random
+import resource
+import signal
+import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from pc_comm import (
-    DistContext,
-    ReduceOp,
-    TorchCommunicator,
-    all_reduce_coalesced,
-    init_distributed,
+from pc_booster.checkpoint import (
+    CheckpointError,
+    find_checkpoint,
+    load_trainer_state,
+    prune_checkpoints,
+    save_checkpoint,
 )
+from pc_booster.data import batch_offsets, load_byte_corpus, load_corpus, windows
+from pc_booster.models import MODEL_PRESETS, ModelSpec, build_model, resolve_model
+from pc_booster.options import PluginKind
+from pc_booster.train_config import TrainConfig, parse_args
 
-__all__ = ["MODEL_PRESETS", "TrainConfig", "load_byte_corpus", "main", "train"]
+__all__ = ["MODEL_PRESETS", "TrainConfig", "load_byte_corpus", "main", "prepare", "train"]
 
-# name -> (n_embd, n_layer, n_head)
-MODEL_PRESETS: dict[str, tuple[int, int, int]] = {
-    "gpt2-tiny": (64, 2, 4),
-    "gpt2-small": (128, 4, 4),
-    "gpt2-medium": (256, 6, 8),
-}
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    """Everything a run depends on; the same on every rank."""
-
-    model: str = "gpt2-tiny"
-    steps: int = 200
-    global_batch_size: int = 16
-    seq_len: int = 64
-    lr: float = 3e-3
-    weight_decay: float = 0.01
-    clip_norm: float = 1.0
-    seed: int = 0
-    log_every: int = 20
-    corpus_bytes: int = 2_000_000
-    corpus: str | None = None  # a directory or file; None: the stdlib sources
-
-    def __post_init__(self) -> None:
-        if self.model not in MODEL_PRESETS:
-            raise ValueError(
-                f"unknown model {self.model!r}; expected one of {sorted(MODEL_PRESETS)}."
-            )
-        for name in ("steps", "global_batch_size", "seq_len", "log_every", "corpus_bytes"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}.")
-        if self.lr <= 0:
-            raise ValueError(f"lr must be positive, got {self.lr}.")
+_ERROR_DIR = "PC_TRAIN_ERROR_DIR"
 
 
-def load_byte_corpus(source: str | None, limit: int) -> torch.Tensor:
-    """Up to ``limit`` bytes of text as a 1-D int64 tensor of byte values.
+class _Stop:
+    """SIGINT / SIGTERM ask for a stop; the ranks agree on the step (one
+    tiny all-reduce per step), save a checkpoint there and exit."""
 
-    ``source`` is a file or a directory (its ``*.py``, ``*.txt`` and ``*.md``
-    files, sorted); None reads the standard library's top-level modules.
-    """
-    root = Path(source) if source else Path(sysconfig.get_paths()["stdlib"])
-    if root.is_file():
-        files = [root]
-    elif root.is_dir():
-        files = sorted(p for ext in ("*.py", "*.txt", "*.md") for p in root.glob(ext))
-    else:
-        raise ValueError(f"corpus {str(root)!r} is neither a file nor a directory.")
-    chunks, total = [], 0
-    for path in files:
-        data = path.read_bytes()[: limit - total]
-        chunks.append(data)
-        total += len(data)
-        if total >= limit:
-            break
-    if total == 0:
-        raise ValueError(f"corpus {str(root)!r} holds no text files (*.py, *.txt, *.md).")
-    return torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8).long()
+    def __init__(self) -> None:
+        self.asked = False
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._ask)
+
+    def _ask(self, signum: int, frame: Any) -> None:
+        self.asked = True
+
+    def agreed(self) -> bool:
+        flag = torch.tensor([1.0 if self.asked else 0.0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
 
 
-def _build_model(config: TrainConfig) -> nn.Module:
-    try:
-        from transformers import GPT2Config, GPT2LMHeadModel
-    except ImportError:
-        raise SystemExit("pc-train needs transformers: pip install 'pc-booster[hf]'") from None
-    n_embd, n_layer, n_head = MODEL_PRESETS[config.model]
-    hf_config = GPT2Config(
-        vocab_size=256,
-        n_positions=config.seq_len,
-        n_embd=n_embd,
-        n_layer=n_layer,
-        n_head=n_head,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        bos_token_id=0,  # byte vocabulary: NUL stands in for both
-        eos_token_id=0,
-        loss_type="ForCausalLM",
-    )
-    torch.manual_seed(config.seed)
-    model: nn.Module = GPT2LMHeadModel(hf_config)
-    return model
+def prepare(config: TrainConfig, world: int) -> tuple[TrainConfig, ModelSpec, list[str]]:
+    """Check everything that can be checked before a process starts, and
+    resolve ``--plugin auto``. Raises ValueError with the fix."""
+    from pc_booster.estimate import DeviceInfo, model_shape, recommend
 
-
-def _batch_offsets(config: TrainConfig, step: int, corpus_len: int) -> torch.Tensor:
-    """The global batch of one step: the same on every rank, so a rank's
-    slice and a single process's full batch see the same data."""
-    gen = torch.Generator().manual_seed(config.seed * 1_000_003 + step)
-    return torch.randint(0, corpus_len - config.seq_len, (config.global_batch_size,), generator=gen)
-
-
-def _windows(tokens: torch.Tensor, offsets: torch.Tensor, seq_len: int) -> torch.Tensor:
-    index = offsets[:, None] + torch.arange(seq_len)[None, :]
-    return tokens[index]
-
-
-def train(config: TrainConfig, context: DistContext) -> dict[str, Any]:
-    """Train on this rank; returns the loss history (every rank holds it)."""
-    env, device = context.env, context.device
-    if config.global_batch_size % env.world_size != 0:
+    spec = resolve_model(config.model, config.seq_len)
+    if config.corpus is not None and not Path(config.corpus).exists():
         raise ValueError(
-            f"global_batch_size ({config.global_batch_size}) must be divisible by the "
-            f"number of ranks ({env.world_size})."
+            f"corpus {config.corpus!r} does not exist; pass a text file, a directory of text "
+            "files, or a datasets directory (save_to_disk)."
         )
-    per_rank = config.global_batch_size // env.world_size
-    comm = TorchCommunicator()
-    corpus = load_byte_corpus(config.corpus, config.corpus_bytes)
-    split = int(len(corpus) * 0.95)
-    train_tokens, eval_tokens = corpus[:split], corpus[split:]
+    if config.tokenizer is not None and not Path(config.tokenizer).is_dir():
+        raise ValueError(f"tokenizer {config.tokenizer!r} is not a directory.")
+    if config.tokenizer is None and spec.vocab_size < 256:
+        raise ValueError(
+            f"model {config.model!r} has a vocabulary of {spec.vocab_size}; byte-level text "
+            "needs 256. Pass --tokenizer, or a model with a larger vocabulary."
+        )
+    layers = spec.layers
+    reasons: list[str] = []
+    if config.plugin == "auto":
+        dp_batch = config.global_batch_size // max(1, world)
+        micro = max(1, dp_batch // config.accumulation)
+        device = DeviceInfo.detect(config.nproc, config.precision)
+        choice = recommend(model_shape(spec), world, micro, config.seq_len, config.precision, device)
+        opts = choice.options
+        config = replace(config, plugin=opts.name, offload_frac=opts.offload_frac)
+        reasons = list(choice.reasons)
+    options = config.plugin_options()
+    options.check(world, config.precision, layers)
+    dp = options.dp_size(world)
+    if config.global_batch_size % (dp * config.accumulation):
+        raise ValueError(
+            f"global batch size {config.global_batch_size} does not split into {dp} "
+            f"data-parallel rank(s) x {config.accumulation} accumulation step(s); use a "
+            f"multiple of {dp * config.accumulation}."
+        )
+    if options.pp > 1 and config.accumulation > 1:
+        raise ValueError(
+            "--accumulation with --pp > 1: a pipeline already accumulates its micro-batches; "
+            "use --microbatches instead."
+        )
+    options.make(config.clip_norm)  # the plugin's own checks, before any process starts
+    if config.resume is not None:
+        path = find_checkpoint(config.checkpoint_dir, config.resume)
+        load_trainer_state(path, config)  # raises CheckpointError on a bad checkpoint
+    return config, spec, reasons
 
-    model = _build_model(config).to(device)
-    for param in model.parameters():  # identical replicas, whatever the seed did
-        comm.broadcast(param.data, src=0)
-    optimizer = torch.optim.AdamW(
-        model.parameters(), lr=config.lr, weight_decay=config.weight_decay
-    )
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer,
-        lambda s: min(1.0, (s + 1) / 20) * 0.5 * (1 + math.cos(math.pi * s / config.steps)),
-    )
-    eval_batch = _windows(
-        eval_tokens,
-        torch.linspace(0, len(eval_tokens) - config.seq_len - 1, 32).long(),
-        config.seq_len,
-    ).to(device)
 
-    def evaluate() -> float:
+# -- the training loop ----------------------------------------------------------
+
+
+def _peak_memory(device: torch.device) -> tuple[float, str]:
+    if device.type == "cuda":
+        return float(torch.cuda.max_memory_allocated(device)), "CUDA allocated"
+    return float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024), "host RSS"
+
+
+def _rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _schedule(config: TrainConfig) -> Any:
+    def factor(step: int) -> float:
+        warm = min(1.0, (step + 1) / config.warmup) if config.warmup else 1.0
+        return warm * 0.5 * (1 + math.cos(math.pi * min(step, config.steps) / config.steps))
+
+    return factor
+
+
+def _tokenizer(config: TrainConfig, spec: ModelSpec) -> Any:
+    source = config.tokenizer
+    if source is None and spec.pretrained is not None:
+        if (spec.pretrained / "tokenizer.json").exists() or (
+            spec.pretrained / "tokenizer_config.json"
+        ).exists():
+            source = str(spec.pretrained)
+    if source is None:
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(source)
+
+
+class _Progress:
+    """Rank 0's progress: a tqdm bar on a terminal, plain lines otherwise."""
+
+    def __init__(self, config: TrainConfig, start: int, enabled: bool) -> None:
+        self.bar: Any = None
+        self.enabled = enabled
+        if enabled and config.progress and sys.stderr.isatty():
+            try:
+                from tqdm import tqdm
+
+                self.bar = tqdm(total=config.steps, initial=start, desc="pc-train", unit="step")
+            except ImportError:
+                pass
+
+    def update(self, step: int, total: int, fields: dict[str, str], log: bool) -> None:
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.update(1)
+            if log:
+                self.bar.set_postfix(fields, refresh=True)
+        elif log:
+            text = "  ".join(f"{k} {v}" for k, v in fields.items())
+            print(f"step {step:>6}/{total}  {text}", flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _writer(config: TrainConfig, enabled: bool) -> Any:
+    if not (enabled and config.tensorboard):
+        return None
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        print("pc-train: TensorBoard logs skipped: pip install tensorboard", flush=True)
+        return None
+    return SummaryWriter(str(Path(config.output_dir) / "tensorboard"))
+
+
+def train(config: TrainConfig, context: Any, reasons: Sequence[str] = ()) -> dict[str, Any]:
+    """Train on this rank (collective: every rank calls it). Returns the
+    history (losses every step, logged throughput and memory)."""
+    from pc_booster import Booster, HybridParallelPlugin
+    from pc_booster.estimate import DeviceInfo, estimate, measured_model_state_bytes, model_shape
+
+    env, device = context.env, context.device
+    rank0 = env.rank == 0
+    spec = resolve_model(config.model, config.seq_len)
+    options = config.plugin_options()
+    plugin, loop_clip = options.make(config.clip_norm)
+    booster = Booster(plugin=plugin, mixed_precision=None if config.precision == "fp32" else config.precision)
+    pipeline = isinstance(plugin, HybridParallelPlugin) and plugin.pp_size > 1
+
+    tokens = load_corpus(config.corpus, config.corpus_bytes, _tokenizer(config, spec))
+    if int(tokens.max()) >= spec.vocab_size:
+        raise ValueError(
+            f"the tokenizer makes ids up to {int(tokens.max())}, beyond the model's vocabulary "
+            f"({spec.vocab_size}); use a model with a matching vocabulary."
+        )
+    split = int(len(tokens) * 0.95)
+    train_tokens, eval_tokens = tokens[:split], tokens[split:]
+
+    model = build_model(spec, config.seed, device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule(config))
+    model, optimizer, _, _, schedule = booster.boost(model, optimizer, lr_scheduler=schedule)
+    group = plugin.dp_group
+    dp_rank, dp = dist.get_rank(group), dist.get_world_size(group)
+    per_rank = config.global_batch_size // dp
+    micro = per_rank // config.accumulation
+
+    history: dict[str, Any] = {"step": [], "loss": [], "log": [], "eval_step": [], "eval_loss": []}
+    start, resumed_at = 0, []
+    if config.resume is not None:
+        path = find_checkpoint(config.checkpoint_dir, config.resume)
+        state = load_trainer_state(path, config)
+        try:
+            booster.load_model(model, path)
+            booster.load_optimizer(optimizer, path / "optimizer.pt")
+            booster.load_lr_scheduler(schedule, path / "scheduler.pt")
+        except Exception as error:  # a checkpoint that passed the checks but will not load
+            raise CheckpointError(f"checkpoint {path} does not load: {error}") from None
+        rng = path / f"rng-rank{env.rank}.pt"
+        if state["world"] == env.world_size and rng.exists():
+            _set_rng_state(torch.load(rng, weights_only=False))
+        elif rank0:
+            print(f"pc-train: saved at world {state['world']}, resumed at {env.world_size}: RNG "
+                  "states start fresh (the loss curve may differ in the last bits)", flush=True)  # fmt: skip
+        start = state["step"]
+        history = state["history"]
+        resumed_at = [*state.get("resumed_at", []), start]
+
+    eval_ids = windows(
+        eval_tokens, torch.linspace(0, len(eval_tokens) - config.seq_len - 1, 32).long(), config.seq_len
+    )
+    eval_mine = eval_ids[dp_rank * (32 // dp) : (dp_rank + 1) * (32 // dp)].to(device)
+
+    def evaluate(step: int) -> None:
+        if pipeline:
+            return  # a pipeline step runs forward and backward together
         model.eval()
         with torch.no_grad():
-            loss = model(input_ids=eval_batch, labels=eval_batch).loss
+            loss = model(input_ids=eval_mine, labels=eval_mine).loss.detach().float()
         model.train()
-        return float(loss)
+        dist.all_reduce(loss, group=group)
+        history["eval_step"].append(step)
+        history["eval_loss"].append(float(loss) / dp)
 
-    history: dict[str, Any] = {"step": [], "loss": [], "eval_start": evaluate()}
-    rank0 = env.rank == 0
+    shape = model_shape(spec)
+    predicted = estimate(shape, options, env.world_size, micro, config.seq_len, config.precision)
+    flops_per_token = predicted.flops_per_step / predicted.tokens_per_step
+    peak = DeviceInfo.detect(env.local_world_size, config.precision).peak_flops if rank0 else 1.0
+    peak_source = "datasheet" if device.type == "cuda" else "measured matmul"
     if rank0:
-        params = sum(p.numel() for p in model.parameters())
         print(
-            f"pc-train: {config.model} ({params / 1e6:.2f} M params) on {env.world_size} "
-            f"{context.backend} rank(s), global batch {config.global_batch_size} x "
-            f"{config.seq_len} bytes, {len(corpus) / 1e6:.1f} MB corpus",
+            f"pc-train: {spec.name} ({shape.params / 1e6:.2f} M params) with {options.describe()} on "
+            f"{env.world_size} {context.backend} rank(s), global batch {config.global_batch_size} x "
+            f"{config.seq_len} tokens, {len(tokens) / 1e6:.2f} M-token corpus",
             flush=True,
         )
-    start = time.perf_counter()
-    window_start, window_tokens = start, 0
-    for step in range(config.steps):
-        offsets = _batch_offsets(config, step, len(train_tokens))
-        mine = offsets[env.rank * per_rank : (env.rank + 1) * per_rank]
-        batch = _windows(train_tokens, mine, config.seq_len).to(device)
-        loss = model(input_ids=batch, labels=batch).loss
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        grads = [p.grad for p in model.parameters() if p.grad is not None]
-        all_reduce_coalesced(comm, grads, ReduceOp.AVG)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), config.clip_norm)
-        optimizer.step()
+        for reason in reasons:
+            print(f"  plugin auto: {reason}", flush=True)
+    if start == 0:
+        evaluate(0)
+
+    stop = _Stop()
+    progress = _Progress(config, start, rank0)
+    writer = _writer(config, rank0)
+    model_states: dict[str, float] = {}
+    began = time.perf_counter()
+    window_start, window_tokens = time.perf_counter(), 0
+    step = start
+    interrupted = False
+    while step < config.steps:
+        offsets = batch_offsets(config.seed, step, config.global_batch_size, config.seq_len, len(train_tokens))
+        mine = windows(train_tokens, offsets[dp_rank * per_rank : (dp_rank + 1) * per_rank], config.seq_len).to(device)
+        if pipeline:
+            loss = booster.execute_pipeline(iter([{"input_ids": mine}]), model, None, optimizer)["loss"]
+            total = loss.detach().float()
+        else:
+            total = torch.zeros((), device=device)
+            for k in range(config.accumulation):
+                part = mine[k * micro : (k + 1) * micro]
+                last = k == config.accumulation - 1
+                sync: AbstractContextManager[None] = nullcontext() if last else booster.no_sync(model, optimizer)
+                with sync:
+                    loss = model(input_ids=part, labels=part).loss / config.accumulation
+                    booster.backward(loss, optimizer)
+                total += loss.detach().float()
+        if loop_clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), loop_clip)
+        if not model_states:
+            # Model states at their peak: gradients held, optimizer states built.
+            optimizer.step()
+            held = torch.tensor([float(measured_model_state_bytes(model, optimizer))])
+            dist.all_reduce(held, op=dist.ReduceOp.MAX)
+            model_states = {"measured": float(held), "predicted": float(predicted.model_state_bytes)}
+        else:
+            optimizer.step()
+        optimizer.zero_grad()
         schedule.step()
-        global_loss = loss.detach().clone()
-        comm.all_reduce(global_loss, ReduceOp.AVG)
+        dist.all_reduce(total, group=group)
+        step += 1
         history["step"].append(step)
-        history["loss"].append(float(global_loss))
+        history["loss"].append(float(total) / dp)
         window_tokens += config.global_batch_size * config.seq_len
-        if rank0 and ((step + 1) % config.log_every == 0 or step == 0):
+        log = step % config.log_every == 0 or step == config.steps or step == start + 1
+        fields: dict[str, str] = {}
+        if log:
+            mem, kind = _peak_memory(device)
+            memories = [torch.zeros(1, dtype=torch.float64) for _ in range(env.world_size)]
+            dist.all_gather(memories, torch.tensor([mem], dtype=torch.float64))
             now = time.perf_counter()
             rate = window_tokens / max(now - window_start, 1e-9)
-            print(
-                f"step {step + 1:>5}/{config.steps}  loss {float(global_loss):.4f}  "
-                f"lr {schedule.get_last_lr()[0]:.2e}  {rate:,.0f} tokens/s",
-                flush=True,
-            )
+            tflops = rate * flops_per_token / env.world_size / 1e12
+            entry = {"step": step, "loss": history["loss"][-1], "tokens_per_s": rate,
+                     "tflops": tflops, "mfu": tflops * 1e12 / peak,
+                     "peak_memory": [float(m) for m in memories], "memory_kind": kind,
+                     "lr": schedule.get_last_lr()[0]}  # fmt: skip
+            history["log"].append(entry)
             window_start, window_tokens = now, 0
-    history["eval_end"] = evaluate()
-    history["seconds"] = time.perf_counter() - start
+            fields = {"loss": f"{entry['loss']:.4f}", "tok/s": f"{rate:,.0f}",
+                      "TFLOPS": f"{tflops:.3g}", "MFU": f"{entry['mfu']:.1%}",
+                      "mem": f"{max(entry['peak_memory']) / 2**20:,.0f}MiB"}  # fmt: skip
+            if writer is not None:
+                for key in ("loss", "tokens_per_s", "tflops", "mfu", "lr"):
+                    writer.add_scalar(f"train/{key}", entry[key], step)
+                for r, m in enumerate(entry["peak_memory"]):
+                    writer.add_scalar(f"memory/rank{r}_mib", m / 2**20, step)
+        progress.update(step, config.steps, fields, log)
+        if config.eval_every and step % config.eval_every == 0 and step < config.steps:
+            evaluate(step)
+            if writer is not None:
+                writer.add_scalar("eval/loss", history["eval_loss"][-1], step)
+        interrupted = stop.agreed()
+        periodic = config.checkpoint_every and step % config.checkpoint_every == 0
+        if periodic or interrupted or step == config.steps:
+            _save(booster, model, optimizer, schedule, config, step, history, resumed_at, env.world_size)
+        if interrupted:
+            break
+    progress.close()
+    if interrupted:
+        if rank0:
+            print(f"pc-train: interrupted at step {step}; saved {config.checkpoint_dir / f'step-{step:06d}'}."
+                  " Continue with --resume.", flush=True)  # fmt: skip
+        raise SystemExit(130)
+    evaluate(step)
+    if writer is not None:
+        writer.close()
+    seconds = time.perf_counter() - began
     if rank0:
-        head = sum(history["loss"][:10]) / min(10, len(history["loss"]))
-        tail = sum(history["loss"][-10:]) / min(10, len(history["loss"]))
+        from pc_booster.report import write_report
+
+        summary = {
+            "model": spec.name, "plugin": options.describe(), "world": env.world_size,
+            "backend": context.backend, "precision": config.precision, "params": shape.params,
+            "steps": config.steps, "global_batch_size": config.global_batch_size,
+            "seq_len": config.seq_len, "seconds": seconds, "peak_tflops": peak / 1e12,
+            "peak_source": peak_source, "model_states": model_states, "resumed_at": resumed_at,
+            "predicted_step_seconds": predicted.step_seconds, "config": config.to_dict(),
+        }  # fmt: skip
+        written = write_report(Path(config.output_dir), summary, history)
+        losses = history["loss"]
+        head = sum(losses[:10]) / min(10, len(losses))
+        tail = sum(losses[-10:]) / min(10, len(losses))
+        eval_text = ""
+        if history["eval_loss"]:
+            eval_text = f", held-out loss {history['eval_loss'][0]:.3f} -> {history['eval_loss'][-1]:.3f}"
         print(
-            f"done in {history['seconds']:.1f} s: train loss {head:.3f} -> {tail:.3f} "
-            f"(mean of first / last 10 steps), held-out loss "
-            f"{history['eval_start']:.3f} -> {history['eval_end']:.3f}",
+            f"done in {seconds:.1f} s: train loss {head:.3f} -> {tail:.3f} (mean of first / last "
+            f"10 steps){eval_text}\nreport: {', '.join(str(p) for p in written)}",
             flush=True,
         )
-    return history
+    return history  # fmt: skip
 
 
-def _worker(config: TrainConfig) -> None:
+def _save(booster: Any, model: nn.Module, optimizer: Any, schedule: Any, config: TrainConfig,
+          step: int, history: dict[str, Any], resumed_at: list[int], world: int) -> None:  # fmt: skip
+    state = {"step": step, "history": history, "config": config.to_dict(), "world": world,
+             "resumed_at": resumed_at}  # fmt: skip
+    save_checkpoint(booster, model, optimizer, schedule, config.checkpoint_dir, step, state, _rng_state())
+    if dist.get_rank() == 0:
+        prune_checkpoints(config.checkpoint_dir, config.keep_last)
+    dist.barrier()
+
+
+# -- processes -------------------------------------------------------------------
+
+
+def _fail(message: str) -> None:
+    """Report a user-facing error once, without a traceback."""
+    folder = os.environ.get(_ERROR_DIR)
+    if folder:  # our own launcher prints it once
+        Path(folder, f"rank{os.environ.get('RANK', '0')}.txt").write_text(message)
+    else:
+        print(f"pc-train: error (rank {os.environ.get('RANK', '0')}): {message}", file=sys.stderr, flush=True)
+    raise SystemExit(1)
+
+
+def _worker(config: TrainConfig, reasons: Sequence[str]) -> None:
+    from pc_comm import init_distributed
+
+    if config.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
     context = init_distributed()
     if context.device.type == "cpu":
         # Ranks share the host's cores; oversubscribing them slows every rank.
-        local = context.env.local_world_size
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // context.env.local_world_size))
     try:
-        train(config, context)
+        train(config, context, reasons)
+    except (ValueError, TypeError, CheckpointError, FileNotFoundError) as error:
+        _fail(str(error))
     finally:
-        torch.distributed.destroy_process_group()
-
-
-def _parse(argv: Sequence[str] | None) -> tuple[TrainConfig, int]:
-    defaults = TrainConfig()
-    parser = argparse.ArgumentParser(
-        prog="pc-train",
-        description="Train a small GPT-2 data-parallel on local processes or under torchrun.",
-    )
-    parser.add_argument("--nproc", type=int, default=2, help="local processes to start (default 2)")
-    parser.add_argument("--model", default=defaults.model, choices=sorted(MODEL_PRESETS))
-    parser.add_argument("--steps", type=int, default=defaults.steps)
-    parser.add_argument("--global-batch-size", type=int, default=defaults.global_batch_size)
-    parser.add_argument("--seq-len", type=int, default=defaults.seq_len)
-    parser.add_argument("--lr", type=float, default=defaults.lr)
-    parser.add_argument("--seed", type=int, default=defaults.seed)
-    parser.add_argument("--log-every", type=int, default=defaults.log_every)
-    parser.add_argument(
-        "--corpus", default=None, help="a text file or directory (default: Python's stdlib)"
-    )
-    parser.add_argument("--corpus-bytes", type=int, default=defaults.corpus_bytes)
-    args = parser.parse_args(argv)
-    if args.nproc < 1:
-        parser.error(f"--nproc must be at least 1, got {args.nproc}")
-    fields = {k: v for k, v in vars(args).items() if k != "nproc"}
-    try:
-        config = TrainConfig(**fields)
-    except ValueError as error:
-        parser.error(str(error))
-    if "RANK" not in os.environ and config.global_batch_size % args.nproc != 0:
-        parser.error(
-            f"--global-batch-size ({config.global_batch_size}) must be divisible by "
-            f"--nproc ({args.nproc})"
-        )
-    return config, args.nproc
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    config, nproc = _parse(argv)
-    if "RANK" in os.environ:  # started by torchrun: join its job
-        _worker(config)
+    config = parse_args(argv)
+    under_torchrun = "RANK" in os.environ
+    world = int(os.environ.get("WORLD_SIZE", config.nproc)) if under_torchrun else config.nproc
+    try:
+        config, _, reasons = prepare(config, world)
+    except (ValueError, CheckpointError) as error:
+        print(f"pc-train: error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
+    if under_torchrun:  # join torchrun's job
+        _worker(config, reasons)
         return
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     launch = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
-        nproc_per_node=nproc,
+        nproc_per_node=config.nproc,
         run_id=f"pc-train-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d",
         rdzv_endpoint="127.0.0.1:0",
         max_restarts=0,
         monitor_interval=0.1,
     )
-    print(f"pc-train: starting {nproc} local process(es); config {asdict(config)}", flush=True)
-    elastic_launch(launch, _worker)(config)
+    print(f"pc-train: starting {config.nproc} local process(es); output in {config.output_dir}", flush=True)
+    with tempfile.TemporaryDirectory(prefix="pc-train-") as errors:
+        os.environ[_ERROR_DIR] = errors
+        try:
+            elastic_launch(launch, _worker)(config, reasons)
+        except ChildFailedError as failure:
+            messages = sorted({p.read_text() for p in Path(errors).glob("rank*.txt")})
+            if messages:
+                for message in messages:
+                    print(f"pc-train: error: {message}", file=sys.stderr)
+                raise SystemExit(1) from None
+            codes = {f.exitcode for f in failure.failures.values()}
+            if codes == {130}:
+                raise SystemExit(130) from None
+            ranks = ", ".join(str(r) for r in sorted(failure.failures))
+            print(f"pc-train: rank(s) {ranks} failed (exit codes {sorted(codes)}); their output "
+                  "is above.", file=sys.stderr)  # fmt: skip
+            raise SystemExit(1) from None
+        except KeyboardInterrupt:
+            print(f"pc-train: interrupted; continue from the last checkpoint in "
+                  f"{config.checkpoint_dir} with --resume.", file=sys.stderr)  # fmt: skip
+            raise SystemExit(130) from None
+        finally:
+            os.environ.pop(_ERROR_DIR, None)
 
 
 if __name__ == "__main__":

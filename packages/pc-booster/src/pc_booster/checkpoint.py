@@ -1,0 +1,166 @@
+"""``pc-train``'s checkpoints: one directory per saved step,
+``<output_dir>/checkpoints/step-000040/``, holding the model
+(``model.safetensors`` + ``config.json``, loadable by ``from_pretrained``),
+``optimizer.pt``, ``scheduler.pt``, each rank's RNG state and
+``trainer_state.json`` (step, history, the settings, the size of every
+file).
+
+A save writes ``step-N.partial/`` and renames it to ``step-N`` once every
+file is complete, so a run killed mid-save leaves the previous checkpoint
+intact and the new one absent; leftovers are removed at the next save.
+Before resuming, the sizes recorded in ``trainer_state.json`` and the
+safetensors header are checked, so a truncated or foreign checkpoint is
+refused with a clear message instead of failing deep inside a load.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "CheckpointError",
+    "find_checkpoint",
+    "load_trainer_state",
+    "prune_checkpoints",
+    "save_checkpoint",
+]
+
+_STATE = "trainer_state.json"
+# Settings a resumed run must share with the saved one: anything else
+# (steps, logging, checkpoint cadence) may change.
+_MUST_MATCH = ("model", "global_batch_size", "seq_len", "seed", "corpus", "corpus_bytes",
+               "tokenizer", "accumulation", "lr", "warmup", "weight_decay", "precision")  # fmt: skip
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is missing, incomplete, corrupt or from another run."""
+
+
+def _step_dirs(root: Path) -> list[Path]:
+    found = [p for p in root.glob("step-*") if p.is_dir() and not p.name.endswith(".partial")]
+    return sorted(found, key=lambda p: p.name)
+
+
+def find_checkpoint(root: Path, which: str) -> Path:
+    """``which`` is ``"latest"`` (the newest complete checkpoint under
+    ``root``) or a checkpoint directory."""
+    if which != "latest":
+        path = Path(which)
+        if not path.is_dir():
+            raise CheckpointError(f"--resume {which}: no such checkpoint directory.")
+        return path
+    found = _step_dirs(root)
+    if not found:
+        raise CheckpointError(
+            f"--resume: no checkpoint in {root}; run without --resume to start, or pass "
+            "--output-dir of the run to continue."
+        )
+    return found[-1]
+
+
+def load_trainer_state(path: Path, config: Any) -> dict[str, Any]:
+    """The checkpoint's trainer state, after checking that every file is
+    present and whole and that it belongs to a run with ``config``'s
+    settings."""
+    file = path / _STATE
+    try:
+        state: dict[str, Any] = json.loads(file.read_text())
+        files: dict[str, int] = state["files"]
+        step = int(state["step"])
+        saved: dict[str, Any] = state["config"]
+    except FileNotFoundError:
+        raise CheckpointError(
+            f"{path} is not a complete pc-train checkpoint: {_STATE} is missing."
+        ) from None
+    except (ValueError, KeyError, TypeError) as error:
+        raise CheckpointError(f"{file} is corrupt ({error}); resume from another checkpoint.") from None
+    for name, size in files.items():
+        part = path / name
+        if not part.is_file():
+            raise CheckpointError(f"checkpoint {path} is incomplete: {name} is missing.")
+        if part.stat().st_size != size:
+            raise CheckpointError(
+                f"checkpoint {path} is corrupt: {name} has {part.stat().st_size} bytes, "
+                f"{size} were written. Resume from an earlier checkpoint."
+            )
+    try:
+        from safetensors import safe_open
+
+        with safe_open(str(path / "model.safetensors"), framework="pt") as model_file:
+            model_file.keys()
+    except Exception as error:  # safetensors raises its own error types
+        raise CheckpointError(f"checkpoint {path}: model.safetensors does not open: {error}") from None
+    current = config.to_dict()
+    differ = [k for k in _MUST_MATCH if saved.get(k) != current.get(k)]
+    if differ:
+        details = ", ".join(f"{k}: saved {saved.get(k)!r}, now {current.get(k)!r}" for k in differ)
+        raise CheckpointError(
+            f"checkpoint {path} comes from a run with other settings ({details}); resume with "
+            "the same settings, or use another --output-dir for a new run."
+        )
+    if step > config.steps:
+        raise CheckpointError(f"checkpoint {path} is at step {step}, past --steps {config.steps}.")
+    return state
+
+
+def save_checkpoint(
+    booster: Any,
+    model: Any,
+    optimizer: Any,
+    schedule: Any,
+    root: Path,
+    step: int,
+    state: dict[str, Any],
+    rng: dict[str, Any],
+) -> Path:
+    """Save step ``step`` (collective: every rank calls it)."""
+    final = root / f"step-{step:06d}"
+    partial = root / f"step-{step:06d}.partial"
+    rank = dist.get_rank()
+    if rank == 0:
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+    dist.barrier()
+    booster.save_model(model, partial)
+    booster.save_optimizer(optimizer, partial / "optimizer.pt")
+    booster.save_lr_scheduler(schedule, partial / "scheduler.pt")
+    torch.save(rng, partial / f"rng-rank{rank}.pt")
+    dist.barrier()
+    if rank == 0:
+        files = {p.name: p.stat().st_size for p in sorted(partial.iterdir()) if p.is_file()}
+        (partial / _STATE).write_text(json.dumps({**state, "files": files}))
+        _fsync_dir(partial)
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(partial, final)
+        _fsync_dir(root)
+    dist.barrier()
+    return final
+
+
+def _fsync_dir(path: Path) -> None:
+    for file in path.iterdir():
+        if file.is_file():
+            with open(file, "rb") as handle:
+                os.fsync(handle.fileno())
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def prune_checkpoints(root: Path, keep: int) -> None:
+    """Keep the newest ``keep`` checkpoints; drop older ones and any
+    partial save left by a killed run."""
+    for partial in root.glob("step-*.partial"):
+        shutil.rmtree(partial, ignore_errors=True)
+    for old in _step_dirs(root)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)

@@ -1,0 +1,534 @@
+"""``pc-estimate``: per-rank memory and step time of a model under each
+plugin, before anything runs, and the plugin to use with its reasons.
+
+Model states follow the ZeRO paper's accounting for Adam, with Ψ the
+parameters a rank's model part holds (after tensor and pipeline
+parallelism) and N the data-parallel ranks. A parameter costs ``p`` bytes
+(4 in fp32, 2 under fp16/bf16), its gradient ``g`` bytes, an fp32 master
+``m`` bytes (4 under mixed precision, 0 in fp32: the parameter is its own
+master) and Adam's two moments 8 bytes:
+
+========  ===================================
+ddp       (p + g + m + 8) Ψ
+zero1     (p + g) Ψ + (m + 8) Ψ / N
+zero2     p Ψ + (g + m + 8) Ψ / N
+fsdp      16 Ψ / N (fp32 shards; bf16 only in compute)
+gemini    (p + g + m + 8) Ψ / N, chunks padded
+========  ===================================
+
+Activations use Korthikanti et al.'s per-layer count (``s b h (34 + 5 a
+s / h)`` bytes in 16-bit, twice that in fp32; tensor parallelism divides
+the parts it shards), plus the logits. Step time is the model FLOPs (6Ψ
+per token plus attention) at a fraction of the device's peak, plus the
+communication not hidden behind backward. Memory is the number to trust
+(checked against measured runs within 10%); time is a first guess.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import operator
+import os
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from pc_booster.models import MODEL_PRESETS, ModelSpec, build_model, resolve_model
+from pc_booster.options import PRECISIONS, PluginKind, PluginOptions
+
+__all__ = [
+    "DeviceInfo",
+    "Estimate",
+    "ModelShape",
+    "Recommendation",
+    "estimate",
+    "main",
+    "measured_model_state_bytes",
+    "model_shape",
+    "recommend",
+]
+
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the estimates need of a model, measured on a meta-device copy."""
+
+    params: int
+    hidden: int
+    layers: int
+    heads: int
+    vocab: int
+    tp_sharded: int  # parameters tensor parallelism splits across ranks
+    stage_params: tuple[int, ...]  # parameters of each of `layers` blocks
+    embed_params: int  # first pipeline stage's extra parameters
+    head_params: int  # last stage's (a tied head counts again)
+
+    def per_rank(self, options: PluginOptions) -> int:
+        """Parameters one rank's model part holds."""
+        if options.pp > 1:
+            per_stage = self.layers // options.pp
+            blocks = [sum(self.stage_params[i : i + per_stage]) for i in range(0, self.layers, per_stage)]
+            blocks[0] += self.embed_params
+            blocks[-1] += self.head_params
+            total = max(blocks)
+            sharded = round(self.tp_sharded * total / self.params)
+        else:
+            total, sharded = self.params, self.tp_sharded
+        return total - sharded + math.ceil(sharded / options.tp)
+
+
+def _numel(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def model_shape(spec: ModelSpec) -> ModelShape:
+    """Count the model's parameters on the meta device (no memory)."""
+    from pc_tensor import POLICIES
+
+    model = build_model(spec, seed=0, device="meta") if spec.pretrained is None else None
+    if model is None:
+        with torch.device("meta"):
+            import transformers
+
+            model = transformers.AutoModelForCausalLM.from_config(spec.config)
+    assert model is not None
+    params = _numel(model)
+    base = getattr(model, "base_model", model)
+    policy = POLICIES.get(spec.family)
+    sharded = 0
+    blocks: list[nn.Module] = []
+    if policy is not None:
+        blocks = list(operator.attrgetter(policy.blocks)(base))
+        seen: set[int] = set()
+        modules = [operator.attrgetter(policy.embedding)(base)]
+        head = policy.lm_heads.get(type(model).__name__)
+        if head is not None:
+            modules.append(operator.attrgetter(head)(model))
+        for block in blocks:
+            modules += [operator.attrgetter(path)(block) for path in policy.column]
+            for path in policy.row:
+                weight = operator.attrgetter(path)(block).weight
+                if id(weight) not in seen:
+                    seen.add(id(weight))
+                    sharded += weight.numel()
+        for module in modules:
+            for param in module.parameters():
+                if id(param) not in seen:
+                    seen.add(id(param))
+                    sharded += param.numel()
+    per_block = tuple(_numel(b) for b in blocks) or (params,)
+    embed, head = params - sum(per_block), 0
+    try:  # the pipeline's first and last layers, where pipelines support the family
+        from pc_booster.pipeline import pipeline_layers
+
+        layers, _ = pipeline_layers(model)
+        embed, head = _numel(layers[0]), _numel(layers[-1])
+    except (TypeError, ValueError):
+        pass
+    config = spec.config
+    heads = int(getattr(config, "num_attention_heads", getattr(config, "n_head", 1)))
+    return ModelShape(
+        params=params,
+        hidden=spec.hidden,
+        layers=len(per_block),
+        heads=heads,
+        vocab=spec.vocab_size,
+        tp_sharded=sharded,
+        stage_params=per_block,
+        embed_params=embed,
+        head_params=head,
+    )
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """The machine the estimate is for: memory per rank, peak FLOP/s per
+    rank, and the bus bandwidth of the data-parallel collectives."""
+
+    kind: str  # "cuda" or "cpu"
+    memory_bytes: int
+    peak_flops: float
+    bandwidth: float  # bytes/s
+    efficiency: float  # share of peak a training step reaches
+
+    @staticmethod
+    def detect(local_ranks: int, precision: str = "fp32") -> DeviceInfo:
+        if torch.cuda.is_available():
+            props = torch.cuda.get_device_properties(0)
+            return DeviceInfo(
+                "cuda", props.total_memory, gpu_peak_flops(props.name, precision), 150e9, 0.45
+            )
+        pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        threads = max(1, (os.cpu_count() or 1) // max(1, local_ranks))
+        return DeviceInfo("cpu", pages // max(1, local_ranks), cpu_peak_flops(threads), 2e9, 0.5)
+
+
+_GPU_PEAKS = {  # dense tensor-core TFLOP/s: (bf16/fp16, fp32 via tf32)
+    "H200": (989.0, 494.0),
+    "H100": (989.0, 494.0),
+    "A100": (312.0, 156.0),
+    "L40S": (362.0, 183.0),
+    "A10": (125.0, 62.5),
+    "V100": (125.0, 15.7),
+}
+
+
+def gpu_peak_flops(name: str, precision: str) -> float:
+    for key, (half, single) in _GPU_PEAKS.items():
+        if key in name:
+            return (half if precision != "fp32" else single) * 1e12
+    return 100e12
+
+
+def cpu_peak_flops(threads: int) -> float:
+    """Measured: fp32 matrix products on ``threads`` threads."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        a = torch.randn(512, 512)
+        torch.mm(a, a)
+        start, count = time.perf_counter(), 0
+        while time.perf_counter() - start < 0.05:
+            torch.mm(a, a)
+            count += 1
+        return 2 * 512**3 * count / (time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(previous)
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Predicted per-rank figures for one plugin."""
+
+    plugin: str
+    world: int
+    params: int
+    params_per_rank: int
+    parameter_bytes: int
+    gradient_bytes: int
+    master_bytes: int
+    optimizer_bytes: int
+    host_bytes: int
+    activation_bytes: int
+    flops_per_step: float
+    step_seconds: float
+    tokens_per_step: int
+    fits: bool
+
+    @property
+    def model_state_bytes(self) -> int:
+        return self.parameter_bytes + self.gradient_bytes + self.master_bytes + self.optimizer_bytes
+
+    @property
+    def device_bytes(self) -> int:
+        return self.model_state_bytes - self.host_bytes + self.activation_bytes
+
+
+def _activation_bytes(
+    shape: ModelShape, options: PluginOptions, micro_batch: int, seq: int, precision: str
+) -> int:
+    s, b, h, a, t = seq, micro_batch, shape.hidden, shape.heads, options.tp
+    scale = 2.0 if precision == "fp32" else 1.0
+    if options.sequence_parallel:
+        per_layer = s * b * h * (34 + 5 * a * s / h) / t
+    else:
+        per_layer = s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
+    layers = shape.layers / options.pp
+    in_flight = min(options.pp, options.microbatches or options.pp) if options.pp > 1 else 1
+    logits = 3 * b * s * shape.vocab * 4 / t  # fp32 logits, their softmax and gradient
+    return int(scale * per_layer * layers * in_flight + logits)
+
+
+def estimate(
+    spec: ModelSpec | ModelShape,
+    options: PluginOptions,
+    world: int,
+    micro_batch: int,
+    seq_len: int,
+    precision: str = "fp32",
+    device: DeviceInfo | None = None,
+) -> Estimate:
+    """Per-rank memory and step time of ``spec`` trained with ``options``
+    on ``world`` ranks, ``micro_batch`` sequences of ``seq_len`` per
+    data-parallel rank (per micro-batch for pipelines)."""
+    shape = spec if isinstance(spec, ModelShape) else model_shape(spec)
+    device = device or DeviceInfo.detect(world, precision)
+    psi = shape.per_rank(options)
+    n = options.dp_size(world)
+    mixed = precision != "fp32"
+    p = 2 if mixed else 4
+    kind = options.kind
+    stage = {PluginKind.ZERO1: 1, PluginKind.ZERO2: 2}.get(kind, 0)
+    if kind is PluginKind.HYBRID:
+        stage = options.zero_stage
+    g, m = p, 4 if mixed or options.cpu_offload else 0
+    if kind is PluginKind.FSDP:
+        params, grads, master, states = 4 * psi / n, 4 * psi / n, 0.0, 8 * psi / n
+    elif kind is PluginKind.GEMINI:
+        params, grads, master, states = p * psi / n, g * psi / n, m * psi / n, 8 * psi / n
+    elif stage == 1:
+        params, grads, master, states = p * psi, g * psi, m * psi / n, 8 * psi / n
+    elif stage == 2:
+        params, grads, master, states = p * psi, g * psi / n, m * psi / n, 8 * psi / n
+    else:
+        params, grads, master, states = p * psi, g * psi, m * psi, 8.0 * psi
+    host = 0.0
+    if kind is PluginKind.GEMINI and options.offload_frac:
+        host = options.offload_frac * (params + grads + master + states)
+    if options.cpu_offload:
+        host = master + states
+    activations = _activation_bytes(shape, options, micro_batch, seq_len, precision)
+    pipeline_batches = options.microbatches or options.pp if options.pp > 1 else 1
+    tokens = micro_batch * seq_len * n * pipeline_batches
+    flops = (6 * shape.params + 12 * shape.layers * shape.hidden * seq_len) * tokens
+    compute = flops / world / (device.peak_flops * device.efficiency)
+    comm_bytes = 2 * (n - 1) / n * psi * g
+    if kind in (PluginKind.FSDP, PluginKind.GEMINI):
+        comm_bytes = 3 * (n - 1) / n * psi * p
+    tp_bytes = 0.0
+    if options.tp > 1:
+        per_layer = 8 * (options.tp - 1) / options.tp * micro_batch * seq_len * shape.hidden * p
+        tp_bytes = per_layer * shape.layers / options.pp * pipeline_batches
+    seconds = compute + 0.5 * comm_bytes / device.bandwidth + tp_bytes / device.bandwidth
+    if options.pp > 1:
+        chunks = options.microbatches or options.pp
+        seconds *= 1 + (options.pp - 1) / chunks  # 1F1B's bubble
+    device_bytes = params + grads + master + states - host + activations
+    return Estimate(
+        plugin=options.describe(),
+        world=world,
+        params=shape.params,
+        params_per_rank=psi,
+        parameter_bytes=int(params),
+        gradient_bytes=int(grads),
+        master_bytes=int(master),
+        optimizer_bytes=int(states),
+        host_bytes=int(host),
+        activation_bytes=activations,
+        flops_per_step=float(flops),
+        step_seconds=seconds,
+        tokens_per_step=tokens,
+        fits=device_bytes <= 0.9 * device.memory_bytes,
+    )
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    options: PluginOptions
+    reasons: tuple[str, ...]
+    estimates: tuple[Estimate, ...] = field(default=())
+
+
+def _gib(nbytes: float) -> str:
+    if nbytes >= GiB:
+        return f"{nbytes / GiB:.2f} GiB"
+    return f"{nbytes / 2**20:.2f} MiB"
+
+
+def recommend(
+    spec: ModelSpec | ModelShape,
+    world: int,
+    micro_batch: int,
+    seq_len: int,
+    precision: str = "fp32",
+    device: DeviceInfo | None = None,
+) -> Recommendation:
+    """The plugin to train with: the least-communicating data-parallel
+    layout whose model states and activations fit the device, then
+    ZeRO-3, then ZeRO-3 with chunks offloaded to the host."""
+    shape = spec if isinstance(spec, ModelShape) else model_shape(spec)
+    device = device or DeviceInfo.detect(world, precision)
+    order = [PluginKind.ZERO2, PluginKind.GEMINI]
+    if precision == "fp32":
+        order.insert(0, PluginKind.DDP)
+    results = [
+        estimate(shape, PluginOptions(kind), world, micro_batch, seq_len, precision, device)
+        for kind in order
+    ]
+    budget = f"{_gib(0.9 * device.memory_bytes)} usable per rank ({device.kind})"
+    if world == 1:
+        ddp = results[0]
+        if ddp.fits or precision != "fp32":
+            kind = PluginKind.DDP if precision == "fp32" else PluginKind.ZERO2
+            return Recommendation(
+                PluginOptions(kind),
+                (
+                    f"one process: nothing to shard; model states {_gib(ddp.model_state_bytes)} "
+                    f"and activations {_gib(ddp.activation_bytes)} against {budget}.",
+                ),
+                tuple(results),
+            )
+    for kind, result in zip(order, results, strict=True):
+        if not result.fits:
+            continue
+        reasons = [
+            f"{result.plugin}: model states {_gib(result.model_state_bytes)} + activations "
+            f"{_gib(result.activation_bytes)} per rank fit in {budget}."
+        ]
+        if kind is PluginKind.DDP:
+            reasons.append(
+                "DDP keeps whole replicas and all-reduces gradients once per step, overlapped "
+                "with backward: the least communication and no gathers."
+            )
+            reasons.append(
+                "zero2 would cut model states to "
+                f"{_gib(results[1].model_state_bytes)} for the same communication volume; pick "
+                "it when memory is tight or the batch should grow."
+            )
+        elif kind is PluginKind.ZERO2:
+            if results[0].plugin == "ddp":
+                reasons.append(
+                    f"ddp would need {_gib(results[0].device_bytes)} per rank, more than fits."
+                )
+            reasons.append(
+                "ZeRO-2 shards gradients and optimizer states for the same communication "
+                "volume as DDP (reduce-scatter + all-gather); measured fastest of the plugins "
+                "on this project's CPU benchmark."
+            )
+        else:
+            reasons.append(
+                f"zero2 would need {_gib(results[-2].device_bytes)} per rank; ZeRO-3 shards the "
+                "parameters too, at 1.5x DDP's communication (Gemini gathers each chunk once "
+                "per pass)."
+            )
+        return Recommendation(PluginOptions(kind), tuple(reasons), tuple(results))
+    gemini = results[-1]
+    spare = 0.9 * device.memory_bytes - gemini.activation_bytes
+    if spare <= 0:
+        raise ValueError(
+            f"the activations alone ({_gib(gemini.activation_bytes)} per rank) exceed {budget}; "
+            "lower the micro-batch or the sequence length, or use --plugin hybrid with --tp > 1."
+        )
+    frac = min(1.0, math.ceil(20 * (1 - spare / gemini.model_state_bytes)) / 20)
+    offloaded = estimate(
+        shape, PluginOptions(PluginKind.GEMINI, offload_frac=frac), world, micro_batch,
+        seq_len, precision, device,
+    )  # fmt: skip
+    return Recommendation(
+        offloaded_options := PluginOptions(PluginKind.GEMINI, offload_frac=frac),
+        (
+            f"nothing fits in {budget} on the device alone: ZeRO-3 needs "
+            f"{_gib(gemini.device_bytes)} per rank.",
+            f"{offloaded_options.describe()}: {frac:.0%} of the chunks live on the host "
+            f"({_gib(offloaded.host_bytes)} per rank), stepped there by the CPU optimizer.",
+        ),
+        (*results, offloaded),
+    )
+
+
+# -- command line ------------------------------------------------------------------
+
+
+def _table(estimates: Sequence[Estimate]) -> str:
+    rows = [
+        "| plugin | params/rank | model states | of which host | activations | step (s) | fits |",
+        "|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for e in estimates:
+        rows.append(
+            f"| {e.plugin} | {e.params_per_rank:,} | {_gib(e.model_state_bytes)} | "
+            f"{_gib(e.host_bytes)} | {_gib(e.activation_bytes)} | {e.step_seconds:.3g} | "
+            f"{'yes' if e.fits else 'no'} |"
+        )
+    return "\n".join(rows)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="pc-estimate",
+        description="Predict per-rank memory and step time of a model under each plugin, "
+        "and recommend one.",
+    )
+    parser.add_argument("--model", default="gpt2-small", help=f"one of {', '.join(MODEL_PRESETS)}, a config .json or a save_pretrained directory")
+    parser.add_argument("--world", type=int, default=2, help="number of ranks (default 2)")
+    parser.add_argument("--micro-batch", type=int, default=8, help="sequences per data-parallel rank")
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--precision", choices=PRECISIONS, default="fp32")
+    parser.add_argument("--plugin", default=None, help="estimate this plugin only (with --tp/--pp/--zero-stage)")
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--zero-stage", type=int, default=1)
+    parser.add_argument("--device-memory-gib", type=float, default=None, help="memory per rank (default: this machine's)")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    args = parser.parse_args(argv)  # fmt: skip
+    try:
+        if args.world < 1 or args.micro_batch < 1 or args.seq_len < 1:
+            raise ValueError("--world, --micro-batch and --seq-len must be at least 1.")
+        spec = resolve_model(args.model, args.seq_len)
+        device = DeviceInfo.detect(args.world, args.precision)
+        if args.device_memory_gib is not None:
+            device = replace(device, memory_bytes=int(args.device_memory_gib * GiB))
+        shape = model_shape(spec)
+        if args.plugin is not None:
+            options = PluginOptions.parse(
+                args.plugin, tp=args.tp, pp=args.pp, zero_stage=args.zero_stage
+            )
+            options.check(args.world, args.precision, shape.layers)
+            result = estimate(
+                shape, options, args.world, args.micro_batch, args.seq_len, args.precision, device
+            )
+            if args.json:
+                print(json.dumps({**asdict(result), "model_state_bytes": result.model_state_bytes}))
+            else:
+                print(_table([result]))
+            return
+        choice = recommend(shape, args.world, args.micro_batch, args.seq_len, args.precision, device)
+    except ValueError as error:
+        print(f"pc-estimate: error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
+    if args.json:
+        print(json.dumps({
+            "recommended": choice.options.describe(),
+            "reasons": list(choice.reasons),
+            "estimates": [{**asdict(e), "model_state_bytes": e.model_state_bytes} for e in choice.estimates],
+        }, indent=2))  # fmt: skip
+        return
+    print(
+        f"{spec.name}: {shape.params:,} parameters, {args.world} rank(s), micro-batch "
+        f"{args.micro_batch} x {args.seq_len}, {args.precision}, "
+        f"{_gib(device.memory_bytes)} per rank ({device.kind})\n"
+    )
+    print(_table(choice.estimates))
+    print(f"\nrecommended: --plugin {choice.options.describe()}")
+    for reason in choice.reasons:
+        print(f"  - {reason}")
+
+
+if __name__ == "__main__":
+    main()
+
+
+def measured_model_state_bytes(model: nn.Module, optimizer: Any) -> int:
+    """Bytes of model states this rank holds now, counted from the tensors:
+    the ZeRO and Gemini wrappers' own accounting, else the parameters, their
+    gradients and the optimizer's states (local shards of DTensors), each
+    tensor once and by its own elements (a shared-memory gradient bucket's
+    storage spans every rank's buffer)."""
+    if hasattr(optimizer, "memory"):
+        return int(optimizer.memory().total)
+    wrapper: Any = model
+    if hasattr(wrapper, "chunks"):
+        return int(wrapper.memory(optimizer).total)
+    seen: dict[int, int] = {}
+
+    def count(tensors: Any) -> None:
+        for t in tensors:
+            local = t.to_local() if hasattr(t, "to_local") else t
+            if local.numel():
+                seen[local.data_ptr()] = local.numel() * local.element_size()
+
+    params = list(model.parameters())
+    count(params)
+    count(p.grad for p in params if p.grad is not None)
+    inner = getattr(optimizer, "inner", optimizer)
+    count(v for s in inner.state.values() for v in s.values() if isinstance(v, torch.Tensor))
+    return sum(seen.values())

@@ -1,0 +1,161 @@
+"""The models ``pc-train`` and ``pc-estimate`` know: ``transformers`` causal
+LMs by family and size (``gpt2-small``, ``llama-1b`` ...), or a local
+config file / ``save_pretrained`` directory.
+
+The small presets (``tiny``, ``small``, ``medium``) use a byte vocabulary
+(256) so they train on the default corpus without a tokenizer; the
+published sizes keep their real vocabulary and shapes, for estimates and
+for GPU runs. Dropout is off in every preset, so runs are deterministic.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["FAMILIES", "MODEL_PRESETS", "ModelSpec", "build_model", "resolve_model"]
+
+FAMILIES = ("gpt2", "llama", "opt", "bloom")
+
+# name -> (family, hidden, layers, heads, kv heads, ffn, vocab)
+_SHAPES: dict[str, tuple[str, int, int, int, int, int, int]] = {
+    **{
+        f"{family}-{size}": (family, h, n, a, a // 2 if family == "llama" else a, 4 * h, 256)
+        for family in FAMILIES
+        for size, (h, n, a) in {
+            "tiny": (64, 2, 4),
+            "small": (128, 4, 4),
+            "medium": (256, 6, 8),
+        }.items()
+    },
+    "gpt2-124m": ("gpt2", 768, 12, 12, 12, 3072, 50257),
+    "gpt2-355m": ("gpt2", 1024, 24, 16, 16, 4096, 50257),
+    "gpt2-774m": ("gpt2", 1280, 36, 20, 20, 5120, 50257),
+    "gpt2-1.5b": ("gpt2", 1600, 48, 25, 25, 6400, 50257),
+    "llama-1b": ("llama", 2048, 16, 32, 8, 8192, 128256),
+    "llama-7b": ("llama", 4096, 32, 32, 32, 11008, 32000),
+    "llama-13b": ("llama", 5120, 40, 40, 40, 13824, 32000),
+    "opt-125m": ("opt", 768, 12, 12, 12, 3072, 50272),
+    "opt-1.3b": ("opt", 2048, 24, 32, 32, 8192, 50272),
+    "bloom-560m": ("bloom", 1024, 24, 16, 16, 4096, 250880),
+}
+MODEL_PRESETS: tuple[str, ...] = tuple(_SHAPES)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A model to build: a ``transformers`` config, and a directory of
+    pretrained weights to load into it (None: random initialisation)."""
+
+    name: str
+    config: Any  # transformers.PretrainedConfig
+    pretrained: Path | None = None
+
+    @property
+    def family(self) -> str:
+        return str(self.config.model_type)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.config.vocab_size)
+
+    @property
+    def hidden(self) -> int:
+        return int(getattr(self.config, "hidden_size", getattr(self.config, "n_embd", 0)))
+
+    @property
+    def layers(self) -> int:
+        return int(getattr(self.config, "num_hidden_layers", getattr(self.config, "n_layer", 0)))
+
+
+def _transformers() -> Any:
+    try:
+        import transformers
+    except ImportError:
+        raise ValueError(
+            "pc-train needs transformers: pip install 'pc-booster[hf]' (or "
+            "'pc-booster[train]' for the plots and TensorBoard too)."
+        ) from None
+    return transformers
+
+
+def _preset_config(name: str, seq_len: int) -> Any:
+    tf = _transformers()
+    family, h, n, a, kv, ffn, vocab = _SHAPES[name]
+    positions = max(seq_len, 1024 if vocab > 256 else seq_len)
+    if family == "gpt2":
+        return tf.GPT2Config(
+            vocab_size=vocab, n_positions=positions, n_embd=h, n_layer=n, n_head=a,
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+            loss_type="ForCausalLM",
+        )  # fmt: skip
+    if family == "llama":
+        return tf.LlamaConfig(
+            vocab_size=vocab, hidden_size=h, intermediate_size=ffn, num_hidden_layers=n,
+            num_attention_heads=a, num_key_value_heads=kv, max_position_embeddings=positions,
+            tie_word_embeddings=vocab <= 256, bos_token_id=0, eos_token_id=0, pad_token_id=None,
+        )  # fmt: skip
+    if family == "opt":
+        return tf.OPTConfig(
+            vocab_size=vocab, hidden_size=h, ffn_dim=ffn, num_hidden_layers=n,
+            num_attention_heads=a, max_position_embeddings=positions, word_embed_proj_dim=h,
+            dropout=0.0, attention_dropout=0.0, bos_token_id=0, eos_token_id=0, pad_token_id=1,
+        )  # fmt: skip
+    return tf.BloomConfig(
+        vocab_size=vocab, hidden_size=h, n_layer=n, n_head=a, hidden_dropout=0.0,
+        attention_dropout=0.0, bos_token_id=0, eos_token_id=0, pad_token_id=3,
+    )  # fmt: skip
+
+
+def resolve_model(model: str, seq_len: int) -> ModelSpec:
+    """A preset name, a config ``.json`` file, or a directory with a
+    ``config.json`` (and weights, which are then loaded)."""
+    if model in _SHAPES:
+        return ModelSpec(model, _preset_config(model, seq_len))
+    path = Path(model)
+    looks_like_path = path.suffix == ".json" or "/" in model or path.exists()
+    if not looks_like_path:
+        raise ValueError(
+            f"unknown model {model!r}: expected a preset ({', '.join(MODEL_PRESETS)}), a "
+            "config .json file, or a directory saved with save_pretrained."
+        )
+    config_file = path / "config.json" if path.is_dir() else path
+    if not config_file.is_file():
+        raise ValueError(
+            f"model {model!r}: {config_file} does not exist; pass a config .json file or a "
+            "directory holding config.json (save_pretrained writes one)."
+        )
+    try:
+        fields = json.loads(config_file.read_text())
+        config = _transformers().AutoConfig.for_model(**fields)
+    except (ValueError, KeyError, json.JSONDecodeError) as error:
+        raise ValueError(f"model {model!r}: {config_file} is not a usable config: {error}") from None
+    weights = path.is_dir() and any(
+        (path / name).exists()
+        for name in ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
+    )
+    return ModelSpec(str(path), config, path if weights else None)
+
+
+def build_model(spec: ModelSpec, seed: int, device: torch.device | str = "cpu") -> nn.Module:
+    """The causal LM of ``spec``, its random weights drawn from ``seed``
+    (the same on every rank), or loaded from its pretrained directory."""
+    tf = _transformers()
+    if spec.pretrained is not None:
+        model: nn.Module = tf.AutoModelForCausalLM.from_pretrained(str(spec.pretrained))
+        return model.to(device)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        try:
+            model = tf.AutoModelForCausalLM.from_config(spec.config)
+        except ValueError as error:
+            raise ValueError(
+                f"model {spec.name!r} ({spec.family}) is not a causal language model "
+                f"transformers can build: {error}"
+            ) from None
+    return model

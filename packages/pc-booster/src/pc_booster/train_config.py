@@ -1,0 +1,212 @@
+"""``pc-train``'s configuration: one frozen dataclass, read from defaults,
+then a YAML file (``--config``), then the command line, each overriding
+the one before."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Sequence
+from dataclasses import MISSING, asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from pc_booster.models import MODEL_PRESETS
+from pc_booster.options import PLUGIN_NAMES, PRECISIONS, PluginOptions
+
+__all__ = ["TrainConfig", "parse_args"]
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything a run depends on; the same on every rank. ``help`` of
+    each field is in ``pc-train --help``."""
+
+    model: str = "gpt2-tiny"
+    steps: int = 200
+    global_batch_size: int = 16
+    accumulation: int = 1
+    seq_len: int = 64
+    lr: float = 3e-3
+    warmup: int = 20
+    weight_decay: float = 0.01
+    clip_norm: float = 1.0
+    seed: int = 0
+    plugin: str = "auto"
+    tp: int = 1
+    pp: int = 1
+    zero_stage: int = 1
+    microbatches: int | None = None
+    sequence_parallel: bool = False
+    offload_frac: float = 0.0
+    cpu_offload: bool = False
+    precision: str = "fp32"
+    corpus: str | None = None
+    corpus_bytes: int = 2_000_000
+    tokenizer: str | None = None
+    output_dir: str = "runs/pc-train"
+    checkpoint_every: int = 50
+    keep_last: int = 2
+    resume: str | None = None
+    eval_every: int = 50
+    log_every: int = 10
+    deterministic: bool = True
+    tensorboard: bool = True
+    progress: bool = True
+    nproc: int = 2
+
+    def __post_init__(self) -> None:
+        positive = ("steps", "global_batch_size", "accumulation", "seq_len", "corpus_bytes",
+                    "log_every", "keep_last", "nproc")  # fmt: skip
+        for name in positive:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer of at least 1, got {value!r}.")
+        for name in ("warmup", "checkpoint_every", "eval_every"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0 (0: never), got {value!r}.")
+        if not self.lr > 0:
+            raise ValueError(f"lr must be positive, got {self.lr}.")
+        if self.clip_norm < 0 or self.weight_decay < 0:
+            raise ValueError("clip_norm and weight_decay must be >= 0.")
+        if self.plugin not in PLUGIN_NAMES:
+            raise ValueError(
+                f"unknown plugin {self.plugin!r}; expected one of {', '.join(PLUGIN_NAMES)}."
+            )
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}.")
+
+    def plugin_options(self) -> PluginOptions:
+        return PluginOptions.parse(
+            self.plugin,
+            tp=self.tp,
+            pp=self.pp,
+            zero_stage=self.zero_stage,
+            microbatches=self.microbatches,
+            sequence_parallel=self.sequence_parallel,
+            offload_frac=self.offload_frac,
+            cpu_offload=self.cpu_offload,
+        )
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return Path(self.output_dir) / "checkpoints"
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+_HELP = {
+    "model": f"a preset ({', '.join(MODEL_PRESETS)}), a config .json, or a save_pretrained "
+    "directory (its weights are loaded)",
+    "steps": "optimizer steps in the whole run (a resumed run counts from its checkpoint)",
+    "global_batch_size": "sequences per step over all data-parallel ranks",
+    "accumulation": "micro-steps per step (gradient accumulation) on each rank",
+    "seq_len": "tokens per sequence",
+    "warmup": "linear warm-up steps before the cosine decay",
+    "clip_norm": "clip gradients to this global norm (0: off)",
+    "plugin": "auto asks pc-estimate; hybrid takes --tp/--pp/--zero-stage",
+    "tp": "tensor-parallel size (hybrid)",
+    "pp": "pipeline-parallel size (hybrid: GPT-2 and Llama)",
+    "zero_stage": "ZeRO stage over the data-parallel ranks (hybrid: 0, 1, 2)",
+    "microbatches": "pipeline micro-batches per step (default: pp)",
+    "offload_frac": "share of Gemini's chunks kept on the host",
+    "cpu_offload": "ZeRO-1/2 optimizer step on the host",
+    "corpus": "a text file, a directory of text files, or a datasets directory "
+    "(default: the Python standard library's sources)",
+    "corpus_bytes": "read at most this many bytes of the corpus",
+    "tokenizer": "a tokenizer directory (default: bytes, vocabulary 256)",
+    "output_dir": "checkpoints, TensorBoard logs and the report go here",
+    "checkpoint_every": "save every N steps (0: only at the end)",
+    "keep_last": "checkpoints to keep",
+    "resume": "'latest' (the default with a bare --resume) or a checkpoint directory",
+    "eval_every": "held-out loss every N steps (0: only at the start and end)",
+    "log_every": "progress and TensorBoard every N steps",
+    "deterministic": "deterministic kernels, so a resumed run repeats the loss curve bitwise",
+    "nproc": "local processes to start (ignored under torchrun)",
+}
+
+
+def _field_type(name: str) -> Any:
+    default = TrainConfig.__dataclass_fields__[name].default
+    if isinstance(default, bool):
+        return bool
+    if isinstance(default, int | float):
+        return type(default)
+    if name == "microbatches":
+        return int
+    return str
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pc-train",
+        description="Train a transformers causal LM on local processes (or under torchrun) "
+        "with any pc plugin. Settings: defaults < --config YAML < command line.",
+    )
+    parser.add_argument("--config", help="a YAML file of settings (keys as below, - or _)")
+    for item in fields(TrainConfig):
+        flag = "--" + item.name.replace("_", "-")
+        kind = _field_type(item.name)
+        default = item.default if item.default is not MISSING else None
+        text = f"{_HELP.get(item.name, '')} (default: {default})".strip()
+        if item.name == "resume":
+            parser.add_argument(flag, nargs="?", const="latest", default=argparse.SUPPRESS, help=text)
+        elif kind is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=text)
+        elif item.name == "plugin":
+            parser.add_argument(flag, choices=PLUGIN_NAMES, default=argparse.SUPPRESS, help=text)
+        elif item.name == "precision":
+            parser.add_argument(flag, choices=PRECISIONS, default=argparse.SUPPRESS, help=text)
+        else:
+            parser.add_argument(flag, type=kind, default=argparse.SUPPRESS, help=text)
+    return parser  # fmt: skip
+
+
+def _read_yaml(path: str) -> dict[str, Any]:
+    try:
+        import yaml
+    except ImportError:
+        raise ValueError("--config needs PyYAML: pip install pyyaml (or 'pc-booster[train]').") from None
+    file = Path(path)
+    if not file.is_file():
+        raise ValueError(f"--config {path}: no such file.")
+    try:
+        data = yaml.safe_load(file.read_text()) or {}
+    except yaml.YAMLError as error:
+        raise ValueError(f"--config {path} is not valid YAML: {error}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"--config {path} must hold a mapping of settings, got {type(data).__name__}.")
+    known = {f.name for f in fields(TrainConfig)}
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        name = str(key).replace("-", "_")
+        if name not in known:
+            raise ValueError(
+                f"--config {path}: unknown setting {key!r}; known settings: {', '.join(sorted(known))}."
+            )
+        kind = _field_type(name)
+        if value is not None and kind is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if value is not None and not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            raise ValueError(
+                f"--config {path}: {key} must be {kind.__name__}, got {value!r} ({type(value).__name__})."
+            )
+        out[name] = value
+    return out  # fmt: skip
+
+
+def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
+    """The run's configuration; exits with a usage message on bad input."""
+    parser = _parser()
+    args = vars(parser.parse_args(argv))
+    try:
+        settings = _read_yaml(args.pop("config")) if args.get("config") else {}
+        args.pop("config", None)
+        settings.update(args)
+        if "RANK" in os.environ:  # under torchrun: the world is torchrun's
+            settings["nproc"] = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        return TrainConfig(**settings)
+    except ValueError as error:
+        parser.error(str(error))
