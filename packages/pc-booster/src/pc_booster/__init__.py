@@ -8,6 +8,8 @@ the ``pc-train`` command (:mod:`pc_booster.train`) and ``pc-estimate``
 """
 
 from pc_booster.booster import Booster
+from pc_booster.data import load_byte_corpus
+from pc_booster.estimate import estimate, recommend
 from pc_booster.plugin import Plugin, SupportsNoSync, SupportsPipeline
 from pc_booster.plugins import (
     DDPPlugin,
@@ -17,8 +19,6 @@ from pc_booster.plugins import (
     TorchDDPPlugin,
     TorchFSDPPlugin,
 )
-from pc_booster.data import load_byte_corpus
-from pc_booster.estimate import estimate, recommend
 from pc_booster.train import train
 from pc_booster.train_config import TrainConfig
 

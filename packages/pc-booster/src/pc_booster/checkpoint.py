@@ -35,8 +35,20 @@ __all__ = [
 _STATE = "trainer_state.json"
 # Settings a resumed run must share with the saved one: anything else
 # (steps, logging, checkpoint cadence) may change.
-_MUST_MATCH = ("model", "global_batch_size", "seq_len", "seed", "corpus", "corpus_bytes",
-               "tokenizer", "accumulation", "lr", "warmup", "weight_decay", "precision")  # fmt: skip
+_MUST_MATCH = (
+    "model",
+    "global_batch_size",
+    "seq_len",
+    "seed",
+    "corpus",
+    "corpus_bytes",
+    "tokenizer",
+    "accumulation",
+    "lr",
+    "warmup",
+    "weight_decay",
+    "precision",
+)
 
 
 class CheckpointError(ValueError):
@@ -80,7 +92,9 @@ def load_trainer_state(path: Path, config: Any) -> dict[str, Any]:
             f"{path} is not a complete pc-train checkpoint: {_STATE} is missing."
         ) from None
     except (ValueError, KeyError, TypeError) as error:
-        raise CheckpointError(f"{file} is corrupt ({error}); resume from another checkpoint.") from None
+        raise CheckpointError(
+            f"{file} is corrupt ({error}); resume from another checkpoint."
+        ) from None
     for name, size in files.items():
         part = path / name
         if not part.is_file():
@@ -96,7 +110,9 @@ def load_trainer_state(path: Path, config: Any) -> dict[str, Any]:
         with safe_open(str(path / "model.safetensors"), framework="pt") as model_file:
             model_file.keys()
     except Exception as error:  # safetensors raises its own error types
-        raise CheckpointError(f"checkpoint {path}: model.safetensors does not open: {error}") from None
+        raise CheckpointError(
+            f"checkpoint {path}: model.safetensors does not open: {error}"
+        ) from None
     current = config.to_dict()
     differ = [k for k in _MUST_MATCH if saved.get(k) != current.get(k)]
     if differ:

@@ -33,7 +33,7 @@ def _text_files(root: Path) -> list[Path]:
 
 def _dataset_texts(root: Path, limit: int) -> list[str]:
     try:
-        import datasets
+        import datasets  # type: ignore[import-not-found, import-untyped, unused-ignore]
     except ImportError:
         raise ValueError(
             f"corpus {str(root)!r} is a datasets directory; reading it needs the datasets "

@@ -76,7 +76,9 @@ class ModelShape:
         """Parameters one rank's model part holds."""
         if options.pp > 1:
             per_stage = self.layers // options.pp
-            blocks = [sum(self.stage_params[i : i + per_stage]) for i in range(0, self.layers, per_stage)]
+            blocks = [
+                sum(self.stage_params[i : i + per_stage]) for i in range(0, self.layers, per_stage)
+            ]
             blocks[0] += self.embed_params
             blocks[-1] += self.head_params
             total = max(blocks)
@@ -110,9 +112,9 @@ def model_shape(spec: ModelSpec) -> ModelShape:
         blocks = list(operator.attrgetter(policy.blocks)(base))
         seen: set[int] = set()
         modules = [operator.attrgetter(policy.embedding)(base)]
-        head = policy.lm_heads.get(type(model).__name__)
-        if head is not None:
-            modules.append(operator.attrgetter(head)(model))
+        lm_head = policy.lm_heads.get(type(model).__name__)
+        if lm_head is not None:
+            modules.append(operator.attrgetter(lm_head)(model))
         for block in blocks:
             modules += [operator.attrgetter(path)(block) for path in policy.column]
             for path in policy.row:
@@ -342,66 +344,54 @@ def recommend(
     precision: str = "fp32",
     device: DeviceInfo | None = None,
 ) -> Recommendation:
-    """The plugin to train with: the least-communicating data-parallel
-    layout whose model states and activations fit the device, then
-    ZeRO-3, then ZeRO-3 with chunks offloaded to the host."""
+    """The plugin to train with (see the plugin-selection guide): ZeRO-2
+    when its model states and activations fit the device (DDP's
+    communication volume, a fraction of its memory, measured fastest here),
+    then ZeRO-3 (Gemini), then Gemini with chunks offloaded to the host.
+    One process trains plainly (ddp, which then wraps nothing)."""
     shape = spec if isinstance(spec, ModelShape) else model_shape(spec)
     device = device or DeviceInfo.detect(world, precision)
-    order = [PluginKind.ZERO2, PluginKind.GEMINI]
+    kinds = [PluginKind.ZERO2, PluginKind.GEMINI]
     if precision == "fp32":
-        order.insert(0, PluginKind.DDP)
-    results = [
-        estimate(shape, PluginOptions(kind), world, micro_batch, seq_len, precision, device)
-        for kind in order
-    ]
+        kinds.insert(0, PluginKind.DDP)
+    results = {
+        kind: estimate(shape, PluginOptions(kind), world, micro_batch, seq_len, precision, device)
+        for kind in kinds
+    }
+    table = tuple(results.values())
     budget = f"{_gib(0.9 * device.memory_bytes)} usable per rank ({device.kind})"
-    if world == 1:
-        ddp = results[0]
-        if ddp.fits or precision != "fp32":
-            kind = PluginKind.DDP if precision == "fp32" else PluginKind.ZERO2
-            return Recommendation(
-                PluginOptions(kind),
-                (
-                    f"one process: nothing to shard; model states {_gib(ddp.model_state_bytes)} "
-                    f"and activations {_gib(ddp.activation_bytes)} against {budget}.",
-                ),
-                tuple(results),
-            )
-    for kind, result in zip(order, results, strict=True):
-        if not result.fits:
-            continue
-        reasons = [
+
+    def fits_text(result: Estimate) -> str:
+        return (
             f"{result.plugin}: model states {_gib(result.model_state_bytes)} + activations "
             f"{_gib(result.activation_bytes)} per rank fit in {budget}."
+        )
+
+    if world == 1 and precision == "fp32" and results[PluginKind.DDP].fits:
+        reason = "one process: nothing to shard or communicate; " + fits_text(
+            results[PluginKind.DDP]
+        )
+        return Recommendation(PluginOptions(PluginKind.DDP), (reason,), table)
+    zero2, gemini = results[PluginKind.ZERO2], results[PluginKind.GEMINI]
+    if zero2.fits:
+        reasons = [fits_text(zero2)]
+        if PluginKind.DDP in results:
+            ddp = results[PluginKind.DDP]
+            reasons.append(
+                f"ZeRO-2 communicates as much as DDP (reduce-scatter + all-gather instead of one "
+                f"all-reduce) and holds {_gib(zero2.model_state_bytes)} of model states instead "
+                f"of DDP's {_gib(ddp.model_state_bytes)}; it measured faster than DDP on this "
+                "project's benchmark (each rank steps only its share of the optimizer)."
+            )
+        return Recommendation(PluginOptions(PluginKind.ZERO2), tuple(reasons), table)
+    if gemini.fits:
+        reasons = [
+            fits_text(gemini),
+            f"zero2 would need {_gib(zero2.device_bytes)} per rank; ZeRO-3 shards the "
+            "parameters too, at 1.5x DDP's communication (Gemini gathers each chunk once per "
+            "pass, and was faster than FSDP2 on this project's benchmark).",
         ]
-        if kind is PluginKind.DDP:
-            reasons.append(
-                "DDP keeps whole replicas and all-reduces gradients once per step, overlapped "
-                "with backward: the least communication and no gathers."
-            )
-            reasons.append(
-                "zero2 would cut model states to "
-                f"{_gib(results[1].model_state_bytes)} for the same communication volume; pick "
-                "it when memory is tight or the batch should grow."
-            )
-        elif kind is PluginKind.ZERO2:
-            if results[0].plugin == "ddp":
-                reasons.append(
-                    f"ddp would need {_gib(results[0].device_bytes)} per rank, more than fits."
-                )
-            reasons.append(
-                "ZeRO-2 shards gradients and optimizer states for the same communication "
-                "volume as DDP (reduce-scatter + all-gather); measured fastest of the plugins "
-                "on this project's CPU benchmark."
-            )
-        else:
-            reasons.append(
-                f"zero2 would need {_gib(results[-2].device_bytes)} per rank; ZeRO-3 shards the "
-                "parameters too, at 1.5x DDP's communication (Gemini gathers each chunk once "
-                "per pass)."
-            )
-        return Recommendation(PluginOptions(kind), tuple(reasons), tuple(results))
-    gemini = results[-1]
+        return Recommendation(PluginOptions(PluginKind.GEMINI), tuple(reasons), table)
     spare = 0.9 * device.memory_bytes - gemini.activation_bytes
     if spare <= 0:
         raise ValueError(
@@ -409,20 +399,15 @@ def recommend(
             "lower the micro-batch or the sequence length, or use --plugin hybrid with --tp > 1."
         )
     frac = min(1.0, math.ceil(20 * (1 - spare / gemini.model_state_bytes)) / 20)
-    offloaded = estimate(
-        shape, PluginOptions(PluginKind.GEMINI, offload_frac=frac), world, micro_batch,
-        seq_len, precision, device,
-    )  # fmt: skip
-    return Recommendation(
-        offloaded_options := PluginOptions(PluginKind.GEMINI, offload_frac=frac),
-        (
-            f"nothing fits in {budget} on the device alone: ZeRO-3 needs "
-            f"{_gib(gemini.device_bytes)} per rank.",
-            f"{offloaded_options.describe()}: {frac:.0%} of the chunks live on the host "
-            f"({_gib(offloaded.host_bytes)} per rank), stepped there by the CPU optimizer.",
-        ),
-        (*results, offloaded),
-    )
+    options = PluginOptions(PluginKind.GEMINI, offload_frac=frac)
+    offloaded = estimate(shape, options, world, micro_batch, seq_len, precision, device)
+    reasons = [
+        f"nothing fits in {budget} on the device alone: ZeRO-3 needs "
+        f"{_gib(gemini.device_bytes)} per rank.",
+        f"{options.describe()}: {frac:.0%} of the chunks live on the host "
+        f"({_gib(offloaded.host_bytes)} per rank), stepped there by the CPU optimizer.",
+    ]
+    return Recommendation(options, tuple(reasons), (*table, offloaded))
 
 
 # -- command line ------------------------------------------------------------------
@@ -448,18 +433,31 @@ def main(argv: Sequence[str] | None = None) -> None:
         description="Predict per-rank memory and step time of a model under each plugin, "
         "and recommend one.",
     )
-    parser.add_argument("--model", default="gpt2-small", help=f"one of {', '.join(MODEL_PRESETS)}, a config .json or a save_pretrained directory")
+    parser.add_argument(
+        "--model",
+        default="gpt2-small",
+        help=f"one of {', '.join(MODEL_PRESETS)}, a config .json or a save_pretrained directory",
+    )
     parser.add_argument("--world", type=int, default=2, help="number of ranks (default 2)")
-    parser.add_argument("--micro-batch", type=int, default=8, help="sequences per data-parallel rank")
+    parser.add_argument(
+        "--micro-batch", type=int, default=8, help="sequences per data-parallel rank"
+    )
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--precision", choices=PRECISIONS, default="fp32")
-    parser.add_argument("--plugin", default=None, help="estimate this plugin only (with --tp/--pp/--zero-stage)")
+    parser.add_argument(
+        "--plugin", default=None, help="estimate this plugin only (with --tp/--pp/--zero-stage)"
+    )
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--zero-stage", type=int, default=1)
-    parser.add_argument("--device-memory-gib", type=float, default=None, help="memory per rank (default: this machine's)")
+    parser.add_argument(
+        "--device-memory-gib",
+        type=float,
+        default=None,
+        help="memory per rank (default: this machine's)",
+    )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    args = parser.parse_args(argv)  # fmt: skip
+    args = parser.parse_args(argv)
     try:
         if args.world < 1 or args.micro_batch < 1 or args.seq_len < 1:
             raise ValueError("--world, --micro-batch and --seq-len must be at least 1.")
@@ -481,16 +479,26 @@ def main(argv: Sequence[str] | None = None) -> None:
             else:
                 print(_table([result]))
             return
-        choice = recommend(shape, args.world, args.micro_batch, args.seq_len, args.precision, device)
+        choice = recommend(
+            shape, args.world, args.micro_batch, args.seq_len, args.precision, device
+        )
     except ValueError as error:
         print(f"pc-estimate: error: {error}", file=sys.stderr)
         raise SystemExit(2) from None
     if args.json:
-        print(json.dumps({
-            "recommended": choice.options.describe(),
-            "reasons": list(choice.reasons),
-            "estimates": [{**asdict(e), "model_state_bytes": e.model_state_bytes} for e in choice.estimates],
-        }, indent=2))  # fmt: skip
+        print(
+            json.dumps(
+                {
+                    "recommended": choice.options.describe(),
+                    "reasons": list(choice.reasons),
+                    "estimates": [
+                        {**asdict(e), "model_state_bytes": e.model_state_bytes}
+                        for e in choice.estimates
+                    ],
+                },
+                indent=2,
+            )
+        )
         return
     print(
         f"{spec.name}: {shape.params:,} parameters, {args.world} rank(s), micro-batch "

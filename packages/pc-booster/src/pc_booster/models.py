@@ -92,7 +92,6 @@ def _preset_config(name: str, seq_len: int) -> Any:
         return tf.GPT2Config(
             vocab_size=vocab, n_positions=positions, n_embd=h, n_layer=n, n_head=a,
             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
-            loss_type="ForCausalLM",
         )  # fmt: skip
     if family == "llama":
         return tf.LlamaConfig(
@@ -116,7 +115,9 @@ def resolve_model(model: str, seq_len: int) -> ModelSpec:
     """A preset name, a config ``.json`` file, or a directory with a
     ``config.json`` (and weights, which are then loaded)."""
     if model in _SHAPES:
-        return ModelSpec(model, _preset_config(model, seq_len))
+        config = _preset_config(model, seq_len)
+        config.loss_type = "ForCausalLM"  # said, so transformers does not warn about guessing it
+        return ModelSpec(model, config)
     path = Path(model)
     looks_like_path = path.suffix == ".json" or "/" in model or path.exists()
     if not looks_like_path:
@@ -134,7 +135,9 @@ def resolve_model(model: str, seq_len: int) -> ModelSpec:
         fields = json.loads(config_file.read_text())
         config = _transformers().AutoConfig.for_model(**fields)
     except (ValueError, KeyError, json.JSONDecodeError) as error:
-        raise ValueError(f"model {model!r}: {config_file} is not a usable config: {error}") from None
+        raise ValueError(
+            f"model {model!r}: {config_file} is not a usable config: {error}"
+        ) from None
     weights = path.is_dir() and any(
         (path / name).exists()
         for name in ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")

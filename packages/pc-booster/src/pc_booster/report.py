@@ -113,8 +113,10 @@ def write_report(out: Path, summary: dict[str, Any], history: dict[str, Any]) ->
             f"pc-estimate predicted {states['predicted'] / 2**20:,.2f} MiB "
             f"(ratio {states['predicted'] / states['measured']:.3f})"
         )
-    lines.append(f"- wall time: {summary['seconds']:.1f} s; resumed from: "
-                 f"{', '.join(str(s) for s in summary['resumed_at']) or 'no checkpoint'}")  # fmt: skip
+    lines.append(
+        f"- wall time: {summary['seconds']:.1f} s; resumed from: "
+        f"{', '.join(str(s) for s in summary['resumed_at']) or 'no checkpoint'}"
+    )
     if plots:
         lines += ["", *(f"![{p[:-4]}]({p})" for p in plots)]
     else:

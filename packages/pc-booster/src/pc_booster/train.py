@@ -22,6 +22,7 @@ import sys
 import tempfile
 import time
 import uuid
+import warnings
 from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import replace
@@ -41,7 +42,6 @@ from pc_booster.checkpoint import (
 )
 from pc_booster.data import batch_offsets, load_byte_corpus, load_corpus, windows
 from pc_booster.models import MODEL_PRESETS, ModelSpec, build_model, resolve_model
-from pc_booster.options import PluginKind
 from pc_booster.train_config import TrainConfig, parse_args
 
 __all__ = ["MODEL_PRESETS", "TrainConfig", "load_byte_corpus", "main", "prepare", "train"]
@@ -91,7 +91,9 @@ def prepare(config: TrainConfig, world: int) -> tuple[TrainConfig, ModelSpec, li
         dp_batch = config.global_batch_size // max(1, world)
         micro = max(1, dp_batch // config.accumulation)
         device = DeviceInfo.detect(config.nproc, config.precision)
-        choice = recommend(model_shape(spec), world, micro, config.seq_len, config.precision, device)
+        choice = recommend(
+            model_shape(spec), world, micro, config.seq_len, config.precision, device
+        )
         opts = choice.options
         config = replace(config, plugin=opts.name, offload_frac=opts.offload_frac)
         reasons = list(choice.reasons)
@@ -149,11 +151,10 @@ def _schedule(config: TrainConfig) -> Any:
 
 def _tokenizer(config: TrainConfig, spec: ModelSpec) -> Any:
     source = config.tokenizer
+    files = ("tokenizer.json", "tokenizer_config.json")
     if source is None and spec.pretrained is not None:
-        if (spec.pretrained / "tokenizer.json").exists() or (
-            spec.pretrained / "tokenizer_config.json"
-        ).exists():
-            source = str(spec.pretrained)
+        pretrained = spec.pretrained
+        source = str(pretrained) if any((pretrained / f).exists() for f in files) else None
     if source is None:
         return None
     from transformers import AutoTokenizer
@@ -169,7 +170,7 @@ class _Progress:
         self.enabled = enabled
         if enabled and config.progress and sys.stderr.isatty():
             try:
-                from tqdm import tqdm
+                from tqdm import tqdm  # type: ignore[import-untyped, unused-ignore]
 
                 self.bar = tqdm(total=config.steps, initial=start, desc="pc-train", unit="step")
             except ImportError:
@@ -213,7 +214,9 @@ def train(config: TrainConfig, context: Any, reasons: Sequence[str] = ()) -> dic
     spec = resolve_model(config.model, config.seq_len)
     options = config.plugin_options()
     plugin, loop_clip = options.make(config.clip_norm)
-    booster = Booster(plugin=plugin, mixed_precision=None if config.precision == "fp32" else config.precision)
+    booster = Booster(
+        plugin=plugin, mixed_precision=None if config.precision == "fp32" else config.precision
+    )
     pipeline = isinstance(plugin, HybridParallelPlugin) and plugin.pp_size > 1
 
     tokens = load_corpus(config.corpus, config.corpus_bytes, _tokenizer(config, spec))
@@ -226,7 +229,9 @@ def train(config: TrainConfig, context: Any, reasons: Sequence[str] = ()) -> dic
     train_tokens, eval_tokens = tokens[:split], tokens[split:]
 
     model = build_model(spec, config.seed, device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=config.lr, weight_decay=config.weight_decay
+    )
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule(config))
     model, optimizer, _, _, schedule = booster.boost(model, optimizer, lr_scheduler=schedule)
     group = plugin.dp_group
@@ -249,14 +254,19 @@ def train(config: TrainConfig, context: Any, reasons: Sequence[str] = ()) -> dic
         if state["world"] == env.world_size and rng.exists():
             _set_rng_state(torch.load(rng, weights_only=False))
         elif rank0:
-            print(f"pc-train: saved at world {state['world']}, resumed at {env.world_size}: RNG "
-                  "states start fresh (the loss curve may differ in the last bits)", flush=True)  # fmt: skip
+            print(
+                f"pc-train: saved at world {state['world']}, resumed at {env.world_size}: RNG "
+                "states start fresh (the loss curve may differ in the last bits)",
+                flush=True,
+            )
         start = state["step"]
         history = state["history"]
         resumed_at = [*state.get("resumed_at", []), start]
 
     eval_ids = windows(
-        eval_tokens, torch.linspace(0, len(eval_tokens) - config.seq_len - 1, 32).long(), config.seq_len
+        eval_tokens,
+        torch.linspace(0, len(eval_tokens) - config.seq_len - 1, 32).long(),
+        config.seq_len,
     )
     eval_mine = eval_ids[dp_rank * (32 // dp) : (dp_rank + 1) * (32 // dp)].to(device)
 
@@ -278,9 +288,10 @@ def train(config: TrainConfig, context: Any, reasons: Sequence[str] = ()) -> dic
     peak_source = "datasheet" if device.type == "cuda" else "measured matmul"
     if rank0:
         print(
-            f"pc-train: {spec.name} ({shape.params / 1e6:.2f} M params) with {options.describe()} on "
-            f"{env.world_size} {context.backend} rank(s), global batch {config.global_batch_size} x "
-            f"{config.seq_len} tokens, {len(tokens) / 1e6:.2f} M-token corpus",
+            f"pc-train: {spec.name} ({shape.params / 1e6:.2f} M params) with "
+            f"{options.describe()} on {env.world_size} {context.backend} rank(s), global batch "
+            f"{config.global_batch_size} x {config.seq_len} tokens, "
+            f"{len(tokens) / 1e6:.2f} M-token corpus",
             flush=True,
         )
         for reason in reasons:
@@ -297,17 +308,25 @@ def train(config: TrainConfig, context: Any, reasons: Sequence[str] = ()) -> dic
     step = start
     interrupted = False
     while step < config.steps:
-        offsets = batch_offsets(config.seed, step, config.global_batch_size, config.seq_len, len(train_tokens))
-        mine = windows(train_tokens, offsets[dp_rank * per_rank : (dp_rank + 1) * per_rank], config.seq_len).to(device)
+        offsets = batch_offsets(
+            config.seed, step, config.global_batch_size, config.seq_len, len(train_tokens)
+        )
+        mine = windows(
+            train_tokens, offsets[dp_rank * per_rank : (dp_rank + 1) * per_rank], config.seq_len
+        ).to(device)
         if pipeline:
-            loss = booster.execute_pipeline(iter([{"input_ids": mine}]), model, None, optimizer)["loss"]
+            loss = booster.execute_pipeline(iter([{"input_ids": mine}]), model, None, optimizer)[
+                "loss"
+            ]
             total = loss.detach().float()
         else:
             total = torch.zeros((), device=device)
             for k in range(config.accumulation):
                 part = mine[k * micro : (k + 1) * micro]
                 last = k == config.accumulation - 1
-                sync: AbstractContextManager[None] = nullcontext() if last else booster.no_sync(model, optimizer)
+                sync: AbstractContextManager[None] = (
+                    nullcontext() if last else booster.no_sync(model, optimizer)
+                )
                 with sync:
                     loss = model(input_ids=part, labels=part).loss / config.accumulation
                     booster.backward(loss, optimizer)
@@ -319,7 +338,10 @@ def train(config: TrainConfig, context: Any, reasons: Sequence[str] = ()) -> dic
             optimizer.step()
             held = torch.tensor([float(measured_model_state_bytes(model, optimizer))])
             dist.all_reduce(held, op=dist.ReduceOp.MAX)
-            model_states = {"measured": float(held), "predicted": float(predicted.model_state_bytes)}
+            model_states = {
+                "measured": float(held),
+                "predicted": float(predicted.model_state_bytes),
+            }
         else:
             optimizer.step()
         optimizer.zero_grad()
@@ -338,15 +360,25 @@ def train(config: TrainConfig, context: Any, reasons: Sequence[str] = ()) -> dic
             now = time.perf_counter()
             rate = window_tokens / max(now - window_start, 1e-9)
             tflops = rate * flops_per_token / env.world_size / 1e12
-            entry = {"step": step, "loss": history["loss"][-1], "tokens_per_s": rate,
-                     "tflops": tflops, "mfu": tflops * 1e12 / peak,
-                     "peak_memory": [float(m) for m in memories], "memory_kind": kind,
-                     "lr": schedule.get_last_lr()[0]}  # fmt: skip
+            entry = {
+                "step": step,
+                "loss": history["loss"][-1],
+                "tokens_per_s": rate,
+                "tflops": tflops,
+                "mfu": tflops * 1e12 / peak,
+                "peak_memory": [float(m) for m in memories],
+                "memory_kind": kind,
+                "lr": schedule.get_last_lr()[0],
+            }
             history["log"].append(entry)
             window_start, window_tokens = now, 0
-            fields = {"loss": f"{entry['loss']:.4f}", "tok/s": f"{rate:,.0f}",
-                      "TFLOPS": f"{tflops:.3g}", "MFU": f"{entry['mfu']:.1%}",
-                      "mem": f"{max(entry['peak_memory']) / 2**20:,.0f}MiB"}  # fmt: skip
+            fields = {
+                "loss": f"{entry['loss']:.4f}",
+                "tok/s": f"{rate:,.0f}",
+                "TFLOPS": f"{tflops:.3g}",
+                "MFU": f"{entry['mfu']:.1%}",
+                "mem": f"{max(entry['peak_memory']) / 2**20:,.0f}MiB",
+            }
             if writer is not None:
                 for key in ("loss", "tokens_per_s", "tflops", "mfu", "lr"):
                     writer.add_scalar(f"train/{key}", entry[key], step)
@@ -360,14 +392,27 @@ def train(config: TrainConfig, context: Any, reasons: Sequence[str] = ()) -> dic
         interrupted = stop.agreed()
         periodic = config.checkpoint_every and step % config.checkpoint_every == 0
         if periodic or interrupted or step == config.steps:
-            _save(booster, model, optimizer, schedule, config, step, history, resumed_at, env.world_size)
+            _save(
+                booster,
+                model,
+                optimizer,
+                schedule,
+                config,
+                step,
+                history,
+                resumed_at,
+                env.world_size,
+            )
         if interrupted:
             break
     progress.close()
     if interrupted:
         if rank0:
-            print(f"pc-train: interrupted at step {step}; saved {config.checkpoint_dir / f'step-{step:06d}'}."
-                  " Continue with --resume.", flush=True)  # fmt: skip
+            print(
+                f"pc-train: interrupted at step {step}; saved "
+                f"{config.checkpoint_dir / f'step-{step:06d}'}. Continue with --resume.",
+                flush=True,
+            )
         raise SystemExit(130)
     evaluate(step)
     if writer is not None:
@@ -377,33 +422,61 @@ def train(config: TrainConfig, context: Any, reasons: Sequence[str] = ()) -> dic
         from pc_booster.report import write_report
 
         summary = {
-            "model": spec.name, "plugin": options.describe(), "world": env.world_size,
-            "backend": context.backend, "precision": config.precision, "params": shape.params,
-            "steps": config.steps, "global_batch_size": config.global_batch_size,
-            "seq_len": config.seq_len, "seconds": seconds, "peak_tflops": peak / 1e12,
-            "peak_source": peak_source, "model_states": model_states, "resumed_at": resumed_at,
-            "predicted_step_seconds": predicted.step_seconds, "config": config.to_dict(),
-        }  # fmt: skip
+            "model": spec.name,
+            "plugin": options.describe(),
+            "world": env.world_size,
+            "backend": context.backend,
+            "precision": config.precision,
+            "params": shape.params,
+            "steps": config.steps,
+            "global_batch_size": config.global_batch_size,
+            "seq_len": config.seq_len,
+            "seconds": seconds,
+            "peak_tflops": peak / 1e12,
+            "peak_source": peak_source,
+            "model_states": model_states,
+            "resumed_at": resumed_at,
+            "predicted_step_seconds": predicted.step_seconds,
+            "config": config.to_dict(),
+        }
         written = write_report(Path(config.output_dir), summary, history)
         losses = history["loss"]
         head = sum(losses[:10]) / min(10, len(losses))
         tail = sum(losses[-10:]) / min(10, len(losses))
         eval_text = ""
         if history["eval_loss"]:
-            eval_text = f", held-out loss {history['eval_loss'][0]:.3f} -> {history['eval_loss'][-1]:.3f}"
+            eval_text = (
+                f", held-out loss {history['eval_loss'][0]:.3f} -> {history['eval_loss'][-1]:.3f}"
+            )
         print(
             f"done in {seconds:.1f} s: train loss {head:.3f} -> {tail:.3f} (mean of first / last "
             f"10 steps){eval_text}\nreport: {', '.join(str(p) for p in written)}",
             flush=True,
         )
-    return history  # fmt: skip
+    return history
 
 
-def _save(booster: Any, model: nn.Module, optimizer: Any, schedule: Any, config: TrainConfig,
-          step: int, history: dict[str, Any], resumed_at: list[int], world: int) -> None:  # fmt: skip
-    state = {"step": step, "history": history, "config": config.to_dict(), "world": world,
-             "resumed_at": resumed_at}  # fmt: skip
-    save_checkpoint(booster, model, optimizer, schedule, config.checkpoint_dir, step, state, _rng_state())
+def _save(
+    booster: Any,
+    model: nn.Module,
+    optimizer: Any,
+    schedule: Any,
+    config: TrainConfig,
+    step: int,
+    history: dict[str, Any],
+    resumed_at: list[int],
+    world: int,
+) -> None:
+    state = {
+        "step": step,
+        "history": history,
+        "config": config.to_dict(),
+        "world": world,
+        "resumed_at": resumed_at,
+    }
+    save_checkpoint(
+        booster, model, optimizer, schedule, config.checkpoint_dir, step, state, _rng_state()
+    )
     if dist.get_rank() == 0:
         prune_checkpoints(config.checkpoint_dir, config.keep_last)
     dist.barrier()
@@ -418,13 +491,20 @@ def _fail(message: str) -> None:
     if folder:  # our own launcher prints it once
         Path(folder, f"rank{os.environ.get('RANK', '0')}.txt").write_text(message)
     else:
-        print(f"pc-train: error (rank {os.environ.get('RANK', '0')}): {message}", file=sys.stderr, flush=True)
+        print(
+            f"pc-train: error (rank {os.environ.get('RANK', '0')}): {message}",
+            file=sys.stderr,
+            flush=True,
+        )
     raise SystemExit(1)
 
 
 def _worker(config: TrainConfig, reasons: Sequence[str]) -> None:
     from pc_comm import init_distributed
 
+    # The Booster re-points the LR schedule at the optimizer it rebuilt;
+    # torch's check for a wrapped step() cannot see that.
+    warnings.filterwarnings("ignore", message="Seems like `optimizer.step()` has been overridden")
     if config.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
@@ -453,6 +533,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if under_torchrun:  # join torchrun's job
         _worker(config, reasons)
         return
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -467,7 +548,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         max_restarts=0,
         monitor_interval=0.1,
     )
-    print(f"pc-train: starting {config.nproc} local process(es); output in {config.output_dir}", flush=True)
+    print(
+        f"pc-train: starting {config.nproc} local process(es); output in {config.output_dir}",
+        flush=True,
+    )
     with tempfile.TemporaryDirectory(prefix="pc-train-") as errors:
         os.environ[_ERROR_DIR] = errors
         try:
@@ -482,12 +566,18 @@ def main(argv: Sequence[str] | None = None) -> None:
             if codes == {130}:
                 raise SystemExit(130) from None
             ranks = ", ".join(str(r) for r in sorted(failure.failures))
-            print(f"pc-train: rank(s) {ranks} failed (exit codes {sorted(codes)}); their output "
-                  "is above.", file=sys.stderr)  # fmt: skip
+            print(
+                f"pc-train: rank(s) {ranks} failed (exit codes {sorted(codes)}); their output "
+                "is above.",
+                file=sys.stderr,
+            )
             raise SystemExit(1) from None
-        except KeyboardInterrupt:
-            print(f"pc-train: interrupted; continue from the last checkpoint in "
-                  f"{config.checkpoint_dir} with --resume.", file=sys.stderr)  # fmt: skip
+        except (KeyboardInterrupt, SignalException):
+            print(
+                f"pc-train: interrupted; continue from the last checkpoint in "
+                f"{config.checkpoint_dir} with --resume.",
+                file=sys.stderr,
+            )
             raise SystemExit(130) from None
         finally:
             os.environ.pop(_ERROR_DIR, None)

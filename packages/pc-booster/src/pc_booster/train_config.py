@@ -56,8 +56,16 @@ class TrainConfig:
     nproc: int = 2
 
     def __post_init__(self) -> None:
-        positive = ("steps", "global_batch_size", "accumulation", "seq_len", "corpus_bytes",
-                    "log_every", "keep_last", "nproc")  # fmt: skip
+        positive = (
+            "steps",
+            "global_batch_size",
+            "accumulation",
+            "seq_len",
+            "corpus_bytes",
+            "log_every",
+            "keep_last",
+            "nproc",
+        )
         for name in positive:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -152,23 +160,29 @@ def _parser() -> argparse.ArgumentParser:
         default = item.default if item.default is not MISSING else None
         text = f"{_HELP.get(item.name, '')} (default: {default})".strip()
         if item.name == "resume":
-            parser.add_argument(flag, nargs="?", const="latest", default=argparse.SUPPRESS, help=text)
+            parser.add_argument(
+                flag, nargs="?", const="latest", default=argparse.SUPPRESS, help=text
+            )
         elif kind is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=text)
+            parser.add_argument(
+                flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=text
+            )
         elif item.name == "plugin":
             parser.add_argument(flag, choices=PLUGIN_NAMES, default=argparse.SUPPRESS, help=text)
         elif item.name == "precision":
             parser.add_argument(flag, choices=PRECISIONS, default=argparse.SUPPRESS, help=text)
         else:
             parser.add_argument(flag, type=kind, default=argparse.SUPPRESS, help=text)
-    return parser  # fmt: skip
+    return parser
 
 
 def _read_yaml(path: str) -> dict[str, Any]:
     try:
-        import yaml
+        import yaml  # type: ignore[import-untyped, unused-ignore]
     except ImportError:
-        raise ValueError("--config needs PyYAML: pip install pyyaml (or 'pc-booster[train]').") from None
+        raise ValueError(
+            "--config needs PyYAML: pip install pyyaml (or 'pc-booster[train]')."
+        ) from None
     file = Path(path)
     if not file.is_file():
         raise ValueError(f"--config {path}: no such file.")
@@ -177,24 +191,30 @@ def _read_yaml(path: str) -> dict[str, Any]:
     except yaml.YAMLError as error:
         raise ValueError(f"--config {path} is not valid YAML: {error}") from None
     if not isinstance(data, dict):
-        raise ValueError(f"--config {path} must hold a mapping of settings, got {type(data).__name__}.")
+        raise ValueError(
+            f"--config {path} must hold a mapping of settings, got {type(data).__name__}."
+        )
     known = {f.name for f in fields(TrainConfig)}
     out: dict[str, Any] = {}
     for key, value in data.items():
         name = str(key).replace("-", "_")
         if name not in known:
             raise ValueError(
-                f"--config {path}: unknown setting {key!r}; known settings: {', '.join(sorted(known))}."
+                f"--config {path}: unknown setting {key!r}; known settings: "
+                f"{', '.join(sorted(known))}."
             )
         kind = _field_type(name)
-        if value is not None and kind is float and isinstance(value, int) and not isinstance(value, bool):
+        is_int = isinstance(value, int) and not isinstance(value, bool)
+        if kind is float and is_int:
             value = float(value)
-        if value is not None and not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        wrong = not isinstance(value, kind) or (kind is int and not is_int)
+        if value is not None and wrong:
             raise ValueError(
-                f"--config {path}: {key} must be {kind.__name__}, got {value!r} ({type(value).__name__})."
+                f"--config {path}: {key} must be {kind.__name__}, got {value!r} "
+                f"({type(value).__name__})."
             )
         out[name] = value
-    return out  # fmt: skip
+    return out
 
 
 def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:

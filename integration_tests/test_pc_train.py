@@ -1,0 +1,173 @@
+"""pc-train end to end, as a user runs it: the demo learns and ends with a
+report and plots; a run interrupted by SIGINT, resumed, killed by SIGKILL
+and resumed again repeats the uninterrupted loss curve bitwise; under
+torchrun it runs unchanged; bad input ends with one clear message."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from pc_booster.train import main
+from pc_booster.train_config import parse_args
+
+pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
+
+# gpt2-small runs about 0.1 s a step here: slow enough to be killed mid-run.
+RUN = ["--model", "gpt2-small", "--steps", "60", "--checkpoint-every", "10", "--log-every",
+       "10", "--eval-every", "20", "--no-progress", "--nproc", "2"]  # fmt: skip
+COMMAND = [sys.executable, "-m", "pc_booster.train"]
+
+
+def _losses(out: Path) -> list[float]:
+    report = json.loads((out / "report.json").read_text())
+    losses: list[float] = report["history"]["loss"]
+    return losses
+
+
+def _checkpoints(out: Path) -> list[int]:
+    root = out / "checkpoints"
+    if not root.exists():
+        return []
+    return sorted(int(p.name[5:]) for p in root.glob("step-*") if not p.name.endswith("partial"))
+
+
+def _start_then_kill(out: Path, sig: int, after: int, *extra: str) -> int:
+    """Start pc-train, send ``sig`` to its whole process group once a
+    checkpoint past step ``after`` exists; returns the exit code."""
+    proc = subprocess.Popen(
+        [*COMMAND, *RUN, "--output-dir", str(out), *extra],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
+    deadline = time.monotonic() + 300
+    while not any(step > after for step in _checkpoints(out)):
+        assert proc.poll() is None, proc.stderr.read().decode()[-3000:] if proc.stderr else ""
+        assert time.monotonic() < deadline, "no checkpoint appeared"
+        time.sleep(0.02)
+    os.killpg(proc.pid, sig)
+    try:
+        return proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_demo_reports_and_resume_after_kills_repeats_the_curve(tmp_path: Path) -> None:
+    reference = tmp_path / "reference"
+    done = subprocess.run(
+        [*COMMAND, *RUN, "--output-dir", str(reference)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    for name in ("report.json", "report.md", "loss.png", "throughput.png", "memory.png"):
+        assert (reference / name).stat().st_size > 0, name
+    assert list((reference / "tensorboard").glob("events.out.tfevents.*"))
+    expected = _losses(reference)
+    assert len(expected) == 60
+    assert sum(expected[-10:]) / 10 < sum(expected[:10]) / 10 - 1.0, expected
+    report = json.loads((reference / "report.json").read_text())
+    states = report["model_states"]
+    assert abs(states["predicted"] / states["measured"] - 1) < 0.1, states
+
+    run = tmp_path / "interrupted"
+    code = _start_then_kill(run, signal.SIGINT, 0)
+    assert code == 130, code  # SIGINT: the ranks agree on a step, save it, exit
+    first_stop = _checkpoints(run)[-1]
+    assert first_stop < 60
+    code = _start_then_kill(run, signal.SIGKILL, first_stop, "--resume")
+    assert code == -signal.SIGKILL, code
+    second_stop = _checkpoints(run)[-1]
+    assert first_stop < second_stop < 60
+    resumed = subprocess.run(
+        [*COMMAND, *RUN, "--output-dir", str(run), "--resume"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert _losses(run) == expected  # bitwise: fp32, deterministic mode
+    report = json.loads((run / "report.json").read_text())
+    assert report["resumed_at"][-1] == second_stop
+    assert len(_checkpoints(run)) <= 2  # keep-last 2
+
+    # A truncated checkpoint, or one from another model, is refused up front.
+    latest = run / "checkpoints" / f"step-{60:06d}"
+    with open(latest / "model.safetensors", "r+b") as handle:
+        handle.truncate(100)
+    result = subprocess.run(
+        [*COMMAND, *RUN, "--output-dir", str(run), "--resume", str(latest)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2
+    assert "is corrupt: model.safetensors has 100 bytes" in result.stderr
+    assert "Traceback" not in result.stderr
+    other = [*RUN, "--output-dir", str(reference), "--resume"]
+    other[other.index("gpt2-small")] = "llama-tiny"
+    result = subprocess.run([*COMMAND, *other], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert "comes from a run with other settings (model: saved 'gpt2-small'" in result.stderr
+
+
+def test_runs_under_torchrun(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "-m", "pc_booster.train", "--model", "gpt2-tiny", "--steps", "4", "--plugin", "zero2",
+         "--no-progress", "--output-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "with zero2 on 2 gloo rank(s)" in result.stdout
+    assert len(_losses(tmp_path)) == 4
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--model", "gpt9"], "unknown model 'gpt9'"),
+        (["--model", "/no/such/dir"], "does not exist"),
+        (["--plugin", "hybrid", "--tp", "3"], "does not divide the world size (2)"),
+        (["--plugin", "zero1", "--tp", "2"], "need --plugin hybrid"),
+        (["--plugin", "ddp", "--precision", "bf16"], "trains in fp32, not bf16"),
+        (["--corpus", "/no/such/corpus.txt"], "corpus '/no/such/corpus.txt' does not exist"),
+        (["--global-batch-size", "3"], "does not split into 2 data-parallel rank(s)"),
+        (["--steps", "0"], "steps must be an integer of at least 1, got 0"),
+        (["--resume"], "no checkpoint in"),
+    ],
+)
+def test_bad_input_is_one_clear_message(
+    argv: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as stop:
+        main([*argv, "--output-dir", str(tmp_path)])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err, err
+    assert "Traceback" not in err
+
+
+def test_yaml_config_with_command_line_overrides(tmp_path: Path) -> None:
+    config = tmp_path / "run.yaml"
+    config.write_text("model: llama-tiny\nsteps: 30\nglobal-batch-size: 8\nlr: 1\n")
+    parsed = parse_args(["--config", str(config), "--steps", "12"])
+    assert (parsed.model, parsed.steps, parsed.global_batch_size, parsed.lr) == (
+        "llama-tiny", 12, 8, 1.0,
+    )  # fmt: skip
+    config.write_text("modle: gpt2-tiny\n")
+    with pytest.raises(SystemExit):
+        parse_args(["--config", str(config)])
+    config.write_text("steps: many\n")
+    with pytest.raises(SystemExit):
+        parse_args(["--config", str(config)])
