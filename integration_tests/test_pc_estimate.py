@@ -47,13 +47,13 @@ def _measure_case(model: str, plugin: str, precision: str) -> None:
     optimizer = torch.optim.AdamW(net.parameters(), lr=1e-3)
     net, optimizer, *_ = booster.boost(net, optimizer)
     ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
-    if options.pp > 1:
-        booster.execute_pipeline(iter([{"input_ids": ids}]), net, None, optimizer)
-    else:
-        booster.backward(net(input_ids=ids, labels=ids).loss, optimizer)
-    optimizer.step()
-    if options.pp == 1:  # gradients held again, as at their peak
-        booster.backward(net(input_ids=ids, labels=ids).loss, optimizer)
+    for first in (True, False):  # a step builds the optimizer states, then gradients are held
+        if options.pp > 1:
+            booster.execute_pipeline(iter([{"input_ids": ids}]), net, None, optimizer)
+        else:
+            booster.backward(net(input_ids=ids, labels=ids).loss, optimizer)
+        if first:
+            optimizer.step()
     held = torch.tensor([float(measured_model_state_bytes(net, optimizer))])
     dist.all_reduce(held, op=dist.ReduceOp.MAX)
     predicted = estimate(spec, options, dist.get_world_size(), 2, 16, precision).model_state_bytes
@@ -90,27 +90,33 @@ def test_estimate_gives_the_zero_paper_formulas_at_scale() -> None:
     }
     for kind, expected in paper.items():
         got = estimate(shape, PluginOptions(kind), n, 1, 1024, "bf16", device).model_state_bytes
-        assert abs(got - expected) <= 64, (kind, got, expected)
+        # pc's ZeRO-1 also holds the reduced 1/N piece of the gradients
+        # next to the full buffer at the step: 2Ψ/N more than the paper.
+        extra = 2 * psi / n if kind is PluginKind.ZERO1 else 0
+        assert abs(got - expected - extra) <= 64, (kind, got, expected)
+        assert abs(got / expected - 1) < 0.01, (kind, got, expected)
     fp32_ddp = estimate(shape, PluginOptions(PluginKind.DDP), n, 1, 1024, "fp32", device)
     assert fp32_ddp.model_state_bytes == 16 * psi
 
 
 def test_recommendation_follows_memory() -> None:
     small = model_shape(resolve_model("gpt2-tiny", 64))
-    big = model_shape(resolve_model("llama-7b", 2048))
     roomy = DeviceInfo("cuda", 80 * 2**30, 989e12, 150e9, 0.45)
     assert recommend(small, 1, 8, 64, "fp32", roomy).options.kind is PluginKind.DDP
     assert recommend(small, 8, 8, 64, "fp32", roomy).options.kind is PluginKind.ZERO2
-    # 7B in bf16 on 8 GPUs of 80 GiB: DDP-style replicas of 16 bytes per
-    # parameter do not fit, ZeRO-2's 2 + 14/8 bytes do not either; ZeRO-3 does.
-    choice = recommend(big, 8, 1, 2048, "bf16", roomy)
+    # Llama 13B in bf16 on 8 GPUs of 96 GiB, sequences of 2048: ZeRO-2
+    # (2 + 14/8 bytes per parameter, 45 GiB, plus 45 GiB of activations)
+    # does not fit; ZeRO-3's 16/8 bytes (24 GiB) do.
+    big = model_shape(resolve_model("llama-13b", 2048))
+    choice = recommend(big, 8, 1, 2048, "bf16", DeviceInfo("cuda", 96 * 2**30, 989e12, 150e9, 0.45))
     assert choice.options.kind is PluginKind.GEMINI
     assert choice.options.offload_frac == 0
     assert any("zero2 would need" in reason for reason in choice.reasons)
-    # On 2 GPUs of 24 GiB nothing fits on the device: chunks go to the host.
+    # Llama 7B on 2 GPUs of 24 GiB: nothing fits on the device; chunks go to the host.
+    seven = model_shape(resolve_model("llama-7b", 512))
     small_gpus = DeviceInfo("cuda", 24 * 2**30, 165e12, 32e9, 0.45)
-    offload = recommend(big, 2, 1, 2048, "bf16", small_gpus)
+    offload = recommend(seven, 2, 1, 512, "bf16", small_gpus)
     assert offload.options.kind is PluginKind.GEMINI
-    assert 0 < offload.options.offload_frac <= 1
-    final = offload.estimates[-1]
-    assert final.model_state_bytes - final.host_bytes + final.activation_bytes <= 0.9 * 24 * 2**30
+    assert 0 < offload.options.offload_frac < 1
+    assert offload.estimates[-1].device_bytes <= 0.9 * 24 * 2**30
+    assert offload.estimates[-2].device_bytes > 0.9 * 24 * 2**30

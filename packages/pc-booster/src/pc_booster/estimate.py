@@ -1,7 +1,8 @@
 """``pc-estimate``: per-rank memory and step time of a model under each
 plugin, before anything runs, and the plugin to use with its reasons.
 
-Model states follow the ZeRO paper's accounting for Adam, with Ψ the
+Model states follow the ZeRO paper's accounting for Adam (at the step,
+gradients held), with Ψ the
 parameters a rank's model part holds (after tensor and pipeline
 parallelism) and N the data-parallel ranks. A parameter costs ``p`` bytes
 (4 in fp32, 2 under fp16/bf16), its gradient ``g`` bytes, an fp32 master
@@ -10,7 +11,7 @@ master) and Adam's two moments 8 bytes:
 
 ========  ===================================
 ddp       (p + g + m + 8) Ψ
-zero1     (p + g) Ψ + (m + 8) Ψ / N
+zero1     (p + g) Ψ + (g + m + 8) Ψ / N
 zero2     p Ψ + (g + m + 8) Ψ / N
 fsdp      16 Ψ / N (fp32 shards; bf16 only in compute)
 gemini    (p + g + m + 8) Ψ / N, chunks padded
@@ -277,8 +278,9 @@ def estimate(
         params, grads, master, states = 4 * psi / n, 4 * psi / n, 0.0, 8 * psi / n
     elif kind is PluginKind.GEMINI:
         params, grads, master, states = p * psi / n, g * psi / n, m * psi / n, 8 * psi / n
-    elif stage == 1:
-        params, grads, master, states = p * psi, g * psi, m * psi / n, 8 * psi / n
+    elif stage == 1:  # the full gradient buffer, and (reduced in backward) its piece
+        piece = g * psi / n if options.pp == 1 else 0.0  # pipelines reduce at the step
+        params, grads, master, states = p * psi, g * psi + piece, m * psi / n, 8 * psi / n
     elif stage == 2:
         params, grads, master, states = p * psi, g * psi / n, m * psi / n, 8 * psi / n
     else:
