@@ -27,6 +27,7 @@ import torch.distributed as dist
 __all__ = [
     "CheckpointError",
     "find_checkpoint",
+    "has_checkpoint",
     "load_trainer_state",
     "prune_checkpoints",
     "save_checkpoint",
@@ -58,6 +59,10 @@ class CheckpointError(ValueError):
 def _step_dirs(root: Path) -> list[Path]:
     found = [p for p in root.glob("step-*") if p.is_dir() and not p.name.endswith(".partial")]
     return sorted(found, key=lambda p: p.name)
+
+
+def has_checkpoint(root: Path) -> bool:
+    return bool(_step_dirs(root))
 
 
 def find_checkpoint(root: Path, which: str) -> Path:

@@ -36,6 +36,7 @@ from torch import nn
 from pc_booster.checkpoint import (
     CheckpointError,
     find_checkpoint,
+    has_checkpoint,
     load_trainer_state,
     prune_checkpoints,
     save_checkpoint,
@@ -112,6 +113,8 @@ def prepare(config: TrainConfig, world: int) -> tuple[TrainConfig, ModelSpec, li
             "use --microbatches instead."
         )
     options.make(config.clip_norm)  # the plugin's own checks, before any process starts
+    if config.resume == "auto":  # restarts of one command line: resume when there is one
+        config = replace(config, resume="latest" if has_checkpoint(config.checkpoint_dir) else None)
     if config.resume is not None:
         path = find_checkpoint(config.checkpoint_dir, config.resume)
         load_trainer_state(path, config)  # raises CheckpointError on a bad checkpoint

@@ -128,7 +128,8 @@ _HELP = {
     "output_dir": "checkpoints, TensorBoard logs and the report go here",
     "checkpoint_every": "save every N steps (0: only at the end)",
     "keep_last": "checkpoints to keep",
-    "resume": "'latest' (the default with a bare --resume) or a checkpoint directory",
+    "resume": "'latest' (a bare --resume), a checkpoint directory, or 'auto' (resume when a "
+    "checkpoint exists, else start: for restarts of one command line)",
     "eval_every": "held-out loss every N steps (0: only at the start and end)",
     "log_every": "progress and TensorBoard every N steps",
     "deterministic": "deterministic kernels, so a resumed run repeats the loss curve bitwise",
