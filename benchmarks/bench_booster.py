@@ -22,7 +22,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from _common import alternate, step_gpt2, step_times
-from torch import nn
 
 from pc_booster import (
     Booster,
@@ -34,6 +33,7 @@ from pc_booster import (
     TorchDDPPlugin,
     TorchFSDPPlugin,
 )
+from pc_booster.estimate import measured_model_state_bytes
 from pc_comm.testing import spawn
 
 RESULTS = Path(__file__).resolve().parent.parent / "bench-results"
@@ -46,32 +46,6 @@ PLUGINS: dict[str, Callable[[], Plugin]] = {
     "Gemini": GeminiPlugin,
     "hybrid tp 2": partial(HybridParallelPlugin, tp_size=2),
 }
-
-
-def _bytes(tensors: list[torch.Tensor]) -> int:
-    """Bytes of ``tensors`` (each counted once): their own elements, not
-    their storages, which may be a shared segment holding every rank's
-    buffer (pc DDP's symmetric gradient buckets)."""
-    seen: dict[int, int] = {}
-    for t in tensors:
-        local = t.to_local() if hasattr(t, "to_local") else t
-        if local.numel():
-            seen[local.data_ptr()] = local.numel() * local.element_size()
-    return sum(seen.values())
-
-
-def _model_state_bytes(model: nn.Module, optimizer: Any) -> int:
-    # pc's ZeRO wrappers account for themselves.
-    if hasattr(optimizer, "memory"):
-        return int(optimizer.memory().total)
-    wrapper: Any = model
-    if hasattr(wrapper, "chunks"):
-        return int(wrapper.memory(optimizer).total)
-    params: list[torch.Tensor] = list(model.parameters())
-    grads = [p.grad for p in params if p.grad is not None]
-    inner = getattr(optimizer, "inner", optimizer)
-    states = [v for s in inner.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-    return _bytes(params) + _bytes(grads) + _bytes(states)
 
 
 def _run(iters: int, out: str) -> None:
@@ -98,7 +72,7 @@ def _run(iters: int, out: str) -> None:
         step()  # warm-up, and the optimizer states exist
         loss = model(input_ids=ids, labels=ids).loss
         booster.backward(loss, optimizer)  # gradients held, as at their peak
-        size = torch.tensor([_model_state_bytes(model, optimizer)], dtype=torch.float64)
+        size = torch.tensor([measured_model_state_bytes(model, optimizer)], dtype=torch.float64)
         dist.all_reduce(size, op=dist.ReduceOp.MAX)
         sizes[name] = int(size)
         optimizer.zero_grad()

@@ -1,23 +1,46 @@
-"""pc-train's configuration, corpus and data order (the end-to-end run is in
-integration_tests/test_demo.py)."""
+"""pc-train's configuration, corpus, data order, plugin options and
+checkpoint checks, without processes (the end-to-end runs are in
+integration_tests/test_pc_train.py)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 import torch
 
-from pc_booster.train import TrainConfig, _batch_offsets, load_byte_corpus
+from pc_booster.checkpoint import CheckpointError, find_checkpoint, load_trainer_state
+from pc_booster.data import batch_offsets, load_byte_corpus, load_corpus
+from pc_booster.models import resolve_model
+from pc_booster.options import PluginKind, PluginOptions
+from pc_booster.train_config import TrainConfig
 
 
 def test_config_rejects_bad_values() -> None:
-    with pytest.raises(ValueError, match="unknown model 'gpt9'"):
-        TrainConfig(model="gpt9")
-    with pytest.raises(ValueError, match="steps must be at least 1, got 0"):
+    with pytest.raises(ValueError, match="unknown plugin 'zero9'"):
+        TrainConfig(plugin="zero9")
+    with pytest.raises(ValueError, match="steps must be an integer of at least 1, got 0"):
         TrainConfig(steps=0)
     with pytest.raises(ValueError, match="lr must be positive"):
         TrainConfig(lr=0.0)
+    with pytest.raises(ValueError, match="checkpoint_every must be an integer >= 0"):
+        TrainConfig(checkpoint_every=-1)
+
+
+def test_models_resolve_presets_configs_and_refuse_the_rest(tmp_path: Path) -> None:
+    spec = resolve_model("llama-tiny", 64)
+    assert (spec.family, spec.vocab_size, spec.layers, spec.hidden) == ("llama", 256, 2, 64)
+    config = tmp_path / "opt.json"
+    config.write_text(json.dumps(resolve_model("opt-tiny", 64).config.to_dict()))
+    assert resolve_model(str(config), 64).family == "opt"
+    with pytest.raises(ValueError, match="unknown model 'gpt9'"):
+        resolve_model("gpt9", 64)
+    with pytest.raises(ValueError, match="does not exist"):
+        resolve_model(str(tmp_path / "missing.json"), 64)
+    config.write_text("{not json")
+    with pytest.raises(ValueError, match="is not a usable config"):
+        resolve_model(str(config), 64)
 
 
 def test_corpus_reads_bytes_from_file_dir_and_stdlib(tmp_path: Path) -> None:
@@ -27,21 +50,76 @@ def test_corpus_reads_bytes_from_file_dir_and_stdlib(tmp_path: Path) -> None:
     tokens = load_byte_corpus(str(tmp_path), limit=100)
     assert bytes(tokens.to(torch.uint8).tolist()) == b"helloworld!"
     assert load_byte_corpus(str(tmp_path / "a.txt"), limit=3).tolist() == list(b"hel")
+    nested = tmp_path / "nested"
+    (nested / "deeper").mkdir(parents=True)
+    (nested / "deeper" / "c.md").write_bytes(b"deep")
+    assert bytes(load_corpus(str(nested), 100).tolist()) == b"deep"
     stdlib = load_byte_corpus(None, limit=10_000)
     assert stdlib.numel() == 10_000
     assert stdlib.dtype == torch.int64
     assert int(stdlib.max()) < 256
-    with pytest.raises(ValueError, match="neither a file nor a directory"):
+    with pytest.raises(ValueError, match="does not exist"):
         load_byte_corpus(str(tmp_path / "missing"), limit=10)
     empty = tmp_path / "empty"
     empty.mkdir()
-    with pytest.raises(ValueError, match="holds no text files"):
+    with pytest.raises(ValueError, match="holds no text"):
         load_byte_corpus(str(empty), limit=10)
 
 
 def test_global_batch_is_a_function_of_seed_and_step() -> None:
-    config = TrainConfig(seed=3)
-    a, b = _batch_offsets(config, 7, 10_000), _batch_offsets(config, 7, 10_000)
+    a, b = batch_offsets(3, 7, 16, 64, 10_000), batch_offsets(3, 7, 16, 64, 10_000)
     assert torch.equal(a, b)
-    assert not torch.equal(a, _batch_offsets(config, 8, 10_000))
-    assert int(a.max()) < 10_000 - config.seq_len
+    assert not torch.equal(a, batch_offsets(3, 8, 16, 64, 10_000))
+    assert int(a.max()) < 10_000 - 64
+    with pytest.raises(ValueError, match="too few for sequences of 64"):
+        batch_offsets(0, 0, 16, 64, 60)
+
+
+def test_plugin_options_are_checked_against_the_world() -> None:
+    hybrid = PluginOptions(PluginKind.HYBRID, tp=2, pp=2)
+    hybrid.check(8, "fp32", layers=4)
+    assert hybrid.dp_size(8) == 2
+    with pytest.raises(ValueError, match=r"tp \(2\) x pp \(2\) = 4 does not divide the world"):
+        hybrid.check(6, "fp32")
+    with pytest.raises(ValueError, match="do not split into --pp 2 stages"):
+        hybrid.check(8, "fp32", layers=3)
+    with pytest.raises(ValueError, match="need --plugin hybrid"):
+        PluginOptions(PluginKind.ZERO2, tp=2).check(4, "fp32")
+    with pytest.raises(ValueError, match="trains in fp32, not fp16"):
+        PluginOptions(PluginKind.DDP).check(2, "fp16")
+    with pytest.raises(ValueError, match="--offload-frac is an option of --plugin gemini"):
+        PluginOptions(PluginKind.ZERO1, offload_frac=0.5).check(2, "fp32")
+    with pytest.raises(ValueError, match="unknown plugin"):
+        PluginOptions.parse("zero3")
+
+
+def test_checkpoint_checks_refuse_missing_truncated_and_foreign(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError, match="no checkpoint in"):
+        find_checkpoint(tmp_path, "latest")
+    (tmp_path / "step-000010.partial").mkdir()  # a save that never finished
+    with pytest.raises(CheckpointError, match="no checkpoint in"):
+        find_checkpoint(tmp_path, "latest")
+    step = tmp_path / "step-000010"
+    step.mkdir()
+    assert find_checkpoint(tmp_path, "latest") == step
+    config = TrainConfig()
+    with pytest.raises(CheckpointError, match=r"trainer_state\.json is missing"):
+        load_trainer_state(step, config)
+    (step / "trainer_state.json").write_text("{")
+    with pytest.raises(CheckpointError, match="is corrupt"):
+        load_trainer_state(step, config)
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.zeros(4)}, str(step / "model.safetensors"))
+    size = (step / "model.safetensors").stat().st_size
+    state = {"step": 10, "config": config.to_dict(), "files": {"model.safetensors": size}}
+    (step / "trainer_state.json").write_text(json.dumps(state))
+    assert load_trainer_state(step, config)["step"] == 10
+    with pytest.raises(CheckpointError, match=r"other settings .*seq_len: saved 64, now 32"):
+        load_trainer_state(step, TrainConfig(seq_len=32))
+    with pytest.raises(CheckpointError, match="past --steps 5"):
+        load_trainer_state(step, TrainConfig(steps=5))
+    with open(step / "model.safetensors", "r+b") as handle:
+        handle.truncate(size - 1)
+    with pytest.raises(CheckpointError, match=f"has {size - 1} bytes, {size} were written"):
+        load_trainer_state(step, config)

@@ -115,9 +115,7 @@ def resolve_model(model: str, seq_len: int) -> ModelSpec:
     """A preset name, a config ``.json`` file, or a directory with a
     ``config.json`` (and weights, which are then loaded)."""
     if model in _SHAPES:
-        config = _preset_config(model, seq_len)
-        config.loss_type = "ForCausalLM"  # said, so transformers does not warn about guessing it
-        return ModelSpec(model, config)
+        return ModelSpec(model, _preset_config(model, seq_len))
     path = Path(model)
     looks_like_path = path.suffix == ".json" or "/" in model or path.exists()
     if not looks_like_path:
@@ -151,7 +149,7 @@ def build_model(spec: ModelSpec, seed: int, device: torch.device | str = "cpu") 
     tf = _transformers()
     if spec.pretrained is not None:
         model: nn.Module = tf.AutoModelForCausalLM.from_pretrained(str(spec.pretrained))
-        return model.to(device)
+        return _causal_loss(model).to(device)
     torch.manual_seed(seed)
     with torch.device(device):
         try:
@@ -161,4 +159,11 @@ def build_model(spec: ModelSpec, seed: int, device: torch.device | str = "cpu") 
                 f"model {spec.name!r} ({spec.family}) is not a causal language model "
                 f"transformers can build: {error}"
             ) from None
+    return _causal_loss(model)
+
+
+def _causal_loss(model: nn.Module) -> nn.Module:
+    # Said outright, so transformers does not warn that it guessed it.
+    if getattr(model, "loss_type", None) is None:
+        object.__setattr__(model, "loss_type", "ForCausalLM")
     return model

@@ -99,10 +99,13 @@ def write_report(out: Path, summary: dict[str, Any], history: dict[str, Any]) ->
         )
     if logs:
         last = logs[-1]
+        tokens = summary["global_batch_size"] * summary["seq_len"]
         lines += [
             f"- throughput: {rate:,.0f} tokens/s (mean of the logged windows after the first), "
             f"{last['tflops']:.3g} TFLOPS per rank, MFU {last['mfu']:.1%} of "
             f"{summary['peak_tflops']:.3g} TFLOPS ({summary['peak_source']})",
+            f"- step time: {tokens / max(rate, 1e-9):.4g} s measured, "
+            f"{summary['predicted_step_seconds']:.4g} s predicted by pc-estimate",
             f"- peak memory per rank ({last['memory_kind']}): "
             + ", ".join(f"{m / 2**20:,.0f} MiB" for m in last["peak_memory"]),
         ]

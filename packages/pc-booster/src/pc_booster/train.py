@@ -16,6 +16,7 @@ import logging
 import math
 import os
 import random
+import re
 import resource
 import signal
 import sys
@@ -507,7 +508,7 @@ def _worker(config: TrainConfig, reasons: Sequence[str]) -> None:
 
     # The Booster re-points the LR schedule at the optimizer it rebuilt;
     # torch's check for a wrapped step() cannot see that.
-    warnings.filterwarnings("ignore", message="Seems like `optimizer.step()` has been overridden")
+    warnings.filterwarnings("ignore", message=re.escape("Seems like `optimizer.step()` has been"))
     if config.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
