@@ -25,7 +25,8 @@ PACKAGES = [
     "pc-booster",
 ]
 INTEGRATION = "integration"
-TEST_DEPS = ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6"]
+# datasets: pc-train reads save_to_disk directories; the test of that needs it.
+TEST_DEPS = ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6", "datasets>=2.14"]
 
 nox.options.sessions = ["lint", "typecheck", "tests"]
 nox.options.reuse_venv = "yes"

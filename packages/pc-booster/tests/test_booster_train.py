@@ -123,3 +123,13 @@ def test_checkpoint_checks_refuse_missing_truncated_and_foreign(tmp_path: Path) 
         handle.truncate(size - 1)
     with pytest.raises(CheckpointError, match=f"has {size - 1} bytes, {size} were written"):
         load_trainer_state(step, config)
+
+
+def test_corpus_reads_a_datasets_directory(tmp_path: Path) -> None:
+    datasets = pytest.importorskip("datasets")  # nox's test session installs it
+    rows = {"text": ["first row", "second row"], "label": [0, 1]}
+    datasets.Dataset.from_dict(rows).save_to_disk(str(tmp_path / "ds"))
+    assert bytes(load_corpus(str(tmp_path / "ds"), 1000).tolist()) == b"first row\n\nsecond row"
+    datasets.Dataset.from_dict({"body": ["x"]}).save_to_disk(str(tmp_path / "other"))
+    with pytest.raises(ValueError, match="reads a 'text' column"):
+        load_corpus(str(tmp_path / "other"), 1000)
