@@ -50,6 +50,7 @@ __all__ = [
     "ModelShape",
     "Recommendation",
     "estimate",
+    "gpu_device",
     "main",
     "measured_model_state_bytes",
     "model_shape",
@@ -183,6 +184,16 @@ _GPU_PEAKS = {  # dense tensor-core TFLOP/s: (bf16/fp16, fp32 via tf32)
     "A10": (125.0, 62.5),
     "V100": (125.0, 15.7),
 }
+_GPU_MEMORY_GIB = {"H200": 141, "H100": 80, "A100": 80, "L40S": 48, "A10": 24, "V100": 32}
+GPUS = tuple(_GPU_PEAKS)
+
+
+def gpu_device(name: str, precision: str) -> DeviceInfo:
+    """A GPU from the datasheet table (``pc-estimate --gpu H100``), for
+    estimates made away from the machine; NVLink-class bandwidth."""
+    return DeviceInfo(
+        "cuda", _GPU_MEMORY_GIB[name] * GiB, gpu_peak_flops(name, precision), 150e9, 0.45
+    )
 
 
 def gpu_peak_flops(name: str, precision: str) -> float:
@@ -303,6 +314,8 @@ def estimate(
         per_layer = 8 * (options.tp - 1) / options.tp * micro_batch * seq_len * shape.hidden * p
         tp_bytes = per_layer * shape.layers / options.pp * pipeline_batches
     seconds = compute + 0.5 * comm_bytes / device.bandwidth + tp_bytes / device.bandwidth
+    if host:  # offloaded shards cross PCIe (about 25 GB/s) and step on the host (about 10 GB/s)
+        seconds += 2 * host / 25e9 + host / 10e9
     if options.pp > 1:
         chunks = options.microbatches or options.pp
         seconds *= 1 + (options.pp - 1) / chunks  # 1F1B's bubble
@@ -456,7 +469,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--device-memory-gib",
         type=float,
         default=None,
-        help="memory per rank (default: this machine's)",
+        help="memory per rank (default: this machine's, or the --gpu's)",
+    )
+    parser.add_argument(
+        "--gpu", choices=GPUS, default=None, help="estimate for this GPU (default: this machine)"
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = parser.parse_args(argv)
@@ -464,7 +480,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         if args.world < 1 or args.micro_batch < 1 or args.seq_len < 1:
             raise ValueError("--world, --micro-batch and --seq-len must be at least 1.")
         spec = resolve_model(args.model, args.seq_len)
-        device = DeviceInfo.detect(args.world, args.precision)
+        if args.gpu is not None:
+            device = gpu_device(args.gpu, args.precision)
+        else:
+            device = DeviceInfo.detect(args.world, args.precision)
         if args.device_memory_gib is not None:
             device = replace(device, memory_bytes=int(args.device_memory_gib * GiB))
         shape = model_shape(spec)
@@ -491,7 +510,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(
             json.dumps(
                 {
-                    "recommended": choice.options.describe(),
+                    "recommended": choice.options.flags(),
                     "reasons": list(choice.reasons),
                     "estimates": [
                         {**asdict(e), "model_state_bytes": e.model_state_bytes}
@@ -508,7 +527,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         f"{_gib(device.memory_bytes)} per rank ({device.kind})\n"
     )
     print(_table(choice.estimates))
-    print(f"\nrecommended: --plugin {choice.options.describe()}")
+    print(f"\nrecommended: {choice.options.flags()}")
     for reason in choice.reasons:
         print(f"  - {reason}")
 

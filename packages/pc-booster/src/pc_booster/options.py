@@ -72,6 +72,18 @@ class PluginOptions:
         sp = " sp" if self.sequence_parallel else ""
         return f"hybrid tp{self.tp} pp{self.pp} zero{self.zero_stage}{sp}"
 
+    def flags(self) -> str:
+        """The pc-train command-line options that select this plugin."""
+        out = [f"--plugin {self.name}"]
+        if self.kind is PluginKind.HYBRID:
+            out += [f"--tp {self.tp}", f"--pp {self.pp}", f"--zero-stage {self.zero_stage}"]
+            out += ["--sequence-parallel"] if self.sequence_parallel else []
+        if self.offload_frac:
+            out.append(f"--offload-frac {self.offload_frac:g}")
+        if self.cpu_offload:
+            out.append("--cpu-offload")
+        return " ".join(out)
+
     def dp_size(self, world: int) -> int:
         return world // self.model_parallel
 
