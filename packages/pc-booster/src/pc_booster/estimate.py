@@ -98,13 +98,8 @@ def model_shape(spec: ModelSpec) -> ModelShape:
     """Count the model's parameters on the meta device (no memory)."""
     from pc_tensor import POLICIES
 
-    model = build_model(spec, seed=0, device="meta") if spec.pretrained is None else None
-    if model is None:
-        with torch.device("meta"):
-            import transformers
-
-            model = transformers.AutoModelForCausalLM.from_config(spec.config)
-    assert model is not None
+    # From the config alone: a pretrained directory's weights are not read.
+    model = build_model(replace(spec, pretrained=None), seed=0, device="meta")
     params = _numel(model)
     base = getattr(model, "base_model", model)
     policy = POLICIES.get(spec.family)
