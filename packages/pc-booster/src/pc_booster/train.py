@@ -51,9 +51,14 @@ __all__ = ["MODEL_PRESETS", "TrainConfig", "load_byte_corpus", "main", "prepare"
 _ERROR_DIR = "PC_TRAIN_ERROR_DIR"
 
 
+class NonFiniteLossError(ValueError):
+    """The loss became inf or NaN (``--check-finite``)."""
+
+
 class _Stop:
-    """SIGINT / SIGTERM ask for a stop; the ranks agree on the step (one
-    tiny all-reduce per step), save a checkpoint there and exit."""
+    """SIGINT / SIGTERM ask for a stop; the ranks agree on the step, save a
+    checkpoint there and exit. The same tiny all-reduce, once per step
+    before the optimizer steps, carries each rank's finite-loss check."""
 
     def __init__(self) -> None:
         self.asked = False
@@ -63,10 +68,14 @@ class _Stop:
     def _ask(self, signum: int, frame: Any) -> None:
         self.asked = True
 
-    def agreed(self) -> bool:
-        flag = torch.tensor([1.0 if self.asked else 0.0])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+    def agree(self, finite: bool) -> tuple[bool, list[int]]:
+        """(stop asked on any rank, ranks whose loss is not finite)."""
+        world, rank = dist.get_world_size(), dist.get_rank()
+        flags = torch.zeros(world + 1)
+        flags[0] = 1.0 if self.asked else 0.0
+        flags[1 + rank] = 0.0 if finite else 1.0
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        return bool(flags[0]), [r for r in range(world) if flags[1 + r] > 0]
 
 
 def prepare(config: TrainConfig, world: int) -> tuple[TrainConfig, ModelSpec, list[str]]:
@@ -335,8 +344,20 @@ def train(config: TrainConfig, context: Any, reasons: Sequence[str] = ()) -> dic
                     loss = model(input_ids=part, labels=part).loss / config.accumulation
                     booster.backward(loss, optimizer)
                 total += loss.detach().float()
+        finite = bool(torch.isfinite(total)) or not config.check_finite
         if loop_clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), loop_clip)
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), loop_clip)
+            finite = finite and (bool(torch.isfinite(norm)) or not config.check_finite)
+        interrupted, bad = stop.agree(finite)
+        if bad:
+            saved = max((s for s in range(start, step + 1) if _periodic(config, s)), default=0)
+            where = f"the last checkpoint is at step {saved}" if saved else "no checkpoint yet"
+            raise NonFiniteLossError(
+                f"step {step + 1}: the loss (or gradient norm) is not finite on rank(s) "
+                f"{', '.join(map(str, bad))}; stopped before the optimizer step "
+                f"(--check-finite), {where}. Lower --lr, use bf16 rather than fp16, or "
+                "--resume from an earlier checkpoint."
+            )
         if not model_states:
             # Model states at their peak: gradients held, optimizer states built.
             optimizer.step()
@@ -393,9 +414,7 @@ def train(config: TrainConfig, context: Any, reasons: Sequence[str] = ()) -> dic
             evaluate(step)
             if writer is not None:
                 writer.add_scalar("eval/loss", history["eval_loss"][-1], step)
-        interrupted = stop.agreed()
-        periodic = config.checkpoint_every and step % config.checkpoint_every == 0
-        if periodic or interrupted or step == config.steps:
+        if _periodic(config, step) or interrupted or step == config.steps:
             _save(
                 booster,
                 model,
@@ -460,6 +479,10 @@ def train(config: TrainConfig, context: Any, reasons: Sequence[str] = ()) -> dic
     return history
 
 
+def _periodic(config: TrainConfig, step: int) -> bool:
+    return bool(config.checkpoint_every) and step % config.checkpoint_every == 0
+
+
 def _save(
     booster: Any,
     model: nn.Module,
@@ -518,7 +541,8 @@ def _worker(config: TrainConfig, reasons: Sequence[str]) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // context.env.local_world_size))
     try:
         train(config, context, reasons)
-    except (ValueError, TypeError, CheckpointError, FileNotFoundError) as error:
+    except (ValueError, TypeError, FileNotFoundError) as error:  # CheckpointError and
+        # NonFiniteLossError are ValueErrors
         _fail(str(error))
     finally:
         if dist.is_initialized():
@@ -541,7 +565,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    for name in ("torch.distributed.elastic", "torch.multiprocessing"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
     launch = LaunchConfig(
         min_nodes=1,
         max_nodes=1,

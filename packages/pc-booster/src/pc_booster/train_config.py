@@ -51,6 +51,7 @@ class TrainConfig:
     eval_every: int = 50
     log_every: int = 10
     deterministic: bool = True
+    check_finite: bool = True
     tensorboard: bool = True
     progress: bool = True
     nproc: int = 2
@@ -133,6 +134,7 @@ _HELP = {
     "eval_every": "held-out loss every N steps (0: only at the start and end)",
     "log_every": "progress and TensorBoard every N steps",
     "deterministic": "deterministic kernels, so a resumed run repeats the loss curve bitwise",
+    "check_finite": "stop, naming the step and the ranks, when the loss turns inf or NaN",
     "nproc": "local processes to start (ignored under torchrun)",
 }
 
