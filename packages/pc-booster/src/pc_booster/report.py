@@ -16,6 +16,9 @@ def _mean(values: list[float]) -> float:
     return sum(values) / max(1, len(values))
 
 
+Series = list[tuple[list[float], list[float], str, str]]  # x, y, line style, label
+
+
 def _plots(history: dict[str, Any], out: Path) -> list[str]:
     try:
         import matplotlib
@@ -24,52 +27,41 @@ def _plots(history: dict[str, Any], out: Path) -> list[str]:
         import matplotlib.pyplot as plt
     except ImportError:
         return []
-    written = []
-    figure, axis = plt.subplots(figsize=(7, 4))
-    axis.plot(history["step"], history["loss"], label="train loss", linewidth=1)
-    if history.get("eval_step"):
-        axis.plot(history["eval_step"], history["eval_loss"], "o-", label="held-out loss")
-    axis.set_xlabel("step")
-    axis.set_ylabel("loss")
-    axis.set_title("loss")
-    axis.grid(alpha=0.3)
-    axis.legend()
-    figure.tight_layout()
-    figure.savefig(out / "loss.png", dpi=100)
-    plt.close(figure)
-    written.append("loss.png")
 
+    def figure(name: str, title: str, ylabel: str, series: Series) -> str:
+        fig, axis = plt.subplots(figsize=(7, 4))
+        for x, y, style, label in series:
+            axis.plot(x, y, style, label=label, linewidth=1)
+        axis.set_xlabel("step")
+        axis.set_ylabel(ylabel)
+        axis.set_title(title)
+        axis.grid(alpha=0.3)
+        if any(label for *_, label in series):
+            axis.legend()
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=100)
+        plt.close(fig)
+        return name
+
+    losses: Series = [(history["step"], history["loss"], "-", "train loss")]
+    if history.get("eval_step"):
+        losses.append((history["eval_step"], history["eval_loss"], "o-", "held-out loss"))
+    written = [figure("loss.png", "loss", "loss", losses)]
     logs = history["log"]
     if logs:
-        figure, axis = plt.subplots(figsize=(7, 4))
-        axis.plot([e["step"] for e in logs], [e["tokens_per_s"] for e in logs], "o-")
-        axis.set_xlabel("step")
-        axis.set_ylabel("tokens / s (all ranks)")
-        axis.set_title("throughput")
-        axis.grid(alpha=0.3)
-        figure.tight_layout()
-        figure.savefig(out / "throughput.png", dpi=100)
-        plt.close(figure)
-        written.append("throughput.png")
-
-        figure, axis = plt.subplots(figsize=(7, 4))
-        ranks = len(logs[-1]["peak_memory"])
-        for rank in range(ranks):
-            axis.plot(
-                [e["step"] for e in logs],
-                [e["peak_memory"][rank] / 2**20 for e in logs],
-                "o-",
-                label=f"rank {rank}",
+        steps = [e["step"] for e in logs]
+        rates = [e["tokens_per_s"] for e in logs]
+        written.append(
+            figure(
+                "throughput.png", "throughput", "tokens / s (all ranks)", [(steps, rates, "o-", "")]
             )
-        axis.set_xlabel("step")
-        axis.set_ylabel("peak memory (MiB)")
-        axis.set_title(f"per-rank peak memory ({logs[-1]['memory_kind']})")
-        axis.grid(alpha=0.3)
-        axis.legend()
-        figure.tight_layout()
-        figure.savefig(out / "memory.png", dpi=100)
-        plt.close(figure)
-        written.append("memory.png")
+        )
+        memory: Series = [
+            (steps, [e["peak_memory"][r] / 2**20 for e in logs], "o-", f"rank {r}")
+            for r in range(len(logs[-1]["peak_memory"]))
+        ]
+        title = f"per-rank peak memory ({logs[-1]['memory_kind']})"
+        written.append(figure("memory.png", title, "peak memory (MiB)", memory))
     return written
 
 

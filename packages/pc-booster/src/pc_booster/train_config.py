@@ -87,16 +87,9 @@ class TrainConfig:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}.")
 
     def plugin_options(self) -> PluginOptions:
-        return PluginOptions.parse(
-            self.plugin,
-            tp=self.tp,
-            pp=self.pp,
-            zero_stage=self.zero_stage,
-            microbatches=self.microbatches,
-            sequence_parallel=self.sequence_parallel,
-            offload_frac=self.offload_frac,
-            cpu_offload=self.cpu_offload,
-        )
+        """The plugin fields of this config (the same names as PluginOptions')."""
+        names = [f.name for f in fields(PluginOptions) if f.name != "kind"]
+        return PluginOptions.parse(self.plugin, **{n: getattr(self, n) for n in names})
 
     @property
     def checkpoint_dir(self) -> Path:
