@@ -62,7 +62,26 @@ def _start_then_kill(out: Path, sig: int, after: int, *extra: str) -> int:
             os.killpg(proc.pid, signal.SIGKILL)
 
 
+def _shm() -> set[str]:
+    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+
+
 def test_demo_reports_and_resume_after_kills_repeats_the_curve(tmp_path: Path) -> None:
+    before = _shm()
+    try:
+        _demo_and_resume(tmp_path)
+    finally:
+        # SIGKILL of the whole job kills multiprocessing's resource tracker
+        # too, so the launcher's semaphores (sem.mp-*) outlive it; pc's own
+        # segments do not. Leave the machine as found.
+        for name in _shm() - before:
+            if name.startswith("sem.mp-"):
+                os.unlink(os.path.join("/dev/shm", name))
+        leaked = {n for n in _shm() - before if not n.startswith("sem.mp-")}
+        assert not leaked, leaked
+
+
+def _demo_and_resume(tmp_path: Path) -> None:
     reference = tmp_path / "reference"
     done = subprocess.run(
         [*COMMAND, *RUN, "--output-dir", str(reference)],
@@ -102,24 +121,28 @@ def test_demo_reports_and_resume_after_kills_repeats_the_curve(tmp_path: Path) -
     assert report["resumed_at"][-1] == second_stop
     assert len(_checkpoints(run)) <= 2  # keep-last 2
 
-    # A truncated checkpoint, or one from another model, is refused up front.
+    # A truncated checkpoint, or one from another model, is refused up front
+    # (in this process: the checks run before any worker starts).
     latest = run / "checkpoints" / f"step-{60:06d}"
     with open(latest / "model.safetensors", "r+b") as handle:
         handle.truncate(100)
-    result = subprocess.run(
-        [*COMMAND, *RUN, "--output-dir", str(run), "--resume", str(latest)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert result.returncode == 2
-    assert "is corrupt: model.safetensors has 100 bytes" in result.stderr
-    assert "Traceback" not in result.stderr
+    _refused([*RUN, "--output-dir", str(run), "--resume", str(latest)],
+             "is corrupt: model.safetensors has 100 bytes")  # fmt: skip
     other = [*RUN, "--output-dir", str(reference), "--resume"]
     other[other.index("gpt2-small")] = "llama-tiny"
-    result = subprocess.run([*COMMAND, *other], capture_output=True, text=True, timeout=120)
-    assert result.returncode == 2
-    assert "comes from a run with other settings (model: saved 'gpt2-small'" in result.stderr
+    _refused(other, "comes from a run with other settings (model: saved 'gpt2-small'")
+
+
+def _refused(argv: list[str], message: str) -> None:
+    import contextlib
+    import io
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as stop:
+        main(argv)
+    assert stop.value.code == 2
+    assert message in err.getvalue(), err.getvalue()
+    assert "Traceback" not in err.getvalue()
 
 
 def test_runs_under_torchrun(tmp_path: Path) -> None:

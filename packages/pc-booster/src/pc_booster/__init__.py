@@ -19,8 +19,18 @@ from pc_booster.plugins import (
     TorchDDPPlugin,
     TorchFSDPPlugin,
 )
-from pc_booster.train import train
 from pc_booster.train_config import TrainConfig
+
+
+def __getattr__(name: str) -> object:
+    # Imported on use, so `python -m pc_booster.train` does not find the
+    # module already loaded by the package.
+    if name == "train":
+        from pc_booster.train import train
+
+        return train
+    raise AttributeError(f"module 'pc_booster' has no attribute {name!r}")
+
 
 __all__ = [
     "Booster",

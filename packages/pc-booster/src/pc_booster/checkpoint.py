@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -140,8 +141,11 @@ def save_checkpoint(
     step: int,
     state: dict[str, Any],
     rng: dict[str, Any],
+    written: Callable[[], None] | None = None,
 ) -> Path:
-    """Save step ``step`` (collective: every rank calls it)."""
+    """Save step ``step`` (collective: every rank calls it). ``written`` is
+    called once every file is written and before the rename (the fault
+    tests kill a rank there)."""
     final = root / f"step-{step:06d}"
     partial = root / f"step-{step:06d}.partial"
     rank = dist.get_rank()
@@ -153,6 +157,8 @@ def save_checkpoint(
     booster.save_optimizer(optimizer, partial / "optimizer.pt")
     booster.save_lr_scheduler(schedule, partial / "scheduler.pt")
     torch.save(rng, partial / f"rng-rank{rank}.pt")
+    if written is not None:
+        written()
     dist.barrier()
     if rank == 0:
         files = {p.name: p.stat().st_size for p in sorted(partial.iterdir()) if p.is_file()}

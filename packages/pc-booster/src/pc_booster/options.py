@@ -135,9 +135,10 @@ class PluginOptions:
         if self.cpu_offload and self.kind not in (PluginKind.ZERO1, PluginKind.ZERO2):
             raise ValueError("--cpu-offload is an option of --plugin zero1 / zero2.")
 
-    def make(self, max_norm: float) -> tuple[Plugin, float]:
+    def make(self, max_norm: float, timeout: float = 300.0) -> tuple[Plugin, float]:
         """The plugin, and the clipping norm the training loop must apply
-        itself (plugins that clip inside their optimizer get ``max_norm``)."""
+        itself (plugins that clip inside their optimizer get ``max_norm``).
+        ``timeout``: seconds a pipeline stage waits for its neighbour."""
         from pc_booster import plugins
 
         kind = self.kind
@@ -171,6 +172,7 @@ class PluginOptions:
             num_microbatches=self.microbatches,
             enable_sequence_parallelism=self.sequence_parallel,
             max_norm=max_norm if self.zero_stage else 0.0,
+            pp_timeout=timeout,
         )
         return hybrid, 0.0 if self.zero_stage else max_norm
 

@@ -663,9 +663,15 @@ class HybridParallelPlugin(Plugin, SupportsNoSync, SupportsPipeline):
         initial_scale: float = 2.0**16,
         growth_interval: int = 1000,
         hysteresis: int = 2,
+        pp_timeout: float = 300.0,
     ) -> None:
         super().__init__()
         self.loss_scale = _loss_scale(initial_scale, growth_interval, hysteresis)
+        if not pp_timeout > 0:
+            raise ValueError(
+                f"HybridParallelPlugin: pp_timeout must be positive, got {pp_timeout}."
+            )
+        self.pp_timeout = pp_timeout  # seconds a stage waits for a neighbour's tensor
         for name, value in (("tp_size", tp_size), ("pp_size", pp_size)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(
@@ -855,12 +861,13 @@ class HybridParallelPlugin(Plugin, SupportsNoSync, SupportsPipeline):
                 for m in mine
             ]
         chunks = self.num_microbatches or pp
+        wait = self.pp_timeout
         if self.pp_style == "interleaved":
-            pipe: nn.Module = Interleaved1F1B(mine, chunks, groups.pp)
+            pipe: nn.Module = Interleaved1F1B(mine, chunks, groups.pp, timeout=wait)
         elif self.pp_style == "zbv":
-            pipe = ZeroBubble(mine[0], chunks, groups.pp)
+            pipe = ZeroBubble(mine[0], chunks, groups.pp, timeout=wait)
         else:
-            pipe = PipeDream(mine[0], chunks, groups.pp)
+            pipe = PipeDream(mine[0], chunks, groups.pp, timeout=wait)
         if optimizer is not None:
             optimizer = rebuild_optimizer(optimizer, names, own, skip_missing=True)
             if self.zero_stage:

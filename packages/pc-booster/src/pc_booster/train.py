@@ -21,18 +21,20 @@ import resource
 import signal
 import sys
 import tempfile
+import threading
 import time
 import uuid
 import warnings
 from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import replace
+from datetime import timedelta
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from pc_booster.checkpoint import (
     CheckpointError,
@@ -43,6 +45,7 @@ from pc_booster.checkpoint import (
     save_checkpoint,
 )
 from pc_booster.data import batch_offsets, load_byte_corpus, load_corpus, windows
+from pc_booster.faults import FaultInjector, Phases, comm_error
 from pc_booster.models import MODEL_PRESETS, ModelSpec, build_model, resolve_model
 from pc_booster.train_config import TrainConfig, parse_args
 
@@ -60,13 +63,25 @@ class _Stop:
     checkpoint there and exit. The same tiny all-reduce, once per step
     before the optimizer steps, carries each rank's finite-loss check."""
 
-    def __init__(self) -> None:
+    def __init__(self, phases: Phases, grace: float) -> None:
         self.asked = False
+        self.phases = phases
+        self.grace = grace  # after SIGTERM, seconds to reach the step's end and save
+        self.timer: threading.Timer | None = None
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._ask)
 
     def _ask(self, signum: int, frame: Any) -> None:
         self.asked = True
+        if signum == signal.SIGTERM and self.timer is None:
+            # A scheduler's preemption or the launcher stopping the job after
+            # another rank failed. A rank blocked on a dead peer never reaches
+            # the step's end: leave after the grace period, saying where it was.
+            where = self.phases.current
+            message = f"rank {self.phases.rank} was in {where} when the launcher stopped it."
+            self.timer = threading.Timer(self.grace, _leave, args=(message, 143))
+            self.timer.daemon = True
+            self.timer.start()
 
     def agree(self, finite: bool) -> tuple[bool, list[int]]:
         """(stop asked on any rank, ranks whose loss is not finite)."""
@@ -216,9 +231,15 @@ def _writer(config: TrainConfig, enabled: bool) -> Any:
     return SummaryWriter(str(Path(config.output_dir) / "tensorboard"))
 
 
-def train(config: TrainConfig, context: Any, reasons: Sequence[str] = ()) -> dict[str, Any]:
+def train(
+    config: TrainConfig,
+    context: Any,
+    reasons: Sequence[str] = (),
+    phases: Phases | None = None,
+) -> dict[str, Any]:
     """Train on this rank (collective: every rank calls it). Returns the
-    history (losses every step, logged throughput and memory)."""
+    history (losses every step, logged throughput and memory). ``phases``
+    publishes where this rank is, for failure reports."""
     from pc_booster import Booster, HybridParallelPlugin
     from pc_booster.estimate import DeviceInfo, estimate, measured_model_state_bytes, model_shape
 
@@ -226,7 +247,7 @@ def train(config: TrainConfig, context: Any, reasons: Sequence[str] = ()) -> dic
     rank0 = env.rank == 0
     spec = resolve_model(config.model, config.seq_len)
     options = config.plugin_options()
-    plugin, loop_clip = options.make(config.clip_norm)
+    plugin, loop_clip = options.make(config.clip_norm, config.timeout)
     booster = Booster(
         plugin=plugin, mixed_precision=None if config.precision == "fp32" else config.precision
     )
@@ -309,10 +330,15 @@ def train(config: TrainConfig, context: Any, reasons: Sequence[str] = ()) -> dic
         )
         for reason in reasons:
             print(f"  plugin auto: {reason}", flush=True)
+    phases = phases or Phases()
+    fault = FaultInjector()
     if start == 0:
+        phases.enter("eval", 0)
         evaluate(0)
 
-    stop = _Stop()
+    # After SIGTERM, a rank blocked on a failed peer gets its own timeout,
+    # plus a margin, to say where it is before it leaves.
+    stop = _Stop(phases, grace=min(config.timeout + 5.0, 60.0))
     progress = _Progress(config, start, rank0)
     writer = _writer(config, rank0)
     model_states: dict[str, float] = {}
@@ -327,6 +353,8 @@ def train(config: TrainConfig, context: Any, reasons: Sequence[str] = ()) -> dic
         mine = windows(
             train_tokens, offsets[dp_rank * per_rank : (dp_rank + 1) * per_rank], config.seq_len
         ).to(device)
+        phases.enter("forward", step + 1)
+        fault.at("forward", step + 1)
         if pipeline:
             loss = booster.execute_pipeline(iter([{"input_ids": mine}]), model, None, optimizer)[
                 "loss"
@@ -342,8 +370,12 @@ def train(config: TrainConfig, context: Any, reasons: Sequence[str] = ()) -> dic
                 )
                 with sync:
                     loss = model(input_ids=part, labels=part).loss / config.accumulation
+                    phases.enter("backward", step + 1)
+                    fault.at("backward", step + 1)
                     booster.backward(loss, optimizer)
                 total += loss.detach().float()
+        phases.enter("step", step + 1)
+        fault.at("step", step + 1)
         finite = bool(torch.isfinite(total)) or not config.check_finite
         if loop_clip:
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), loop_clip)
@@ -411,21 +443,22 @@ def train(config: TrainConfig, context: Any, reasons: Sequence[str] = ()) -> dic
                     writer.add_scalar(f"memory/rank{r}_mib", m / 2**20, step)
         progress.update(step, config.steps, fields, log)
         if config.eval_every and step % config.eval_every == 0 and step < config.steps:
+            phases.enter("eval", step)
+            fault.at("eval", step)
             evaluate(step)
             if writer is not None:
                 writer.add_scalar("eval/loss", history["eval_loss"][-1], step)
         if _periodic(config, step) or interrupted or step == config.steps:
-            _save(
-                booster,
-                model,
-                optimizer,
-                schedule,
-                config,
-                step,
-                history,
-                resumed_at,
-                env.world_size,
-            )
+            phases.enter("save", step)
+            state = {"step": step, "history": history, "config": config.to_dict(),
+                     "world": env.world_size, "resumed_at": resumed_at}  # fmt: skip
+            save_checkpoint(
+                booster, model, optimizer, schedule, config.checkpoint_dir, step, state,
+                _rng_state(), written=partial(fault.at, "save", step),
+            )  # fmt: skip
+            if rank0:
+                prune_checkpoints(config.checkpoint_dir, config.keep_last)
+            dist.barrier()
         if interrupted:
             break
     progress.close()
@@ -483,40 +516,34 @@ def _periodic(config: TrainConfig, step: int) -> bool:
     return bool(config.checkpoint_every) and step % config.checkpoint_every == 0
 
 
-def _save(
-    booster: Any,
-    model: nn.Module,
-    optimizer: Any,
-    schedule: Any,
-    config: TrainConfig,
-    step: int,
-    history: dict[str, Any],
-    resumed_at: list[int],
-    world: int,
-) -> None:
-    state = {
-        "step": step,
-        "history": history,
-        "config": config.to_dict(),
-        "world": world,
-        "resumed_at": resumed_at,
-    }
-    save_checkpoint(
-        booster, model, optimizer, schedule, config.checkpoint_dir, step, state, _rng_state()
-    )
-    if dist.get_rank() == 0:
-        prune_checkpoints(config.checkpoint_dir, config.keep_last)
-    dist.barrier()
-
-
 # -- processes -------------------------------------------------------------------
+
+
+def _leave(message: str, code: int) -> None:
+    _note(message, overwrite=code != 143)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # no teardown: destroying a group with a dead peer can abort
+
+
+def _note(message: str, overwrite: bool = False) -> None:
+    """A line for our launcher to print once after a failure; under
+    torchrun, printed by the rank."""
+    rank = os.environ.get("RANK", "0")
+    folder = os.environ.get(_ERROR_DIR)
+    if not folder:
+        print(f"pc-train (rank {rank}): {message}", file=sys.stderr, flush=True)
+        return
+    path = Path(folder, f"rank{rank}.txt")
+    if overwrite or not path.exists():
+        path.write_text(message)
 
 
 def _fail(message: str) -> None:
     """Report a user-facing error once, without a traceback."""
     folder = os.environ.get(_ERROR_DIR)
     if folder:  # our own launcher prints it once
-        Path(folder, f"rank{os.environ.get('RANK', '0')}.txt").write_text(message)
+        Path(folder, f"rank{os.environ.get('RANK', '0')}.txt").write_text(f"error: {message}")
     else:
         print(
             f"pc-train: error (rank {os.environ.get('RANK', '0')}): {message}",
@@ -535,18 +562,52 @@ def _worker(config: TrainConfig, reasons: Sequence[str]) -> None:
     if config.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
-    context = init_distributed()
+    context = init_distributed(
+        timeout=timedelta(seconds=config.timeout), debug_collectives=config.debug_collectives
+    )
     if context.device.type == "cpu":
         # Ranks share the host's cores; oversubscribing them slows every rank.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // context.env.local_world_size))
+    phases = Phases()
     try:
-        train(config, context, reasons)
+        train(config, context, reasons, phases)
     except (ValueError, TypeError, FileNotFoundError) as error:  # CheckpointError and
         # NonFiniteLossError are ValueErrors
         _fail(str(error))
+    except RuntimeError as error:
+        if not comm_error(error):
+            raise
+        _leave(f"error: {phases.failure(error)}", 1)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _report_failure(failure: Any, errors: Path, config: TrainConfig) -> None:
+    """Say once what went wrong: the ranks' own messages, and which rank
+    failed first (a rank killed by a signal other than the SIGTERM the
+    launcher stops the others with, else the earliest)."""
+    messages = sorted({p.read_text() for p in errors.glob("rank*.txt")})
+    failures = failure.failures
+    codes = {f.exitcode for f in failures.values()}
+    if codes == {130}:
+        raise SystemExit(130)
+    killed = [r for r, f in failures.items() if f.exitcode < 0 and f.signal_name() != "SIGTERM"]
+    first = min(killed) if killed else min(failures, key=lambda r: failures[r].timestamp)
+    cause = failures[first]
+    how = (
+        f"killed by {cause.signal_name()}" if cause.exitcode < 0 else f"exit code {cause.exitcode}"
+    )
+    for message in messages:
+        print(f"pc-train: {message}", file=sys.stderr)
+    if killed or not messages:
+        latest = config.checkpoint_dir
+        print(
+            f"pc-train: rank {first} failed first ({how}); the launcher stopped the other "
+            f"ranks. Checkpoints saved so far are in {latest}; continue with --resume.",
+            file=sys.stderr,
+        )
+    raise SystemExit(1)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -586,21 +647,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         try:
             elastic_launch(launch, _worker)(config, reasons)
         except ChildFailedError as failure:
-            messages = sorted({p.read_text() for p in Path(errors).glob("rank*.txt")})
-            if messages:
-                for message in messages:
-                    print(f"pc-train: error: {message}", file=sys.stderr)
-                raise SystemExit(1) from None
-            codes = {f.exitcode for f in failure.failures.values()}
-            if codes == {130}:
-                raise SystemExit(130) from None
-            ranks = ", ".join(str(r) for r in sorted(failure.failures))
-            print(
-                f"pc-train: rank(s) {ranks} failed (exit codes {sorted(codes)}); their output "
-                "is above.",
-                file=sys.stderr,
-            )
-            raise SystemExit(1) from None
+            _report_failure(failure, Path(errors), config)
         except (KeyboardInterrupt, SignalException):
             print(
                 f"pc-train: interrupted; continue from the last checkpoint in "

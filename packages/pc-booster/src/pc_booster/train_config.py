@@ -52,6 +52,8 @@ class TrainConfig:
     log_every: int = 10
     deterministic: bool = True
     check_finite: bool = True
+    timeout: float = 600.0
+    debug_collectives: bool = False
     tensorboard: bool = True
     progress: bool = True
     nproc: int = 2
@@ -75,6 +77,8 @@ class TrainConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an integer >= 0 (0: never), got {value!r}.")
+        if not self.timeout > 0:
+            raise ValueError(f"timeout must be positive (seconds), got {self.timeout}.")
         if not self.lr > 0:
             raise ValueError(f"lr must be positive, got {self.lr}.")
         if self.clip_norm < 0 or self.weight_decay < 0:
@@ -128,6 +132,9 @@ _HELP = {
     "log_every": "progress and TensorBoard every N steps",
     "deterministic": "deterministic kernels, so a resumed run repeats the loss curve bitwise",
     "check_finite": "stop, naming the step and the ranks, when the loss turns inf or NaN",
+    "timeout": "seconds a collective may wait for the other ranks before the run fails",
+    "debug_collectives": "check that every rank calls the same collective with the same "
+    "shapes (slow: for debugging)",
     "nproc": "local processes to start (ignored under torchrun)",
 }
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -62,8 +63,15 @@ def init_distributed(
     timeout: timedelta = DEFAULT_TIMEOUT,
     *,
     environ: Mapping[str, str] | None = None,
+    debug_collectives: bool = False,
 ) -> DistContext:
     """Initialise the default process group from torchrun's environment.
+
+    ``debug_collectives=True`` checks, before every collective of the
+    default group, that all ranks call the same operation with the same
+    shapes and dtypes (torch's ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` wrapper),
+    and raises on every rank with both sides' calls when they differ. It
+    costs an extra small collective per call: for debugging, not training.
 
     Picks NCCL when CUDA is available and gloo otherwise (``backend``
     overrides), pins this rank to ``cuda:LOCAL_RANK`` under NCCL, and uses
@@ -88,6 +96,10 @@ def init_distributed(
             )
         return DistContext(env=env, backend=running, device=_device_for(running, env))
     device = _device_for(chosen, env)
+    if debug_collectives:
+        # torch reads TORCH_DISTRIBUTED_DEBUG once, at import: set the level itself.
+        os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
+        dist.set_debug_level(dist.DebugLevel.DETAIL)
     # Under torchrun the agent already serves the store on MASTER_PORT
     # (TORCHELASTIC_USE_AGENT_STORE); only env:// knows to join it rather
     # than bind the port again.
