@@ -59,6 +59,23 @@ class TrainConfig:
     nproc: int = 2
 
     def __post_init__(self) -> None:
+        for item in fields(self):
+            value, kind = getattr(self, item.name), _field_type(item.name)
+            optional = item.default is None
+            if value is None and optional:
+                continue
+            is_number = isinstance(value, int | float) and not isinstance(value, bool)
+            ok = (
+                (kind is bool and isinstance(value, bool))
+                or (kind is int and is_number and float(value).is_integer())
+                or (kind is float and is_number)
+                or (kind is str and isinstance(value, str))
+            )
+            if not ok:
+                raise TypeError(
+                    f"{item.name} must be {'None or ' if optional else ''}{kind.__name__}, got "
+                    f"{value!r} ({type(value).__name__})."
+                )
         positive = (
             "steps",
             "global_batch_size",
