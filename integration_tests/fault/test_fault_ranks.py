@@ -3,7 +3,8 @@ one rank killed (SIGKILL) in forward, backward, the optimizer step, a
 pipeline exchange or a checkpoint save, or stalled in backward. Each must
 end within its timeout with a message on the surviving rank naming where
 the failed rank was, the launcher naming the rank that failed first, no
-process left behind, and the last complete checkpoint intact."""
+process or shared-memory segment left behind, and the last complete
+checkpoint intact."""
 
 from __future__ import annotations
 
@@ -61,6 +62,7 @@ def test_a_failed_rank_ends_the_job_with_its_story(scenario: str, tmp_path: Path
     fault = f"rank=1,step={step},phase={phase},action={action}"
     command = [sys.executable, "-m", "pc_booster.train", *BASE, *options, "--output-dir",
                str(tmp_path)]  # fmt: skip
+    shm_before = set(os.listdir("/dev/shm"))
     start = time.monotonic()
     proc = subprocess.Popen(
         command,
@@ -86,6 +88,7 @@ def test_a_failed_rank_ends_the_job_with_its_story(scenario: str, tmp_path: Path
     # Bounded: start-up, the timeout, the grace period after SIGTERM.
     assert elapsed < 120, elapsed
     assert _alive(proc.pid) == []
+    assert set(os.listdir("/dev/shm")) - shm_before == set()  # no segment left behind
     # No data lost: the newest complete checkpoint is step 2 (the save of
     # step 4 never finished its rename), and it passes the resume checks.
     root = tmp_path / "checkpoints"
