@@ -1,18 +1,21 @@
-"""Resume exactness for every plugin: pc-train's own loop (``train``), run
-in one spawned group, saves at step 2 of 4; a second run resumes from that
-checkpoint, and its losses for steps 3 and 4
-equal the uninterrupted run's bitwise (fp32, deterministic kernels)."""
+"""pc-train's own loop (``train``), run in one spawned group. Resume
+exactness for every plugin: a run saves at step 2 of 4; a second run
+resumes from that checkpoint, and its losses for steps 3 and 4 equal the
+uninterrupted run's bitwise (fp32, deterministic kernels). And a run that
+diverges stops on every rank before the optimizer step, naming the step
+and the ranks."""
 
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from pc_booster.train import train
+from pc_booster.train import NonFiniteLossError, train
 from pc_booster.train_config import TrainConfig
 from pc_comm import DistContext, DistEnv
 from pc_comm.testing import run_subtests
@@ -55,3 +58,29 @@ def _resume_case(root: str, plugin: str) -> None:
 def test_resume_repeats_the_loss_curve_bitwise_for_every_plugin(tmp_path: Path) -> None:
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     run_subtests(_resume_case, 2, {"plugin": list(PLUGINS)}, args=(str(tmp_path),), timeout=540)
+
+
+def _diverging_case(root: str, plugin: str) -> None:
+    config = TrainConfig(
+        model="gpt2-tiny", steps=20, global_batch_size=4, seq_len=16, corpus_bytes=20_000,
+        lr=1e9, warmup=0, checkpoint_every=1, eval_every=0, tensorboard=False, progress=False,
+        output_dir=str(Path(root) / f"diverge-{plugin}"), plugin=plugin,
+    )  # fmt: skip
+    with pytest.raises(NonFiniteLossError) as failure:
+        train(config, _context())
+    message = str(failure.value)
+    match = re.match(
+        r"step (\d+): the loss \(or gradient norm\) is not finite on rank\(s\) 0, 1; stopped "
+        r"before the optimizer step \(--check-finite\), the last checkpoint is at step (\d+)\.",
+        message,
+    )
+    assert match, message
+    failed, saved = int(match.group(1)), int(match.group(2))
+    assert saved == failed - 1  # the parameters of the bad step were never written
+    assert not (Path(config.output_dir) / "checkpoints" / f"step-{failed:06d}").exists()
+
+
+def test_a_diverging_run_stops_on_every_rank_naming_the_step(tmp_path: Path) -> None:
+    run_subtests(
+        _diverging_case, 2, {"plugin": ["ddp", "zero2"]}, args=(str(tmp_path),), timeout=240
+    )

@@ -49,7 +49,15 @@ from pc_booster.faults import FaultInjector, Phases, comm_error
 from pc_booster.models import MODEL_PRESETS, ModelSpec, build_model, resolve_model
 from pc_booster.train_config import TrainConfig, parse_args
 
-__all__ = ["MODEL_PRESETS", "TrainConfig", "load_byte_corpus", "main", "prepare", "train"]
+__all__ = [
+    "MODEL_PRESETS",
+    "NonFiniteLossError",
+    "TrainConfig",
+    "load_byte_corpus",
+    "main",
+    "prepare",
+    "train",
+]
 
 _ERROR_DIR = "PC_TRAIN_ERROR_DIR"
 
@@ -338,7 +346,7 @@ def train(
 
     # After SIGTERM, a rank blocked on a failed peer gets its own timeout,
     # plus a margin, to say where it is before it leaves.
-    stop = _Stop(phases, grace=min(config.timeout + 5.0, 60.0))
+    stop = _Stop(phases, grace=min(config.timeout + 2.0, 60.0))
     progress = _Progress(config, start, rank0)
     writer = _writer(config, rank0)
     model_states: dict[str, float] = {}
@@ -390,17 +398,16 @@ def train(
                 f"(--check-finite), {where}. Lower --lr, use bf16 rather than fp16, or "
                 "--resume from an earlier checkpoint."
             )
-        if not model_states:
-            # Model states at their peak: gradients held, optimizer states built.
-            optimizer.step()
+        if step == start + 1 and not model_states:
+            # Model states at their peak: this step's gradients held, the
+            # optimizer's states built by the step before.
             held = torch.tensor([float(measured_model_state_bytes(model, optimizer))])
             dist.all_reduce(held, op=dist.ReduceOp.MAX)
             model_states = {
                 "measured": float(held),
                 "predicted": float(predicted.model_state_bytes),
             }
-        else:
-            optimizer.step()
+        optimizer.step()
         optimizer.zero_grad()
         schedule.step()
         dist.all_reduce(total, group=group)

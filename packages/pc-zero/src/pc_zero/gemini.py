@@ -35,7 +35,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
-from pc_chunk import ChunkManager, DeviceBudget, MemoryTracer, StaticPlacement, search_chunk_size
+from pc_chunk import (
+    BudgetExceededError,
+    ChunkManager,
+    DeviceBudget,
+    MemoryTracer,
+    StaticPlacement,
+    search_chunk_size,
+)
 from pc_chunk.manager import execution_order
 from pc_comm import Communicator
 from pc_offload import CopyEngine, PinnedPool
@@ -84,16 +91,27 @@ class GeminiDDP(ShardedModule):
             )
         if not 0.0 <= offload_param_frac <= 1.0:
             raise ValueError(f"offload_param_frac must be in [0, 1], got {offload_param_frac}.")
+        for name, value in (("device_budget_bytes", device_budget_bytes),
+                            ("chunk_size", chunk_size)):  # fmt: skip
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or value < 1):  # fmt: skip
+                raise ValueError(f"{name} must be a positive int or None, got {value!r}.")
         comm, device, init_param = prepare_module(
             module, "GeminiDDP", comm, process_group, device, sync_module_states
         )
         world = comm.world_size
         order = [p for p in execution_order(module, *example_inputs) if p.requires_grad]
+        total = sum(p.numel() for p in order)
+        if chunk_size is not None and chunk_size > 2 * max(total, 1024):
+            raise ValueError(
+                f"chunk_size {chunk_size} is more than twice the whole model ({total} trainable "
+                f"elements): one chunk would be mostly padding. Use chunk_size <= {total} "
+                "(rounded up as you need), or None to search for the size with the least padding."
+            )
         if chunk_size is None:
             # From min_chunk_size (never below the largest parameter, never
             # above the whole model) up by search_range.
             largest = max(p.numel() for p in order)
-            total = sum(p.numel() for p in order)
             low = max(largest, min(min_chunk_size, total))
             quantum = 64 * world
             low = -(-low // quantum) * quantum
@@ -106,20 +124,26 @@ class GeminiDDP(ShardedModule):
                 order, chunk_size, world, device_budget_bytes, non_model, mixed_precision
             )
         self.offload_param_frac = offload_param_frac
-        manager = ChunkManager(
-            module,
-            example_inputs=example_inputs,
-            chunk_size=chunk_size,
-            comm=comm,
-            device=device,
-            budget=self.budget,
-            placement=StaticPlacement(1.0 - offload_param_frac),
-            engine=CopyEngine(PinnedPool()) if device.type == "cuda" else None,
-            compute_dtype=mixed_precision,
-            expose_shards=True,
-            prefetch=prefetch,
-            init_param=init_param,
-        )
+        try:
+            manager = ChunkManager(
+                module,
+                example_inputs=example_inputs,
+                chunk_size=chunk_size,
+                comm=comm,
+                device=device,
+                budget=self.budget,
+                placement=StaticPlacement(1.0 - offload_param_frac),
+                engine=CopyEngine(PinnedPool()) if device.type == "cuda" else None,
+                compute_dtype=mixed_precision,
+                expose_shards=True,
+                prefetch=prefetch,
+                init_param=init_param,
+            )
+        except BudgetExceededError as error:  # the placement asked for cannot fit: a setting
+            raise ValueError(
+                f"GeminiDDP: device_budget_bytes={device_budget_bytes} cannot hold the chunks "
+                f"placement_policy={placement_policy!r} keeps on the device ({error})"
+            ) from None
         mp = MixedPrecision(mixed_precision) if mixed_precision != torch.float32 else None
         super().__init__(module, manager, comm, mp)
 

@@ -54,6 +54,25 @@ class MixedPrecision:
                 raise ValueError(f"MixedPrecision.{name} must be a floating dtype, got {value}.")
 
 
+def _checked_device(wrapper: str, device: torch.device | str | int) -> torch.device:
+    """``device`` as a torch.device this machine has, or a ValueError."""
+    try:
+        target = torch.device(device)
+    except (RuntimeError, TypeError, ValueError) as error:
+        raise ValueError(
+            f"{wrapper}: device={device!r} is not a device ({error}); pass 'cpu', 'cuda', "
+            "'cuda:N' or a torch.device."
+        ) from None
+    if target.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            f"{wrapper}: device={device!r} is a CUDA device, but CUDA is not available here; "
+            "pass device='cpu' or leave it None (where the parameters are)."
+        )
+    if target.type not in ("cpu", "cuda", "meta"):
+        raise ValueError(f"{wrapper}: device={device!r}: only 'cpu' and 'cuda' are supported.")
+    return target
+
+
 def prepare_module(
     module: nn.Module,
     wrapper: str,
@@ -80,7 +99,7 @@ def prepare_module(
             "materialised shard by shard with eager construction's values), or give it real "
             "values first (module.to_empty(device=...) and reset_parameters())."
         )
-    target = torch.device(device) if device is not None else params[0].device
+    target = _checked_device(wrapper, device) if device is not None else params[0].device
     tensors = [*params, *module.buffers()]
     if not any(is_lazy(t) for t in tensors):
         module.to(target)
