@@ -21,7 +21,10 @@ from pc_booster.train_config import TrainConfig
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
-TIMEOUT_S = 3  # --timeout: how long a collective may wait for a peer
+# --timeout: how long a collective may wait for a peer. Not shorter: before
+# the fault, the healthy ranks must never wait this long for each other,
+# even on a busy 2-core machine.
+TIMEOUT_S = 10
 BASE = ["--model", "gpt2-tiny", "--steps", "8", "--checkpoint-every", "2", "--no-progress",
         "--timeout", str(TIMEOUT_S), "--eval-every", "0", "--no-tensorboard"]  # fmt: skip
 
