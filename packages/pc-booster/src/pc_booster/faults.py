@@ -55,7 +55,10 @@ class Phases:
         self.current = "start"
 
     def enter(self, phase: str, step: int) -> None:
-        self.current = f"{phase} of step {step}"
+        current = f"{phase} of step {step}"
+        if current == self.current:
+            return  # accumulation re-enters backward: one store write per phase
+        self.current = current
         if self.store is not None:
             value = f"{self.current}|{time.time():.3f}|{socket.gethostname()}|{os.getpid()}"
             self.store.set(_KEY.format(self.rank), value)

@@ -764,7 +764,6 @@ class HybridParallelPlugin(Plugin, SupportsNoSync, SupportsPipeline):
     ) -> Boosted:
         from pc_comm import DistributedDataParallel
         from pc_tensor import shard_model
-        from pc_zero import LowLevelZeroOptimizer
 
         groups = self.groups
         names = names_by_id(model)
@@ -785,14 +784,7 @@ class HybridParallelPlugin(Plugin, SupportsNoSync, SupportsPipeline):
         if self.zero_stage:
             if optimizer is None:
                 raise ValueError("zero_stage > 0 shards an optimizer: pass one to boost().")
-            optimizer = LowLevelZeroOptimizer(
-                optimizer,
-                stage=self.zero_stage,
-                dp_process_group=groups.dp,
-                tp_process_group=groups.tp if self.tp_size > 1 else None,
-                clip_grad_norm=self.max_norm,
-                loss_scale=self.loss_scale,
-            )
+            optimizer = self._zero(optimizer)
         elif dp > 1:
             wrapped = DistributedDataParallel(model, process_group=groups.dp)
         return Boosted(wrapped, optimizer, criterion, dataloader, lr_scheduler, module=model)
@@ -811,7 +803,6 @@ class HybridParallelPlugin(Plugin, SupportsNoSync, SupportsPipeline):
         from pc_booster.pipeline import pipeline_layers
         from pc_comm import DistributedDataParallel
         from pc_pipeline import Interleaved1F1B, PipeDream, Sequential, ZeroBubble, partition
-        from pc_zero import LowLevelZeroOptimizer
 
         groups = self.groups
         layers, self._loss_kind = pipeline_layers(model)
@@ -871,15 +862,21 @@ class HybridParallelPlugin(Plugin, SupportsNoSync, SupportsPipeline):
         if optimizer is not None:
             optimizer = rebuild_optimizer(optimizer, names, own, skip_missing=True)
             if self.zero_stage:
-                optimizer = LowLevelZeroOptimizer(
-                    optimizer,
-                    stage=self.zero_stage,
-                    dp_process_group=groups.dp,
-                    tp_process_group=groups.tp if self.tp_size > 1 else None,
-                    clip_grad_norm=self.max_norm,
-                    loss_scale=self.loss_scale,
-                )
+                optimizer = self._zero(optimizer)
         return Boosted(pipe, optimizer, criterion, dataloader, lr_scheduler, module=model)
+
+    def _zero(self, optimizer: Optimizer) -> Any:
+        """ZeRO over the data-parallel ranks, clipping across the tp shards."""
+        from pc_zero import LowLevelZeroOptimizer
+
+        return LowLevelZeroOptimizer(
+            optimizer,
+            stage=self.zero_stage,
+            dp_process_group=self.groups.dp,
+            tp_process_group=self.groups.tp if self.tp_size > 1 else None,
+            clip_grad_norm=self.max_norm,
+            loss_scale=self.loss_scale,
+        )
 
     def _tie_groups(
         self, holders: dict[int, list[int]], by_name: dict[str, nn.Parameter], pp_rank: int

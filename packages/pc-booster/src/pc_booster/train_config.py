@@ -223,17 +223,7 @@ def _read_yaml(path: str) -> dict[str, Any]:
                 f"--config {path}: unknown setting {key!r}; known settings: "
                 f"{', '.join(sorted(known))}."
             )
-        kind = _field_type(name)
-        is_int = isinstance(value, int) and not isinstance(value, bool)
-        if kind is float and is_int:
-            value = float(value)
-        wrong = not isinstance(value, kind) or (kind is int and not is_int)
-        if value is not None and wrong:
-            raise ValueError(
-                f"--config {path}: {key} must be {kind.__name__}, got {value!r} "
-                f"({type(value).__name__})."
-            )
-        out[name] = value
+        out[name] = value  # types are checked once, by TrainConfig
     return out
 
 
@@ -248,5 +238,5 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
         if "RANK" in os.environ:  # under torchrun: the world is torchrun's
             settings["nproc"] = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         return TrainConfig(**settings)
-    except ValueError as error:
+    except (ValueError, TypeError) as error:
         parser.error(str(error))

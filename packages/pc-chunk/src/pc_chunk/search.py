@@ -66,6 +66,10 @@ def search_chunk_size(
     sizes = _sizes(params)
     if not sizes:
         raise ValueError("search_chunk_size needs at least one parameter.")
+    for name, value in (("granularity", granularity), ("min_chunk_size", min_chunk_size),
+                        ("search_range", search_range)):  # fmt: skip
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an int (elements), got {value!r}.")
     if granularity < 1 or min_chunk_size < 1 or search_range < 0:
         raise ValueError(
             "granularity and min_chunk_size must be >= 1 and search_range >= 0; got "

@@ -144,6 +144,18 @@ class GeminiDDP(ShardedModule):
                 f"GeminiDDP: device_budget_bytes={device_budget_bytes} cannot hold the chunks "
                 f"placement_policy={placement_policy!r} keeps on the device ({error})"
             ) from None
+        if self.budget is not None:
+            # Forward gathers a whole chunk in the compute dtype: a budget
+            # without room for one after the resident shards can never run.
+            gathered = chunk_size * torch.empty((), dtype=mixed_precision).element_size()
+            if self.budget.available_bytes < gathered:
+                raise ValueError(
+                    f"GeminiDDP: device_budget_bytes={device_budget_bytes} leaves "
+                    f"{self.budget.available_bytes} bytes after the resident shards, but "
+                    f"gathering one chunk ({chunk_size} elements) needs {gathered}. Raise the "
+                    "budget, keep more on the host (offload_param_frac, or placement 'auto'), "
+                    "or use a smaller chunk_size."
+                )
         mp = MixedPrecision(mixed_precision) if mixed_precision != torch.float32 else None
         super().__init__(module, manager, comm, mp)
 
