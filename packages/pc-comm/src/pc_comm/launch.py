@@ -99,7 +99,7 @@ def init_distributed(
     if debug_collectives:
         # torch reads TORCH_DISTRIBUTED_DEBUG once, at import: set the level itself.
         os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
-        dist.set_debug_level(dist.DebugLevel.DETAIL)
+        dist.set_debug_level(dist.DebugLevel.DETAIL)  # type: ignore[attr-defined]
     # Under torchrun the agent already serves the store on MASTER_PORT
     # (TORCHELASTIC_USE_AGENT_STORE); only env:// knows to join it rather
     # than bind the port again.
