@@ -160,15 +160,20 @@ class DeviceInfo:
     efficiency: float  # share of peak a training step reaches
 
     @staticmethod
-    def detect(local_ranks: int, precision: str = "fp32") -> DeviceInfo:
-        if torch.cuda.is_available():
+    def detect(local_ranks: int, precision: str = "fp32", *, fork_safe: bool = False) -> DeviceInfo:
+        """This machine. ``fork_safe``: measure the CPU peak on one thread and
+        scale it by the thread count, so this process never starts OpenMP's
+        thread team (in a process that forks afterwards, GNU OpenMP hangs
+        in the child) and never touches CUDA."""
+        if not fork_safe and torch.cuda.is_available():
             props = torch.cuda.get_device_properties(0)
             return DeviceInfo(
                 "cuda", props.total_memory, gpu_peak_flops(props.name, precision), 150e9, 0.45
             )
         pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         threads = max(1, (os.cpu_count() or 1) // max(1, local_ranks))
-        return DeviceInfo("cpu", pages // max(1, local_ranks), cpu_peak_flops(threads), 2e9, 0.5)
+        peak = cpu_peak_flops(1) * threads if fork_safe else cpu_peak_flops(threads)
+        return DeviceInfo("cpu", pages // max(1, local_ranks), peak, 2e9, 0.5)
 
 
 _GPU_PEAKS = {  # dense tensor-core TFLOP/s: (bf16/fp16, fp32 via tf32)

@@ -13,6 +13,7 @@ from pc_comm.testing._harness import (
     DistributedTestError,
     SubcaseError,
     find_free_port,
+    preload,
     run_subtests,
     spawn,
 )
@@ -21,6 +22,7 @@ __all__ = [
     "DistributedTestError",
     "SubcaseError",
     "find_free_port",
+    "preload",
     "run_subtests",
     "run_torchrun_agents",
     "spawn",
