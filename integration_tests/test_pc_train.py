@@ -156,6 +156,27 @@ def test_runs_under_torchrun(tmp_path: Path) -> None:
     assert len(_losses(tmp_path)) == 4
 
 
+def test_one_rank_on_all_cores_after_plugin_auto(tmp_path: Path) -> None:
+    """On a CPU-only torch the launcher forks its ranks. ``--plugin auto``
+    measures the CPU in the launcher first; were that on several threads, a
+    rank forked afterwards that runs on several threads (one rank: all the
+    cores) would hang in GNU OpenMP."""
+    proc = subprocess.Popen(
+        [*COMMAND, "--model", "gpt2-tiny", "--steps", "2", "--nproc", "1", "--plugin", "auto",
+         "--no-progress", "--no-tensorboard", "--eval-every", "0", "--output-dir", str(tmp_path)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:  # hung: take the forked rank with it
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0, err[-3000:]
+    assert "with ddp on 1 gloo rank(s)" in out, out
+    assert len(_losses(tmp_path)) == 2
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from pc_comm.testing import DistributedTestError, run_subtests, spawn
+from pc_comm.testing import DistributedTestError, preload, run_subtests, spawn
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -109,3 +109,18 @@ def test_unpicklable_function_is_rejected_clearly() -> None:
 
 def test_world_size_four_runs_every_rank() -> None:
     spawn(_sum_ranks, 4, timeout=60)
+
+
+def _imported(names: list[str]) -> None:
+    import sys
+
+    missing = [name for name in names if name not in sys.modules]
+    assert not missing, f"not imported before the rank's function ran: {missing}"
+
+
+def test_ranks_start_with_the_heavy_imports_done() -> None:
+    # The server the ranks fork from imported them (pc_comm, being loaded
+    # here, among them); a rank does not import them again.
+    spawn(_imported, 2, args=(["torch.distributed.checkpoint", "pc_comm.shm"],), timeout=60)
+    with pytest.raises(RuntimeError, match="after the first spawn"):
+        preload("json")
