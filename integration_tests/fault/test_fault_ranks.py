@@ -83,7 +83,7 @@ def test_a_failed_rank_ends_the_job_with_its_story(scenario: str, tmp_path: Path
     assert "pc-train: error: rank 0 failed in " in err, err[-3000:]
     where = f"{phase} of step {step}"
     if action == "kill":
-        assert f"rank 1: its process is gone (it was in {where})" in err, err[-3000:]
+        assert f"rank 1: its process is gone (it was in {where};" in err, err[-3000:]
     else:  # alive but stuck: named by the survivor, then stopped by the launcher
         assert "Timed out" in err, err[-3000:]
         assert f"rank 1: in {where} for" in err, err[-3000:]

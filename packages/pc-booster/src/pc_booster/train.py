@@ -45,9 +45,10 @@ from pc_booster.checkpoint import (
     save_checkpoint,
 )
 from pc_booster.data import batch_offsets, load_byte_corpus, load_corpus, windows
-from pc_booster.faults import FaultInjector, Phases, comm_error
+from pc_booster.faults import FaultInjector
 from pc_booster.models import MODEL_PRESETS, ModelSpec, build_model, resolve_model
 from pc_booster.train_config import TrainConfig, parse_args
+from pc_comm import health
 
 __all__ = [
     "MODEL_PRESETS",
@@ -66,12 +67,27 @@ class NonFiniteLossError(ValueError):
     """The loss became inf or NaN (``--check-finite``)."""
 
 
+class _Phases:
+    """What this rank is doing ("backward of step 12"), declared on pc-comm's
+    health board, where the other ranks read it when an operation fails."""
+
+    def __init__(self) -> None:
+        self.rank = dist.get_rank()
+        self.current = "start"
+
+    def enter(self, phase: str, step: int) -> None:
+        current = f"{phase} of step {step}"
+        if current != self.current:  # accumulation re-enters backward
+            self.current = current
+            health.set_phase(current)
+
+
 class _Stop:
     """SIGINT / SIGTERM ask for a stop; the ranks agree on the step, save a
     checkpoint there and exit. The same tiny all-reduce, once per step
     before the optimizer steps, carries each rank's finite-loss check."""
 
-    def __init__(self, phases: Phases, grace: float) -> None:
+    def __init__(self, phases: _Phases, grace: float) -> None:
         self.asked = False
         self.phases = phases
         self.grace = grace  # after SIGTERM, seconds to reach the step's end and save
@@ -246,7 +262,7 @@ def train(
     config: TrainConfig,
     context: Any,
     reasons: Sequence[str] = (),
-    phases: Phases | None = None,
+    phases: _Phases | None = None,
 ) -> dict[str, Any]:
     """Train on this rank (collective: every rank calls it). Returns the
     history (losses every step, logged throughput and memory). ``phases``
@@ -341,7 +357,7 @@ def train(
         )
         for reason in reasons:
             print(f"  plugin auto: {reason}", flush=True)
-    phases = phases or Phases()
+    phases = phases or _Phases()
     fault = FaultInjector()
     if start == 0:
         phases.enter("eval", 0)
@@ -584,16 +600,17 @@ def _worker(config: TrainConfig, reasons: Sequence[str]) -> None:
     if context.device.type == "cpu":
         # Ranks share the host's cores; oversubscribing them slows every rank.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // context.env.local_world_size))
-    phases = Phases()
+    phases = _Phases()
     try:
         train(config, context, reasons, phases)
     except (ValueError, TypeError, FileNotFoundError) as error:  # CheckpointError and
         # NonFiniteLossError are ValueErrors
         _fail(str(error))
     except RuntimeError as error:
-        if not comm_error(error):
+        if not health.is_peer_failure(error):
             raise
-        _leave(f"error: {phases.failure(error)}", 1)
+        failure = error if isinstance(error, health.PeerFailureError) else health.diagnose(error)
+        _leave(f"error: {failure}", 1)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -1,9 +1,11 @@
 """pc-comm: process groups and topology, the Communicator protocol and its
 torch.distributed implementation, and collectives built on it.
 
-The multi-process test harness lives in :mod:`pc_comm.testing`.
+The multi-process test harness lives in :mod:`pc_comm.testing`; which rank
+failed and where, in :mod:`pc_comm.health`.
 """
 
+from pc_comm import health
 from pc_comm.collectives import all_reduce_coalesced
 from pc_comm.communicator import (
     Communicator,
@@ -16,6 +18,7 @@ from pc_comm.communicator import (
 )
 from pc_comm.ddp import DistributedDataParallel, default_communicator, on_one_host
 from pc_comm.env import DistEnv, DistEnvError, read_dist_env
+from pc_comm.health import PeerFailureError, set_phase
 from pc_comm.hierarchical import HierarchicalCommunicator
 from pc_comm.launch import DistContext, init_distributed, launch_from_torch
 from pc_comm.shm import ShmCommunicator, ShmPeerError
@@ -37,6 +40,7 @@ __all__ = [
     "P2PKind",
     "P2POp",
     "ParallelDims",
+    "PeerFailureError",
     "ReduceOp",
     "ShmCommunicator",
     "ShmPeerError",
@@ -45,9 +49,11 @@ __all__ = [
     "TorchCommunicator",
     "all_reduce_coalesced",
     "default_communicator",
+    "health",
     "init_distributed",
     "launch_from_torch",
     "make_subgroups",
     "on_one_host",
     "read_dist_env",
+    "set_phase",
 ]

@@ -11,6 +11,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from pc_comm import health
 from pc_comm.env import DistEnv, read_dist_env
 
 __all__ = ["DistContext", "init_distributed", "launch_from_torch"]
@@ -64,8 +65,14 @@ def init_distributed(
     *,
     environ: Mapping[str, str] | None = None,
     debug_collectives: bool = False,
+    health_interval: float | None = 1.0,
 ) -> DistContext:
     """Initialise the default process group from torchrun's environment.
+
+    ``health_interval`` (seconds): this rank's entry on the health board
+    (:mod:`pc_comm.health`) is refreshed that often, so that when an
+    operation fails, the error names the rank that died or stalled and
+    where it was. None: no board, and such errors say only what failed here.
 
     ``debug_collectives=True`` checks, before every collective of the
     default group, that all ranks call the same operation with the same
@@ -111,6 +118,8 @@ def init_distributed(
         world_size=env.world_size,
         timeout=timeout,
     )
+    if health_interval is not None:
+        health.start_board(health_interval)
     return DistContext(env=env, backend=chosen, device=device)
 
 

@@ -4,7 +4,9 @@ It adds to the raw c10d calls what every backend should offer but not every
 one does: ``AVG`` on any dtype (gloo averages only floating tensors), uneven
 all-gather and reduce-scatter (padded to the largest slot; gloo rejects
 unequal sizes), group-local ranks everywhere, and input checks with clear
-messages.
+messages. A call that fails because a peer died or stalled raises
+:class:`~pc_comm.health.PeerFailureError`, naming the operation and where
+the other ranks are (see pc_comm.health).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from pc_comm import health
 from pc_comm.communicator import (
     CompletedHandle,
     Handle,
@@ -44,44 +47,50 @@ _TORCH_OPS = {
 Finisher = Callable[[], None]
 
 
+Failure = Callable[[RuntimeError], BaseException]
+
+
+def _unchanged(error: RuntimeError) -> BaseException:
+    return error
+
+
 class _WorkHandle:
     """A torch ``Work`` plus what must happen after it: copying a padded
-    buffer out, or dividing an emulated average."""
+    buffer out, or dividing an emulated average. ``failure`` turns the
+    backend's error into the one to raise."""
 
-    def __init__(self, work: dist.Work | None, finishers: list[Finisher]) -> None:
+    def __init__(
+        self,
+        work: dist.Work | None,
+        finishers: list[Finisher],
+        failure: Failure = _unchanged,
+    ) -> None:
         self._work = work
         self._finishers = finishers  # run once, in order, on the first wait()
+        self._failure = failure
         self._done = False
 
     def wait(self, timeout: float | None = None) -> None:
         if self._done:
             return
         if self._work is not None:
-            if timeout is None:
-                self._work.wait()
-            else:
-                start = time.monotonic()
-                try:
+            start = time.monotonic()
+            try:
+                if timeout is None:
+                    self._work.wait()
+                else:
                     self._work.wait(datetime.timedelta(seconds=timeout))
-                except RuntimeError as error:
-                    # Backends word their timeouts differently; the clock does not.
-                    if time.monotonic() - start < 0.99 * timeout:
-                        raise
+            except RuntimeError as error:
+                # Backends word their timeouts differently; the clock does not.
+                if timeout is not None and time.monotonic() - start >= 0.99 * timeout:
                     raise TimeoutError(f"operation not completed within {timeout} s") from error
+                raise self._failure(error) from error
         for finish in self._finishers:
             finish()
         self._done = True
 
     def is_completed(self) -> bool:
         return self._done or (self._work is not None and self._work.is_completed())
-
-
-def _complete(work: dist.Work | None, finishers: list[Finisher], async_op: bool) -> Handle:
-    handle = _WorkHandle(work, finishers)
-    if async_op:
-        return handle
-    handle.wait()
-    return CompletedHandle()
 
 
 class TorchCommunicator:
@@ -105,6 +114,7 @@ class TorchCommunicator:
         # gloo averages floating tensors natively but not integers; NCCL
         # averages everything. Anything else is emulated as SUM then divide.
         self._native_avg_ints = str(dist.get_backend(self.group)) == "nccl"
+        self._global_ranks = dist.get_process_group_ranks(self.group)
 
     @property
     def rank(self) -> int:
@@ -116,6 +126,40 @@ class TorchCommunicator:
 
     def __repr__(self) -> str:
         return f"TorchCommunicator(rank={self._rank}, world_size={self._world_size})"
+
+    # -- running one operation ---------------------------------------------
+
+    def _failure_for(self, name: str) -> Failure:
+        def failure(error: RuntimeError) -> BaseException:
+            if not health.is_peer_failure(error):
+                return error
+            return health.diagnose(error, name, self._global_ranks)
+
+        return failure
+
+    def _run(
+        self,
+        op: str,
+        tensor: torch.Tensor,
+        call: Callable[[], dist.Work | None],
+        finishers: list[Finisher],
+        async_op: bool,
+    ) -> Handle:
+        """Start ``call`` (a c10d call), noted on the health board as ``op``;
+        a failure caused by a peer becomes a PeerFailureError that names
+        the operation and where the other ranks are."""
+        name = f"{op} {str(tensor.dtype).removeprefix('torch.')}[{tensor.numel()}]"
+        health.started(name)
+        failure = self._failure_for(name)
+        try:
+            work = call()
+        except RuntimeError as error:
+            raise failure(error) from error
+        handle = _WorkHandle(work, finishers, failure)
+        if async_op:
+            return handle
+        handle.wait()
+        return CompletedHandle()
 
     # -- reductions --------------------------------------------------------
 
@@ -140,8 +184,13 @@ class TorchCommunicator:
     ) -> Handle:
         check_contiguous(tensor, "all_reduce tensor")
         torch_op, finishers = self._torch_op(op, tensor)
-        work = dist.all_reduce(tensor, op=torch_op, group=self.group, async_op=async_op)
-        return _complete(work, finishers, async_op)
+        return self._run(
+            "all_reduce",
+            tensor,
+            lambda: dist.all_reduce(tensor, op=torch_op, group=self.group, async_op=async_op),
+            finishers,
+            async_op,
+        )
 
     def reduce_scatter(
         self,
@@ -155,10 +204,15 @@ class TorchCommunicator:
         check_contiguous(output, "reduce_scatter output")
         check_contiguous(input, "reduce_scatter input")
         torch_op, finishers = self._torch_op(op, output)
-        work = dist.reduce_scatter_single(
-            output.view(-1), input.view(-1), op=torch_op, group=self.group, async_op=async_op
+        return self._run(
+            "reduce_scatter",
+            input,
+            lambda: dist.reduce_scatter_single(
+                output.view(-1), input.view(-1), op=torch_op, group=self.group, async_op=async_op
+            ),
+            finishers,
+            async_op,
         )
-        return _complete(work, finishers, async_op)
 
     def reduce_scatter_list(
         self,
@@ -175,16 +229,21 @@ class TorchCommunicator:
             flat[i * slot : i * slot + tensor.numel()].copy_(tensor.reshape(-1))
         mine = output.new_empty(slot)
         torch_op, finishers = self._torch_op(op, mine)
-        work = dist.reduce_scatter_single(
-            mine, flat, op=torch_op, group=self.group, async_op=async_op
-        )
         count = output.numel()
 
         def copy_out() -> None:
             output.copy_(mine[:count].view_as(output))
 
         finishers.append(copy_out)
-        return _complete(work, finishers, async_op)
+        return self._run(
+            "reduce_scatter",
+            flat,
+            lambda: dist.reduce_scatter_single(
+                mine, flat, op=torch_op, group=self.group, async_op=async_op
+            ),
+            finishers,
+            async_op,
+        )
 
     # -- gathers -----------------------------------------------------------
 
@@ -193,10 +252,15 @@ class TorchCommunicator:
     ) -> Handle:
         check_all_gather(output, input, self._world_size)
         check_contiguous(output, "all_gather output")
-        work = dist.all_gather_single(
-            output.view(-1), input.reshape(-1), group=self.group, async_op=async_op
+        return self._run(
+            "all_gather",
+            output,
+            lambda: dist.all_gather_single(
+                output.view(-1), input.reshape(-1), group=self.group, async_op=async_op
+            ),
+            [],
+            async_op,
         )
-        return _complete(work, [], async_op)
 
     def all_gather_list(
         self, outputs: Sequence[torch.Tensor], input: torch.Tensor, *, async_op: bool = False
@@ -209,19 +273,29 @@ class TorchCommunicator:
             mine = input.new_zeros(slot)
             mine[: input.numel()].copy_(input.reshape(-1))
         gathered = input.new_empty(self._world_size * slot)
-        work = dist.all_gather_single(gathered, mine, group=self.group, async_op=async_op)
 
         def scatter_out() -> None:
             for i, out in enumerate(outputs):
                 out.copy_(gathered[i * slot : i * slot + out.numel()].view_as(out))
 
-        return _complete(work, [scatter_out], async_op)
+        return self._run(
+            "all_gather",
+            gathered,
+            lambda: dist.all_gather_single(gathered, mine, group=self.group, async_op=async_op),
+            [scatter_out],
+            async_op,
+        )
 
     def broadcast(self, tensor: torch.Tensor, src: int, *, async_op: bool = False) -> Handle:
         self._check_peer(src, "src", allow_self=True)
         check_contiguous(tensor, "broadcast tensor")
-        work = dist.broadcast(tensor, group=self.group, group_src=src, async_op=async_op)
-        return _complete(work, [], async_op)
+        return self._run(
+            f"broadcast from {src}",
+            tensor,
+            lambda: dist.broadcast(tensor, group=self.group, group_src=src, async_op=async_op),
+            [],
+            async_op,
+        )
 
     # -- point to point ----------------------------------------------------
 
@@ -239,18 +313,24 @@ class TorchCommunicator:
     def send(self, tensor: torch.Tensor, dst: int, *, async_op: bool = False) -> Handle:
         self._check_peer(dst, "dst")
         check_contiguous(tensor, "send tensor")
-        if async_op:
-            return _complete(dist.isend(tensor, group=self.group, group_dst=dst), [], True)
-        dist.send(tensor, group=self.group, group_dst=dst)
-        return CompletedHandle()
+        return self._run(
+            f"send to {dst}",
+            tensor,
+            lambda: dist.isend(tensor, group=self.group, group_dst=dst),
+            [],
+            async_op,
+        )
 
     def recv(self, tensor: torch.Tensor, src: int, *, async_op: bool = False) -> Handle:
         self._check_peer(src, "src")
         check_contiguous(tensor, "recv tensor")
-        if async_op:
-            return _complete(dist.irecv(tensor, group=self.group, group_src=src), [], True)
-        dist.recv(tensor, group=self.group, group_src=src)
-        return CompletedHandle()
+        return self._run(
+            f"recv from {src}",
+            tensor,
+            lambda: dist.irecv(tensor, group=self.group, group_src=src),
+            [],
+            async_op,
+        )
 
     def batch_p2p(self, ops: Sequence[P2POp]) -> list[Handle]:
         torch_ops = []
@@ -261,8 +341,20 @@ class TorchCommunicator:
             torch_ops.append(dist.P2POp(fn, op.tensor, group=self.group, group_peer=op.peer))
         if not torch_ops:
             return []
-        works = dist.batch_isend_irecv(torch_ops)
-        return [_WorkHandle(work, []) for work in works]
+        name = " + ".join(
+            f"{op.kind.value} {'to' if op.kind is P2PKind.SEND else 'from'} {op.peer}" for op in ops
+        )
+        health.started(name)
+        failure = self._failure_for(name)
+        try:
+            works = dist.batch_isend_irecv(torch_ops)
+        except RuntimeError as error:
+            raise failure(error) from error
+        return [_WorkHandle(work, [], failure) for work in works]
 
     def barrier(self) -> None:
-        dist.barrier(group=self.group)
+        health.started("barrier")
+        try:
+            dist.barrier(group=self.group)
+        except RuntimeError as error:
+            raise self._failure_for("barrier")(error) from error

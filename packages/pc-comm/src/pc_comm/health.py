@@ -1,0 +1,281 @@
+"""Which rank failed, and where it was: a board of every rank's state in the
+job's key-value store, read when an operation fails.
+
+[Note: naming the failed rank]
+A collective that fails because a peer died says only that a connection
+closed (gloo) or that time ran out; it does not say which peer, or what that
+peer was doing. So each rank keeps an entry in the store of the default
+group: its host and pid, the phase the program last declared
+(:func:`set_phase`, e.g. "backward of step 12") and the operation it last
+started through a pc communicator ("all_reduce float32[4096] #57"). A daemon
+thread republishes the entry every ``interval`` seconds, so a silent entry
+means a dead process or host even across nodes; a phase change is published
+at once, so the phase of a rank killed right after entering it is known.
+Starting an operation only sets attributes: no store traffic on the hot path.
+
+When an operation fails, :func:`diagnose` reads the peers' entries and
+returns a :class:`PeerFailureError` naming, for each peer, whether its
+process is gone (same host: its pid; any host: a silent entry), or where it
+is and for how long, and how many operations it has started against this
+rank's. The peer that is gone, or furthest behind, is the one to look at.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+
+__all__ = [
+    "HealthBoard",
+    "PeerFailureError",
+    "RankState",
+    "board",
+    "diagnose",
+    "is_peer_failure",
+    "set_phase",
+    "start_board",
+    "started",
+    "stop_board",
+]
+
+_KEY = "pc-comm/health/{}"
+
+
+class PeerFailureError(RuntimeError):
+    """An operation did not complete because another rank died or stalled.
+    ``op``: the operation that waited; ``suspects``: the global ranks that
+    are gone or furthest behind."""
+
+    def __init__(self, message: str, op: str, suspects: list[int]) -> None:
+        super().__init__(message)
+        self.op = op
+        self.suspects = suspects
+
+
+@dataclass(frozen=True)
+class RankState:
+    """One rank's entry on the board."""
+
+    rank: int
+    host: str
+    pid: int
+    phase: str
+    phase_since: float
+    op: str
+    ops: int  # operations started so far
+    published: float  # time.time() of the entry
+
+    def describe(self, now: float, interval: float, mine: int) -> tuple[str, bool]:
+        """A line about this rank, and whether it is a suspect."""
+        where = f"it was in {self.phase}" if self.phase else "no phase declared"
+        last = f"last operation {self.op} #{self.ops}" if self.ops else "no operation yet"
+        if self.host == socket.gethostname() and not _alive(self.pid):
+            return f"rank {self.rank}: its process is gone ({where}; {last})", True
+        silent = now - self.published
+        if silent > 3 * interval + 2:
+            return (
+                f"rank {self.rank}: silent for {silent:.1f} s, its process or host is gone "
+                f"({where}; {last})",
+                True,
+            )
+        behind = self.ops < mine
+        lag = f", {mine - self.ops} operation(s) behind this rank" if behind else ""
+        phase = f"in {self.phase} for {now - self.phase_since:.1f} s" if self.phase else "alive"
+        return f"rank {self.rank}: {phase} ({last}{lag})", behind
+
+
+class HealthBoard:
+    """This rank's entry on the board, kept fresh by a daemon thread."""
+
+    def __init__(self, store: Any, rank: int, world_size: int, interval: float = 1.0) -> None:
+        if interval <= 0:
+            raise ValueError(f"interval must be positive seconds, got {interval!r}.")
+        self.store = store
+        self.rank = rank
+        self.world_size = world_size
+        self.interval = interval
+        self.host = socket.gethostname()
+        self.phase = ""
+        self.phase_since = time.time()
+        self.op = ""
+        self.ops = 0
+        self.group: Any = None  # the default group it was started for
+        self._lock = threading.Lock()  # one store call at a time from this process
+        self._stop = threading.Event()
+        self._publish()
+        self._thread = threading.Thread(target=self._beat, name="pc-comm-health", daemon=True)
+        self._thread.start()
+
+    def started(self, op: str) -> None:
+        """An operation starts (called by the communicators; no store traffic)."""
+        self.op = op
+        self.ops += 1
+
+    def set_phase(self, phase: str) -> None:
+        if phase == self.phase:
+            return
+        self.phase, self.phase_since = phase, time.time()
+        self._publish()
+
+    def _entry(self) -> str:
+        return json.dumps(
+            {
+                "host": self.host,
+                "pid": os.getpid(),
+                "phase": self.phase,
+                "phase_since": self.phase_since,
+                "op": self.op,
+                "ops": self.ops,
+                "published": time.time(),
+            }
+        )
+
+    def _publish(self) -> None:
+        try:
+            with self._lock:
+                self.store.set(_KEY.format(self.rank), self._entry())
+        except Exception:  # the store's host may be gone; the board is best effort
+            pass
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.interval):
+            self._publish()
+
+    def read(self, rank: int) -> RankState | None:
+        try:
+            with self._lock:
+                # check() does not block on a missing key, unlike get().
+                if not self.store.check([_KEY.format(rank)]):
+                    return None
+                raw = json.loads(self.store.get(_KEY.format(rank)).decode())
+        except Exception:
+            return None
+        return RankState(rank=rank, **raw)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=self.interval + 1)
+
+
+_board: HealthBoard | None = None
+
+
+def board() -> HealthBoard | None:
+    """This process's board, or None when none was started."""
+    return _board
+
+
+def start_board(interval: float = 1.0) -> HealthBoard:
+    """Start (or return) this rank's entry on the board of the default
+    group. :func:`pc_comm.init_distributed` calls it."""
+    global _board
+    if not dist.is_initialized():
+        raise RuntimeError("start_board needs an initialised default process group.")
+    if _board is not None:
+        if _board.group is dist.group.WORLD:
+            return _board
+        stop_board()  # a board of an earlier, destroyed group
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    _board = HealthBoard(
+        _get_default_store(), dist.get_rank(), dist.get_world_size(), interval=interval
+    )
+    _board.group = dist.group.WORLD
+    return _board
+
+
+def stop_board() -> None:
+    global _board
+    if _board is not None:
+        _board.close()
+        _board = None
+
+
+def set_phase(phase: str) -> None:
+    """Declare what this rank is doing ("backward of step 12"); shown for
+    this rank when another rank's operation fails. A no-op without a board."""
+    if _board is not None:
+        _board.set_phase(phase)
+
+
+def started(op: str) -> None:
+    """Note that an operation starts (the communicators call it)."""
+    if _board is not None:
+        _board.started(op)
+
+
+_SYMPTOMS = ("Connection", "connection", "Timed out", "timed out", "timeout", "closed",
+             "reset by peer", "Broken pipe", "DistBackendError", "DistNetworkError")  # fmt: skip
+
+
+def is_peer_failure(error: BaseException) -> bool:
+    """Whether ``error`` looks like an operation that failed because a peer
+    went away or is late, rather than a mistake in the call."""
+    if isinstance(error, PeerFailureError):
+        return True
+    if isinstance(error, dist.DistError):
+        return True
+    text = f"{type(error).__name__}: {error}"
+    return isinstance(error, RuntimeError) and any(name in text for name in _SYMPTOMS)
+
+
+def diagnose(
+    error: BaseException, op: str | None = None, ranks: list[int] | None = None
+) -> PeerFailureError:
+    """A :class:`PeerFailureError` for ``error``, raised by ``op`` (default:
+    the last operation this rank started), with where each other rank of
+    ``ranks`` (global ranks; default: all) is."""
+    text = str(error).strip()
+    cause = text.splitlines()[0][:200] if text else type(error).__name__
+    me = _board.rank if _board is not None else (dist.get_rank() if dist.is_initialized() else 0)
+    what = op or (f"{_board.op} #{_board.ops}" if _board is not None and _board.op else "")
+    where = f" in {_board.phase}" if _board is not None and _board.phase else ""
+    head = f"rank {me} failed{where}: {what or 'an operation'} did not complete ({cause})."
+    if _board is None:
+        return PeerFailureError(
+            f"{head} Where the other ranks are is unknown: start the health board "
+            "(pc_comm.init_distributed does) to learn it.",
+            what,
+            [],
+        )
+    now = time.time()
+    peers = [r for r in (ranks if ranks is not None else range(_board.world_size)) if r != me]
+    lines, suspects = [], []
+    for rank in peers:
+        state = _board.read(rank)
+        if state is None:
+            lines.append(f"rank {rank}: unknown (no entry, or the store does not answer)")
+            continue
+        line, suspect = state.describe(now, _board.interval, _board.ops)
+        lines.append(line)
+        if suspect:
+            suspects.append(rank)
+    behind = "; ".join(lines) if lines else "no other rank"
+    blame = (
+        f" Look at rank(s) {', '.join(map(str, suspects))}."
+        if suspects
+        else " The rank in its phase longest is the one to look at."
+    )
+    return PeerFailureError(f"{head} Where the other ranks are: {behind}.{blame}", what, suspects)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A killed child not yet reaped by its launcher is a zombie: gone too.
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return True

@@ -1,0 +1,95 @@
+"""A rank that dies or stalls is named, with where it was, in the error the
+surviving rank's communicator raises (pc_comm.health), within the group's
+timeout."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from pc_comm import PeerFailureError, TorchCommunicator, health, set_phase
+from pc_comm.testing import DistributedTestError, spawn
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _record(out: str, error: PeerFailureError, elapsed: float) -> None:
+    Path(out, "error.txt").write_text(f"{elapsed:.2f}\n{error.op}\n{error.suspects}\n{error}")
+
+
+def _dies_in_an_all_reduce(out: str) -> None:
+    health.start_board(interval=0.2)
+    comm = TorchCommunicator()
+    warm = torch.ones(8)
+    comm.all_reduce(warm)  # both ranks alive: no error
+    assert warm.tolist() == [2.0] * 8
+    if dist.get_rank() == 1:
+        set_phase("backward of step 3")
+        os.kill(os.getpid(), signal.SIGKILL)
+    set_phase("forward of step 3")
+    start = time.monotonic()
+    with pytest.raises(PeerFailureError) as failure:
+        comm.all_reduce(torch.ones(8))
+    _record(out, failure.value, time.monotonic() - start)
+
+
+def test_a_dead_peer_is_named_with_where_it_was(tmp_path: Path) -> None:
+    with pytest.raises(DistributedTestError, match=r"\(first: rank 1\)"):
+        spawn(_dies_in_an_all_reduce, 2, args=(str(tmp_path),), timeout=60, grace=20)
+    elapsed, op, suspects, message = (tmp_path / "error.txt").read_text().split("\n", 3)
+    assert float(elapsed) < 20, elapsed  # gloo sees the closed connection at once
+    assert op == "all_reduce float32[8]"
+    assert suspects == "[1]"
+    assert message.startswith(
+        "rank 0 failed in forward of step 3: all_reduce float32[8] did not complete ("
+    ), message
+    assert "rank 1: its process is gone (it was in backward of step 3; " in message, message
+    assert "Look at rank(s) 1." in message, message
+
+
+def _stalls(out: str) -> None:
+    health.start_board(interval=0.2)
+    group = dist.new_group(timeout=timedelta(seconds=3))
+    comm = TorchCommunicator(group)
+    comm.all_reduce(torch.ones(4))  # one operation each
+    if dist.get_rank() == 1:
+        set_phase("a stall on purpose")
+        time.sleep(8)  # alive, publishing, but never joins the next all_reduce
+        return
+    set_phase("step 2")
+    start = time.monotonic()
+    with pytest.raises(PeerFailureError) as failure:
+        comm.all_reduce(torch.ones(4))
+    _record(out, failure.value, time.monotonic() - start)
+
+
+def test_a_stalled_peer_is_named_within_the_timeout(tmp_path: Path) -> None:
+    spawn(_stalls, 2, args=(str(tmp_path),), timeout=60)
+    elapsed, op, suspects, message = (tmp_path / "error.txt").read_text().split("\n", 3)
+    assert 2.5 < float(elapsed) < 7, elapsed  # the group's 3 s timeout, not the 8 s stall
+    assert op == "all_reduce float32[4]"
+    assert suspects == "[1]"
+    assert message.startswith("rank 0 failed in step 2: all_reduce float32[4] did not"), message
+    assert "rank 1: in a stall on purpose for " in message, message
+    assert "1 operation(s) behind this rank" in message, message
+
+
+def _mistakes_are_not_peer_failures() -> None:
+    comm = TorchCommunicator()
+    # A wrong call is the caller's error, raised as it was, not blamed on a peer.
+    with pytest.raises(ValueError, match="src must be a rank"):
+        comm.broadcast(torch.ones(2), src=5)
+    without = health.diagnose(RuntimeError("Connection closed by peer"), "all_reduce x")
+    assert "start the health board" in str(without)
+    comm.barrier()  # no rank leaves while a peer is still connecting
+
+
+def test_without_a_board_the_error_says_how_to_get_one() -> None:
+    spawn(_mistakes_are_not_peer_failures, 2, timeout=60)
