@@ -178,6 +178,12 @@ class PluginOptions:
 
     @staticmethod
     def parse(name: str, **options: Any) -> PluginOptions:
+        if name == "auto":
+            raise ValueError(
+                "plugin 'auto' is a request, not a plugin: pc_booster.train.prepare (which "
+                "pc-train runs first) replaces it with pc-estimate's choice. Call prepare, or "
+                f"name one of {', '.join(n for n in PLUGIN_NAMES if n != 'auto')}."
+            )
         try:
             kind = PluginKind(name)
         except ValueError:

@@ -1,0 +1,125 @@
+"""Bad checkpoints, one test each: truncated, a corrupt trainer state, a
+missing file, a file garbled at its full size, and a checkpoint of another
+model. Each is refused with the reason: before any rank starts where the
+launcher's checks can see it (exit code 2), else by every rank as it loads.
+Nothing is deleted: the other checkpoints stay loadable."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from pc_booster.checkpoint import CheckpointError, load_trainer_state
+from pc_booster.train import main, train
+from pc_booster.train_config import TrainConfig
+from pc_comm import DistContext, DistEnv
+from pc_comm.testing import run_subtests
+
+pytestmark = pytest.mark.timeout(300)
+
+SETTINGS: dict[str, Any] = {
+    "model": "gpt2-tiny", "plugin": "zero2", "steps": 4, "global_batch_size": 4, "seq_len": 16,
+    "corpus_bytes": 20_000, "checkpoint_every": 2, "keep_last": 3, "eval_every": 0,
+    "log_every": 2, "tensorboard": False, "progress": False,
+}  # fmt: skip
+ARGV = ["--model", "gpt2-tiny", "--steps", "4", "--global-batch-size", "4", "--seq-len", "16",
+        "--corpus-bytes", "20000", "--nproc", "2", "--plugin", "zero2"]  # fmt: skip
+
+
+def _context() -> DistContext:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    env = DistEnv(rank, world, rank, world, node_rank=0, master_addr="127.0.0.1", master_port=0)
+    return DistContext(env=env, backend="gloo", device=torch.device("cpu"))
+
+
+def _train(out: str) -> None:
+    train(TrainConfig(**SETTINGS, output_dir=out), _context())
+
+
+@pytest.fixture(scope="module")
+def saved_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 2-rank run with checkpoints at steps 2 and 4."""
+    out = tmp_path_factory.mktemp("run")
+    run_subtests(_train, 2, {}, args=(str(out),), timeout=240)
+    return out
+
+
+def _copy(saved_run: Path, tmp_path: Path) -> tuple[Path, Path]:
+    out = tmp_path / "run"
+    shutil.copytree(saved_run, out)
+    return out, out / "checkpoints" / "step-000004"
+
+
+def _refused(out: Path, message: str, argv: list[str] = ARGV) -> None:
+    """pc-train --resume stops before any rank starts, with ``message``."""
+    import contextlib
+    import io
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as stop:
+        main([*argv, "--output-dir", str(out), "--resume"])
+    assert stop.value.code == 2, err.getvalue()
+    assert message in err.getvalue(), err.getvalue()
+    assert "Traceback" not in err.getvalue()
+
+
+def _nothing_lost(out: Path) -> None:
+    """The earlier checkpoint is untouched and passes every check; the bad
+    one is left where it was, for the user to look at."""
+    config = TrainConfig(**SETTINGS, output_dir=str(out))
+    root = out / "checkpoints"
+    assert load_trainer_state(root / "step-000002", config)["step"] == 2
+    assert (root / "step-000004").is_dir()
+
+
+def test_a_truncated_checkpoint_is_refused(saved_run: Path, tmp_path: Path) -> None:
+    out, latest = _copy(saved_run, tmp_path)
+    with open(latest / "model.safetensors", "r+b") as handle:
+        handle.truncate(100)
+    _refused(out, "is corrupt: model.safetensors has 100 bytes")
+    _nothing_lost(out)
+
+
+def test_a_corrupt_trainer_state_is_refused(saved_run: Path, tmp_path: Path) -> None:
+    out, latest = _copy(saved_run, tmp_path)
+    (latest / "trainer_state.json").write_text('{"step": 4, "files": ')
+    _refused(out, "trainer_state.json is corrupt")
+    _nothing_lost(out)
+
+
+def test_a_checkpoint_missing_a_file_is_refused(saved_run: Path, tmp_path: Path) -> None:
+    out, latest = _copy(saved_run, tmp_path)
+    (latest / "scheduler.pt").unlink()
+    _refused(out, "is incomplete: scheduler.pt is missing")
+    _nothing_lost(out)
+
+
+def test_a_checkpoint_of_another_model_is_refused(saved_run: Path, tmp_path: Path) -> None:
+    out, _ = _copy(saved_run, tmp_path)
+    other = [("llama-tiny" if arg == "gpt2-tiny" else arg) for arg in ARGV]
+    _refused(out, "comes from a run with other settings (model: saved 'gpt2-tiny', now "
+             "'llama-tiny')", other)  # fmt: skip
+    _nothing_lost(out)
+
+
+def _resume_fails_on_every_rank(out: str) -> None:
+    config = TrainConfig(**SETTINGS, output_dir=out, resume="latest")
+    with pytest.raises(CheckpointError, match=r"step-000004 does not load: "):
+        train(config, _context())
+    dist.barrier()  # every rank got here: each raised the error itself
+
+
+def test_a_checkpoint_garbled_at_its_full_size_fails_every_rank(
+    saved_run: Path, tmp_path: Path
+) -> None:
+    out, latest = _copy(saved_run, tmp_path)
+    optimizer = latest / "optimizer.pt"
+    optimizer.write_bytes(os.urandom(optimizer.stat().st_size))  # sizes still match
+    run_subtests(_resume_fails_on_every_rank, 2, {}, args=(str(out),), timeout=120)
+    _nothing_lost(out)
