@@ -4,7 +4,8 @@ backward pass the strategy needs, and saves and loads checkpoints that any
 other plugin, at any world size, can load.
 
 Checkpoint files (written by rank 0, atomically: a temporary name, then a
-rename):
+rename; a save killed at any moment leaves the previous checkpoint loadable
+and the new one complete or absent, see [Note: sharded saves]):
 
 - model: ``safetensors`` of the full state dict under the unwrapped
   model's keys; with ``shard=True`` several files of at most
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import uuid
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -41,6 +43,38 @@ def _atomic(path: Path, write: Any) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     write(tmp)
     os.replace(tmp, path)
+
+
+# [Note: sharded saves]
+# The index is the commit point of a sharded model. New shards never take a
+# name the current index uses (they get a fresh token when the plain names
+# are taken), the index is replaced last, and only then are the files only
+# the old index named removed. A save killed before the index is replaced
+# leaves the old index and all its shards; after, the new ones. The single
+# file model.safetensors is replaced in one rename; a stale index next to it
+# (load_model prefers an index) is removed after that rename.
+
+
+def _indexed_files(out: Path) -> set[str]:
+    try:
+        return set(json.loads((out / _INDEX).read_text())["weight_map"].values())
+    except (OSError, ValueError, KeyError, TypeError):
+        return set()
+
+
+def _shard_names(out: Path, count: int) -> list[str]:
+    def names(prefix: str) -> list[str]:
+        return [f"{prefix}{k + 1:05d}-of-{count:05d}.safetensors" for k in range(count)]
+
+    plain = names("model-")
+    if not any((out / name).exists() for name in plain):
+        return plain
+    return names(f"model-{uuid.uuid4().hex[:8]}-")
+
+
+def _remove(out: Path, names: set[str]) -> None:
+    for name in names:
+        (out / name).unlink(missing_ok=True)
 
 
 def _distinct(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -168,20 +202,24 @@ class Booster:
                         used = 0
                     files[-1][key] = value
                     used += size
+                old = _indexed_files(out)
                 weight_map = {}
-                for k, part in enumerate(files):
-                    name = f"model-{k + 1:05d}-of-{len(files):05d}.safetensors"
+                for name, part in zip(_shard_names(out, len(files)), files, strict=True):
                     _atomic(out / name, lambda p, part=part: save_file(part, str(p)))
                     weight_map.update(dict.fromkeys(part, name))
                 total = sum(v.numel() * v.element_size() for v in state.values())
                 index = {"metadata": {"total_size": total}, "weight_map": weight_map}
                 _atomic(out / _INDEX, lambda p: p.write_text(json.dumps(index, indent=2)))
+                _remove(out, (old - set(weight_map.values())) | {_WEIGHTS})
             else:
+                old = _indexed_files(out)
                 _atomic(out / _WEIGHTS, lambda p: save_file(state, str(p)))
+                (out / _INDEX).unlink(missing_ok=True)  # first: the index points at the rest
+                _remove(out, old)
             module = self.plugin.boosted(model).module
             config = getattr(module, "config", None)
-            if config is not None and hasattr(config, "save_pretrained"):
-                config.save_pretrained(str(out))
+            if config is not None and hasattr(config, "to_json_file"):
+                _atomic(out / "config.json", lambda p: config.to_json_file(str(p)))
         dist.barrier()
 
     def load_model(
