@@ -49,6 +49,28 @@ def _shard_size(total: int, group: dist.ProcessGroup, what: str) -> tuple[int, i
     return size, rank * size
 
 
+def _flag(value: object, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r}.")
+    return value
+
+
+def _int(value: object, name: str, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {value!r}.")
+    if value < low:
+        raise ValueError(f"{name} must be at least {low}, got {value}.")
+    return value
+
+
+def _check_dim(x: torch.Tensor, dim: int, name: str) -> None:
+    if not -x.dim() <= dim < x.dim():
+        raise ValueError(
+            f"{name}={dim} is not a dimension of the {x.dim()}-d input {tuple(x.shape)}; "
+            "pass the index of the sequence dimension (1 for [batch, sequence, hidden])."
+        )
+
+
 _Layer = TypeVar("_Layer", bound="_FromLayer")
 
 
@@ -92,6 +114,13 @@ class ColumnParallelLinear(_FromLayer):
         valid_out_features: int | None = None,
     ) -> None:
         super().__init__()
+        gather_output = _flag(gather_output, "gather_output")
+        sequence_parallel = _flag(sequence_parallel, "sequence_parallel")
+        input_gathered = _flag(input_gathered, "input_gathered")
+        sequence_dim = _int(sequence_dim, "sequence_dim", -8)
+        parts = _int(parts, "parts", 1)
+        if valid_out_features is not None:
+            valid_out_features = _int(valid_out_features, "valid_out_features", 1)
         if input_gathered and sequence_parallel:
             raise ValueError(
                 "input_gathered and sequence_parallel do not combine: input_gathered says "
@@ -104,7 +133,7 @@ class ColumnParallelLinear(_FromLayer):
                 "its output stays split by features for the row layer that follows."
             )
         out_features = weight.shape[0]
-        if parts < 1 or out_features % parts:
+        if out_features % parts:
             raise ValueError(
                 f"parts={parts} must be a positive divisor of out_features ({out_features})."
             )
@@ -144,6 +173,7 @@ class ColumnParallelLinear(_FromLayer):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
+            _check_dim(x, self.sequence_dim, "sequence_dim")
             x = gather_sequence(x, self.group, self.sequence_dim)
         elif not self.input_gathered:
             x = copy_to_tp(x, self.group)
@@ -169,6 +199,9 @@ class RowParallelLinear(_FromLayer):
         sequence_dim: int = 1,
     ) -> None:
         super().__init__()
+        input_is_parallel = _flag(input_is_parallel, "input_is_parallel")
+        sequence_parallel = _flag(sequence_parallel, "sequence_parallel")
+        sequence_dim = _int(sequence_dim, "sequence_dim", -8)
         in_features = weight.shape[1]
         size, start = _shard_size(in_features, group, "in_features")
         self.group = group
@@ -188,6 +221,7 @@ class RowParallelLinear(_FromLayer):
             x = x.chunk(world, dim=-1)[rank]
         partial = nn.functional.linear(x, self.weight)
         if self.sequence_parallel:
+            _check_dim(partial, self.sequence_dim, "sequence_dim")
             out = reduce_scatter_sequence(partial, self.group, self.sequence_dim)
         else:
             out = reduce_from_tp(partial, self.group)
@@ -206,16 +240,30 @@ class VocabParallelEmbedding(nn.Module):
         padding_idx: int | None = None,
     ) -> None:
         super().__init__()
+        vocab = weight.shape[0]
+        if padding_idx is not None:
+            padding_idx = _int(padding_idx, "padding_idx", -vocab)
+            if padding_idx >= vocab:
+                raise ValueError(f"padding_idx must be below the vocabulary ({vocab}).")
+            padding_idx %= vocab  # nn.Embedding counts a negative one from the end
         # As nn.Embedding's: that row's lookups pass no gradient to it.
         self.padding_idx = padding_idx
         self.num_embeddings, self.embedding_dim = weight.shape
-        if padded_size is not None and padded_size != weight.shape[0]:
+        if padded_size is not None:
+            padded_size = _int(padded_size, "padded_size", 1)
+        if padded_size is not None and padded_size != vocab:
             # Zero rows past the vocabulary so it splits evenly; no id ever
             # reaches them, so they receive no gradient and stay zero.
-            if padded_size < weight.shape[0]:
+            if padded_size < vocab:
                 raise ValueError(
-                    f"padded_size ({padded_size}) is smaller than the vocabulary "
-                    f"({weight.shape[0]})."
+                    f"padded_size ({padded_size}) is smaller than the vocabulary ({vocab})."
+                )
+            world = dist.get_world_size(group)
+            if padded_size - vocab >= max(vocab, 128 * world):
+                raise ValueError(
+                    f"padded_size ({padded_size}) adds more rows than the vocabulary ({vocab}) "
+                    "has: padding only makes the vocabulary divisible by the tensor-parallel "
+                    f"size ({world}); round {vocab} up to a multiple of it."
                 )
             pad = weight.new_zeros(padded_size - weight.shape[0], weight.shape[1])
             weight = torch.cat([weight.detach(), pad])
