@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from pc_booster.train import main
+from pc_booster.train import _start_method, main
 from pc_booster.train_config import parse_args
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
@@ -70,13 +70,16 @@ def test_demo_reports_and_resume_after_kills_repeats_the_curve(tmp_path: Path) -
     try:
         _demo_and_resume(tmp_path)
     finally:
-        # SIGKILL of the whole job kills multiprocessing's resource tracker
-        # too, so the launcher's semaphores (sem.mp-*) outlive it; pc's own
-        # segments do not. Leave the machine as found.
+        # Ranks forked (a CPU-only torch): multiprocessing unlinks its
+        # semaphores at once, so nothing can outlive even a SIGKILL of the
+        # whole job. Spawned (a CUDA build): SIGKILL of the whole job kills
+        # multiprocessing's resource tracker too, and the launcher's
+        # semaphores (sem.mp-*) outlive it; pc's own segments never do.
+        spawned = _start_method() != "fork"
         for name in _shm() - before:
-            if name.startswith("sem.mp-"):
+            if spawned and name.startswith("sem.mp-"):
                 os.unlink(os.path.join("/dev/shm", name))
-        leaked = {n for n in _shm() - before if not n.startswith("sem.mp-")}
+        leaked = _shm() - before
         assert not leaked, leaked
 
 

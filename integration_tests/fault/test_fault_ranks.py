@@ -30,7 +30,7 @@ BASE = ["--model", "gpt2-tiny", "--steps", "8", "--checkpoint-every", "2", "--no
 
 # name: (plugin options, fault phase, action)
 SCENARIOS: dict[str, tuple[list[str], str, str]] = {
-    "killed-in-forward": (["--plugin", "zero2"], "forward", "kill"),
+    "killed-in-forward": (["--plugin", "ddp"], "forward", "kill"),
     "killed-in-backward": (["--plugin", "fsdp"], "backward", "kill"),
     "killed-in-optimizer-step": (["--plugin", "zero1"], "step", "kill"),
     "killed-in-pipeline-exchange": (

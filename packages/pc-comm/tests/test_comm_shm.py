@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from pc_comm import ReduceOp, ShmCommunicator, ShmPeerError
+from pc_comm import ReduceOp, ShmCommunicator, ShmPeerError, health
 from pc_comm.testing import DistributedTestError, spawn
 
 pytestmark = pytest.mark.timeout(180)
@@ -45,6 +45,7 @@ def test_no_segment_left_after_exception() -> None:
 
 
 def _killed_mid_collective() -> None:
+    health.start_board(interval=0.2)
     comm = ShmCommunicator(slot_bytes=4096, timeout=timedelta(seconds=30))
     big = torch.ones(1_000_000)
     if dist.get_rank() == 1:
@@ -67,8 +68,13 @@ def test_rank_killed_mid_collective_is_named_and_leaves_nothing() -> None:
         spawn(_killed_mid_collective, 2, timeout=60)
     message = str(info.value)
     assert "rank 1: was killed by signal SIGKILL" in message
-    assert "ShmPeerError: rank 1 (pid" in message
-    assert "died; rank 0 was waiting for it in shared-memory all_reduce" in message
+    assert (
+        "ShmPeerError: rank 0 failed: shared-memory all_reduce did not complete (rank 1 (pid"
+        in message
+    )
+    assert "died while rank 0 waited for it)" in message
+    # The health board adds where rank 1 was.
+    assert "rank 1: its process is gone (no phase declared; " in message
     assert time.monotonic() - start < 30
     assert _segments() == before
 
@@ -84,7 +90,10 @@ def test_stuck_peer_times_out_with_a_clear_error() -> None:
     with pytest.raises(DistributedTestError) as info:
         spawn(_stuck_peer, 2, timeout=20)
     message = str(info.value)
-    assert "ShmPeerError: rank(s) [1] did not reach shared-memory all_reduce within 2 s" in message
+    assert (
+        "ShmPeerError: rank 0 failed: shared-memory all_reduce did not complete (rank(s) [1] did "
+        "not reach it within 2 s)" in message
+    )
 
 
 def _async_overlap_and_order() -> None:

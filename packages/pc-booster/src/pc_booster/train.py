@@ -562,14 +562,22 @@ def _note(message: str, overwrite: bool = False) -> None:
         return
     path = Path(folder, f"rank{rank}.txt")
     if overwrite or not path.exists():
-        path.write_text(message)
+        _write_whole(path, message)
+
+
+def _write_whole(path: Path, text: str) -> None:
+    """Write ``text`` so that a reader sees all of it or none (the launcher
+    may read while a rank that is being stopped still writes)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 def _fail(message: str) -> None:
     """Report a user-facing error once, without a traceback."""
     folder = os.environ.get(_ERROR_DIR)
     if folder:  # our own launcher prints it once
-        Path(folder, f"rank{os.environ.get('RANK', '0')}.txt").write_text(f"error: {message}")
+        _write_whole(Path(folder, f"rank{os.environ.get('RANK', '0')}.txt"), f"error: {message}")
     else:
         print(
             f"pc-train: error (rank {os.environ.get('RANK', '0')}): {message}",

@@ -20,6 +20,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 
 import torch
 
+from pc_comm import health
 from pc_comm.communicator import (
     Handle,
     ReduceOp,
@@ -138,10 +139,14 @@ class HostExecutor:
         tensors_out: Sequence[torch.Tensor],
         host_work: Callable[[list[torch.Tensor], list[torch.Tensor]], None],
         async_op: bool,
+        op: str,
     ) -> Handle:
         """Run ``host_work`` on host views of the given tensors. CPU tensors are
         used in place; CUDA tensors go device -> pinned host -> device on a
-        side stream ordered after the caller's current stream."""
+        side stream ordered after the caller's current stream. ``op`` names
+        the operation on the health board (pc_comm.health)."""
+        first = tensors_out[0] if tensors_out else tensors_in[0]
+        health.started(f"{op} {str(first.dtype).removeprefix('torch.')}[{first.numel()}]")
         device = next((t.device for t in [*tensors_in, *tensors_out] if t.is_cuda), None)
         if device is None:
             return self._submit(
@@ -225,7 +230,7 @@ class HostExecutor:
                 outs[0].copy_(ins[0])
             self._host_all_reduce(outs[0], op)
 
-        return self._run_staged([tensor], [tensor], work, async_op)
+        return self._run_staged([tensor], [tensor], work, async_op, "all_reduce")
 
     def reduce_scatter(
         self,
@@ -243,7 +248,7 @@ class HostExecutor:
         def work(ins: list[torch.Tensor], outs: list[torch.Tensor]) -> None:
             self._host_reduce_scatter(outs[0], list(ins[0].view(world, -1)), op)
 
-        return self._run_staged([input], [output], work, async_op)
+        return self._run_staged([input], [output], work, async_op, "reduce_scatter")
 
     def reduce_scatter_list(
         self,
@@ -265,7 +270,7 @@ class HostExecutor:
             self._host_reduce_scatter(mine, stretched, op)
             outs[0].copy_(mine[:count])
 
-        return self._run_staged(list(inputs), [output], work, async_op)
+        return self._run_staged(list(inputs), [output], work, async_op, "reduce_scatter_list")
 
     def all_gather(
         self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False
@@ -277,7 +282,7 @@ class HostExecutor:
         def work(ins: list[torch.Tensor], outs: list[torch.Tensor]) -> None:
             self._host_all_gather(list(outs[0].view(world, -1)), ins[0])
 
-        return self._run_staged([input], [output], work, async_op)
+        return self._run_staged([input], [output], work, async_op, "all_gather")
 
     def all_gather_list(
         self, outputs: Sequence[torch.Tensor], input: torch.Tensor, *, async_op: bool = False
@@ -289,7 +294,7 @@ class HostExecutor:
         def work(ins: list[torch.Tensor], outs: list[torch.Tensor]) -> None:
             self._host_all_gather(outs, ins[0])
 
-        return self._run_staged([input], list(outputs), work, async_op)
+        return self._run_staged([input], list(outputs), work, async_op, "all_gather_list")
 
     def broadcast(self, tensor: torch.Tensor, src: int, *, async_op: bool = False) -> Handle:
         if not 0 <= src < self._world_size:
@@ -301,7 +306,7 @@ class HostExecutor:
                 outs[0].copy_(ins[0])
             self._host_broadcast(outs[0], src)
 
-        return self._run_staged([tensor], [tensor], work, async_op)
+        return self._run_staged([tensor], [tensor], work, async_op, "broadcast")
 
 
 def _flat(tensor: torch.Tensor) -> torch.Tensor:

@@ -38,7 +38,9 @@ __all__ = [
     "RankState",
     "board",
     "diagnose",
+    "headline",
     "is_peer_failure",
+    "peers_report",
     "set_phase",
     "start_board",
     "started",
@@ -53,10 +55,10 @@ class PeerFailureError(RuntimeError):
     ``op``: the operation that waited; ``suspects``: the global ranks that
     are gone or furthest behind."""
 
-    def __init__(self, message: str, op: str, suspects: list[int]) -> None:
+    def __init__(self, message: str, op: str = "", suspects: list[int] | None = None) -> None:
         super().__init__(message)
         self.op = op
-        self.suspects = suspects
+        self.suspects = list(suspects or [])
 
 
 @dataclass(frozen=True)
@@ -234,21 +236,37 @@ def diagnose(
     ``ranks`` (global ranks; default: all) is."""
     text = str(error).strip()
     cause = text.splitlines()[0][:200] if text else type(error).__name__
+    if op:
+        what, waited = op, op
+    else:  # a torch.distributed call made directly: not on the board
+        last = f"{_board.op} #{_board.ops}" if _board is not None and _board.op else ""
+        what = ""
+        waited = "an operation" + (f" (its last through pc-comm: {last})" if last else "")
+    report, suspects = peers_report(ranks)
+    return PeerFailureError(f"{headline(waited, cause)} {report}", what, suspects)
+
+
+def headline(op: str, cause: str) -> str:
+    """``rank R failed in <phase>: <op> did not complete (<cause>).``"""
     me = _board.rank if _board is not None else (dist.get_rank() if dist.is_initialized() else 0)
-    what = op or (f"{_board.op} #{_board.ops}" if _board is not None and _board.op else "")
     where = f" in {_board.phase}" if _board is not None and _board.phase else ""
-    head = f"rank {me} failed{where}: {what or 'an operation'} did not complete ({cause})."
+    return f"rank {me} failed{where}: {op} did not complete ({cause})."
+
+
+def peers_report(ranks: list[int] | None = None) -> tuple[str, list[int]]:
+    """Where the other ranks of ``ranks`` (global ranks; default: all) are,
+    as a sentence, and the suspects among them: gone, silent, or behind
+    this rank."""
     if _board is None:
-        return PeerFailureError(
-            f"{head} Where the other ranks are is unknown: start the health board "
+        return (
+            "Where the other ranks are is unknown: start the health board "
             "(pc_comm.init_distributed does) to learn it.",
-            what,
             [],
         )
     now = time.time()
-    peers = [r for r in (ranks if ranks is not None else range(_board.world_size)) if r != me]
+    every = ranks if ranks is not None else range(_board.world_size)
     lines, suspects = [], []
-    for rank in peers:
+    for rank in (r for r in every if r != _board.rank):
         state = _board.read(rank)
         if state is None:
             lines.append(f"rank {rank}: unknown (no entry, or the store does not answer)")
@@ -263,7 +281,7 @@ def diagnose(
         if suspects
         else " The rank in its phase longest is the one to look at."
     )
-    return PeerFailureError(f"{head} Where the other ranks are: {behind}.{blame}", what, suspects)
+    return f"Where the other ranks are: {behind}.{blame}", suspects
 
 
 def _alive(pid: int) -> bool:

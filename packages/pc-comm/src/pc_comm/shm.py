@@ -69,6 +69,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from pc_comm import health
 from pc_comm._host import HostExecutor
 from pc_comm.communicator import (
     Handle,
@@ -89,8 +90,10 @@ _P2P_SLOT_BYTES = 1024 * 1024  # per piece of a send; a pair's ring holds _P2P_S
 _P2P_SLOTS = 4
 
 
-class ShmPeerError(RuntimeError):
-    """A peer died or did not arrive at a shared-memory collective in time."""
+class ShmPeerError(health.PeerFailureError):
+    """A peer died or did not arrive at a shared-memory collective in time,
+    or called a different one. With a health board (pc_comm.health), the
+    message also says where every other rank is."""
 
 
 def _shm_dir() -> Path:
@@ -228,6 +231,7 @@ class ShmCommunicator(HostExecutor):
         self.group: dist.ProcessGroup = group if group is not None else world
         self._rank = dist.get_rank(self.group)
         self._world_size = dist.get_world_size(self.group)
+        self._global_ranks = dist.get_process_group_ranks(self.group)
         self._timeout_s = timeout.total_seconds()
         self.slot_bytes = slot_bytes
         self._check_same_host()
@@ -387,7 +391,15 @@ class ShmCommunicator(HostExecutor):
         calls = ", ".join(f"rank {r}: {_describe(line)}" for r, line in enumerate(lines))
         raise ShmPeerError(
             f"ranks issued different collectives at shared-memory {what}: {calls}. "
-            "Every rank must make the same calls, with the same sizes, in the same order."
+            "Every rank must make the same calls, with the same sizes, in the same order.",
+            what,
+        )
+
+    def _peer_error(self, cause: str, what: str, missing: list[int]) -> ShmPeerError:
+        op = f"shared-memory {what}"
+        report, _ = health.peers_report(self._global_ranks)
+        return ShmPeerError(
+            f"{health.headline(op, cause)} {report}", op, [self._global_ranks[r] for r in missing]
         )
 
     def _check_peers(self, generation: int, what: str, deadline: float) -> None:
@@ -396,14 +408,17 @@ class ShmCommunicator(HostExecutor):
             try:
                 os.kill(self._pids[rank], 0)
             except ProcessLookupError:
-                raise ShmPeerError(
-                    f"rank {rank} (pid {self._pids[rank]}) died; rank {self._rank} was "
-                    f"waiting for it in shared-memory {what}."
+                raise self._peer_error(
+                    f"rank {rank} (pid {self._pids[rank]}) died while rank {self._rank} "
+                    "waited for it",
+                    what,
+                    [rank],
                 ) from None
         if time.monotonic() > deadline:
-            raise ShmPeerError(
-                f"rank(s) {missing} did not reach shared-memory {what} within "
-                f"{self._timeout_s:g} s (rank {self._rank} waited)."
+            raise self._peer_error(
+                f"rank(s) {missing} did not reach it within {self._timeout_s:g} s",
+                what,
+                missing,
             )
 
     # -- buffers -----------------------------------------------------------
