@@ -7,7 +7,6 @@ process, a gloo group of one."""
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -18,6 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+from pc_comm.testing import one_process_group
 from pc_pipeline import GPipe, Interleaved1F1B, PipeDream, ZeroBubble, partition
 from pc_tensor import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 
@@ -39,12 +39,8 @@ FAST = settings(
 
 @pytest.fixture(scope="module", autouse=True)
 def _group() -> Iterator[None]:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
+    with one_process_group():
+        yield
 
 
 def _clear(error: Exception, what: str) -> None:

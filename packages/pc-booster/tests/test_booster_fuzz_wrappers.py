@@ -8,18 +8,17 @@ communication)."""
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
 from pc_comm import DistributedDataParallel
+from pc_comm.testing import one_process_group
 from pc_offload import CPUOffload
 from pc_zero import FullyShardedDataParallel, GeminiDDP, LowLevelZeroOptimizer
 
@@ -38,12 +37,8 @@ ANY = st.one_of(
 
 @pytest.fixture(scope="module", autouse=True)
 def _group() -> Iterator[None]:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
+    with one_process_group():
+        yield
 
 
 def _model() -> nn.Module:

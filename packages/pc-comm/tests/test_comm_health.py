@@ -20,7 +20,12 @@ from pc_comm.testing import DistributedTestError, spawn
 pytestmark = pytest.mark.timeout(120)
 
 
-def _record(out: str, error: PeerFailureError, elapsed: float) -> None:
+def _expect_failure(out: str, comm: TorchCommunicator, numel: int) -> None:
+    """All-reduce, which must fail; record how fast and what it said."""
+    start = time.monotonic()
+    with pytest.raises(PeerFailureError) as failure:
+        comm.all_reduce(torch.ones(numel))
+    error, elapsed = failure.value, time.monotonic() - start
     Path(out, "error.txt").write_text(f"{elapsed:.2f}\n{error.op}\n{error.suspects}\n{error}")
 
 
@@ -34,10 +39,7 @@ def _dies_in_an_all_reduce(out: str) -> None:
         set_phase("backward of step 3")
         os.kill(os.getpid(), signal.SIGKILL)
     set_phase("forward of step 3")
-    start = time.monotonic()
-    with pytest.raises(PeerFailureError) as failure:
-        comm.all_reduce(torch.ones(8))
-    _record(out, failure.value, time.monotonic() - start)
+    _expect_failure(out, comm, 8)
 
 
 def test_a_dead_peer_is_named_with_where_it_was(tmp_path: Path) -> None:
@@ -64,10 +66,7 @@ def _stalls(out: str) -> None:
         time.sleep(8)  # alive, publishing, but never joins the next all_reduce
         return
     set_phase("step 2")
-    start = time.monotonic()
-    with pytest.raises(PeerFailureError) as failure:
-        comm.all_reduce(torch.ones(4))
-    _record(out, failure.value, time.monotonic() - start)
+    _expect_failure(out, comm, 4)
 
 
 def test_a_stalled_peer_is_named_within_the_timeout(tmp_path: Path) -> None:

@@ -8,7 +8,7 @@ torchrun agents as simulated nodes; ``tiny_gpt2`` is the small model the
 parity tests train. See docs/testing.md.
 """
 
-from pc_comm.testing._fixtures import run_torchrun_agents, tiny_gpt2
+from pc_comm.testing._fixtures import one_process_group, run_torchrun_agents, tiny_gpt2
 from pc_comm.testing._harness import (
     DistributedTestError,
     SubcaseError,
@@ -22,6 +22,7 @@ __all__ = [
     "DistributedTestError",
     "SubcaseError",
     "find_free_port",
+    "one_process_group",
     "preload",
     "run_subtests",
     "run_torchrun_agents",

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
 from torch import nn
 
 __all__ = ["run_torchrun_agents", "tiny_gpt2"]
@@ -33,6 +36,20 @@ def tiny_gpt2(vocab_size: int = 97, positions: int = 16, **overrides: Any) -> nn
     settings.update(overrides)
     model: nn.Module = transformers.GPT2LMHeadModel(transformers.GPT2Config(**settings))
     return model
+
+
+@contextmanager
+def one_process_group() -> Iterator[None]:
+    """A gloo group of one, in this process, for code that needs an
+    initialised group but no peers (option checks, fuzzing)."""
+    from pc_comm.testing._harness import find_free_port
+
+    port = find_free_port()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 def run_torchrun_agents(
