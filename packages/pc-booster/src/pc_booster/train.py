@@ -620,6 +620,7 @@ def _worker(config: TrainConfig, reasons: Sequence[str]) -> None:
         failure = error if isinstance(error, health.PeerFailureError) else health.diagnose(error)
         _leave(f"error: {failure}", 1)
     finally:
+        health.stop_board()
         if dist.is_initialized():
             dist.destroy_process_group()
 

@@ -151,15 +151,19 @@ class HealthBoard:
             self._publish()
 
     def read(self, rank: int) -> RankState | None:
-        try:
-            with self._lock:
-                # check() does not block on a missing key, unlike get().
-                if not self.store.check([_KEY.format(rank)]):
-                    return None
-                raw = json.loads(self.store.get(_KEY.format(rank)).decode())
-        except Exception:
+        # Bounded: a heartbeat stuck on a store whose host is gone holds the lock.
+        if not self._lock.acquire(timeout=2 * self.interval + 1):
             return None
-        return RankState(rank=rank, **raw)
+        try:
+            # check() does not block on a missing key, unlike get().
+            if not self.store.check([_KEY.format(rank)]):
+                return None
+            raw = json.loads(self.store.get(_KEY.format(rank)).decode())
+            return RankState(rank=rank, **raw)
+        except Exception:  # the store's host gone, or an entry of another version
+            return None
+        finally:
+            self._lock.release()
 
     def close(self) -> None:
         self._stop.set()
