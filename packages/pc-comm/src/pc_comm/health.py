@@ -140,11 +140,16 @@ class HealthBoard:
         )
 
     def _publish(self) -> None:
+        # Never wait long for the lock: a heartbeat stuck on a store whose
+        # host is gone must not stall the training loop in set_phase.
+        if not self._lock.acquire(timeout=0.5):
+            return
         try:
-            with self._lock:
-                self.store.set(_KEY.format(self.rank), self._entry())
+            self.store.set(_KEY.format(self.rank), self._entry())
         except Exception:  # the store's host may be gone; the board is best effort
             pass
+        finally:
+            self._lock.release()
 
     def _beat(self) -> None:
         while not self._stop.wait(self.interval):
