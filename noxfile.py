@@ -76,9 +76,11 @@ def tests(session: nox.Session) -> None:
         session.log(f"--- {target}")
         # Exit code 5 means "no tests collected": a package that is still a
         # skeleton passes, and says so in the log.
+        # The slowest tests are listed, so a CI log shows where the time went.
         session.run(
-            "python", "-m", "pytest", path, "-m", "not gpu", *pytest_args, success_codes=[0, 5]
-        )
+            "python", "-m", "pytest", path, "-m", "not gpu", "--durations=8", *pytest_args,
+            success_codes=[0, 5],
+        )  # fmt: skip
 
 
 @nox.session
