@@ -110,31 +110,27 @@ def test_interleaved_options(model_chunks: Any, chunks: Any, options: dict[str, 
          _run_pipeline)  # fmt: skip
 
 
-@FAST
-@given(_options(["gather_output", "sequence_parallel", "input_gathered", "sequence_dim", "parts",
-                 "valid_out_features"]))  # fmt: skip
-def test_column_parallel_linear_options(options: dict[str, Any]) -> None:
+LINEAR_OPTIONS: dict[type[nn.Module], list[str]] = {
+    ColumnParallelLinear: ["gather_output", "sequence_parallel", "input_gathered",
+                           "sequence_dim", "parts", "valid_out_features"],
+    RowParallelLinear: ["input_is_parallel", "sequence_parallel", "sequence_dim"],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", list(LINEAR_OPTIONS), ids=lambda kind: kind.__name__)
+def test_parallel_linear_options(kind: Any) -> None:
     layer = nn.Linear(8, 12)
 
     def run(built: Any) -> None:
         built(torch.randn(2, 3, 8)).sum().backward()
 
-    _try(f"ColumnParallelLinear({options})",
-         lambda: ColumnParallelLinear(layer.weight, layer.bias, _world(), **options),
-         run)  # fmt: skip
+    @FAST
+    @given(_options(LINEAR_OPTIONS[kind]))
+    def check(options: dict[str, Any]) -> None:
+        _try(f"{kind.__name__}({options})",
+             lambda: kind(layer.weight, layer.bias, _world(), **options), run)  # fmt: skip
 
-
-@FAST
-@given(_options(["input_is_parallel", "sequence_parallel", "sequence_dim"]))
-def test_row_parallel_linear_options(options: dict[str, Any]) -> None:
-    layer = nn.Linear(8, 12)
-
-    def run(built: Any) -> None:
-        built(torch.randn(2, 3, 8)).sum().backward()
-
-    _try(f"RowParallelLinear({options})",
-         lambda: RowParallelLinear(layer.weight, layer.bias, _world(), **options),
-         run)  # fmt: skip
+    check()
 
 
 @FAST

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from pc_booster.booster import _atomic
 from pc_booster.checkpoint import (
     CheckpointError,
     find_checkpoint,
@@ -562,22 +563,16 @@ def _note(message: str, overwrite: bool = False) -> None:
         return
     path = Path(folder, f"rank{rank}.txt")
     if overwrite or not path.exists():
-        _write_whole(path, message)
-
-
-def _write_whole(path: Path, text: str) -> None:
-    """Write ``text`` so that a reader sees all of it or none (the launcher
-    may read while a rank that is being stopped still writes)."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+        # Whole or not at all: the launcher may read while a stopped rank writes.
+        _atomic(path, lambda p: p.write_text(message))
 
 
 def _fail(message: str) -> None:
     """Report a user-facing error once, without a traceback."""
     folder = os.environ.get(_ERROR_DIR)
     if folder:  # our own launcher prints it once
-        _write_whole(Path(folder, f"rank{os.environ.get('RANK', '0')}.txt"), f"error: {message}")
+        note = Path(folder, f"rank{os.environ.get('RANK', '0')}.txt")
+        _atomic(note, lambda p: p.write_text(f"error: {message}"))
     else:
         print(
             f"pc-train: error (rank {os.environ.get('RANK', '0')}): {message}",

@@ -145,8 +145,7 @@ class HostExecutor:
         used in place; CUDA tensors go device -> pinned host -> device on a
         side stream ordered after the caller's current stream. ``op`` names
         the operation on the health board (pc_comm.health)."""
-        first = tensors_out[0] if tensors_out else tensors_in[0]
-        health.started(f"{op} {str(first.dtype).removeprefix('torch.')}[{first.numel()}]")
+        health.started(op, tensors_out[0] if tensors_out else tensors_in[0])
         device = next((t.device for t in [*tensors_in, *tensors_out] if t.is_cuda), None)
         if device is None:
             return self._submit(

@@ -30,6 +30,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 __all__ = [
@@ -40,6 +41,7 @@ __all__ = [
     "diagnose",
     "headline",
     "is_peer_failure",
+    "op_name",
     "peers_report",
     "set_phase",
     "start_board",
@@ -96,7 +98,9 @@ class RankState:
 class HealthBoard:
     """This rank's entry on the board, kept fresh by a daemon thread."""
 
-    def __init__(self, store: Any, rank: int, world_size: int, interval: float = 1.0) -> None:
+    def __init__(
+        self, store: Any, rank: int, world_size: int, interval: float = 1.0, group: Any = None
+    ) -> None:
         if interval <= 0:
             raise ValueError(f"interval must be positive seconds, got {interval!r}.")
         self.store = store
@@ -106,19 +110,26 @@ class HealthBoard:
         self.host = socket.gethostname()
         self.phase = ""
         self.phase_since = time.time()
-        self.op = ""
+        # The last operation, formatted only when published or reported.
+        self._last: tuple[str, torch.dtype | None, int] = ("", None, 0)
         self.ops = 0
-        self.group: Any = None  # the default group it was started for
+        self.group = group  # the default group it was started for
         self._lock = threading.Lock()  # one store call at a time from this process
         self._stop = threading.Event()
         self._publish()
         self._thread = threading.Thread(target=self._beat, name="pc-comm-health", daemon=True)
         self._thread.start()
 
-    def started(self, op: str) -> None:
-        """An operation starts (called by the communicators; no store traffic)."""
-        self.op = op
+    def started(self, op: str, tensor: torch.Tensor | None = None) -> None:
+        """An operation starts (called by the communicators): two attribute
+        writes, no formatting and no store traffic."""
+        self._last = (op, None, 0) if tensor is None else (op, tensor.dtype, tensor.numel())
         self.ops += 1
+
+    @property
+    def op(self) -> str:
+        """The last operation started ("all_reduce float32[4096]")."""
+        return op_name(*self._last)
 
     def set_phase(self, phase: str) -> None:
         if phase == self.phase:
@@ -183,6 +194,13 @@ def board() -> HealthBoard | None:
     return _board
 
 
+def op_name(op: str, dtype: torch.dtype | None = None, numel: int = 0) -> str:
+    """``all_reduce float32[4096]``, or ``op`` alone without a tensor."""
+    if dtype is None:
+        return op
+    return f"{op} {str(dtype).removeprefix('torch.')}[{numel}]"
+
+
 def start_board(interval: float = 1.0) -> HealthBoard:
     """Start (or return) this rank's entry on the board of the default
     group. :func:`pc_comm.init_distributed` calls it."""
@@ -196,9 +214,12 @@ def start_board(interval: float = 1.0) -> HealthBoard:
     from torch.distributed.distributed_c10d import _get_default_store
 
     _board = HealthBoard(
-        _get_default_store(), dist.get_rank(), dist.get_world_size(), interval=interval
+        _get_default_store(),
+        dist.get_rank(),
+        dist.get_world_size(),
+        interval=interval,
+        group=dist.group.WORLD,
     )
-    _board.group = dist.group.WORLD
     return _board
 
 
@@ -216,24 +237,21 @@ def set_phase(phase: str) -> None:
         _board.set_phase(phase)
 
 
-def started(op: str) -> None:
-    """Note that an operation starts (the communicators call it)."""
+def started(op: str, tensor: torch.Tensor | None = None) -> None:
+    """Note that ``op`` on ``tensor`` starts (the communicators call it)."""
     if _board is not None:
-        _board.started(op)
+        _board.started(op, tensor)
 
 
-_SYMPTOMS = ("Connection", "connection", "Timed out", "timed out", "timeout", "closed",
-             "reset by peer", "Broken pipe", "DistBackendError", "DistNetworkError")  # fmt: skip
+_SYMPTOMS = ("connection", "timed out", "timeout", "closed", "reset by peer", "broken pipe")
 
 
 def is_peer_failure(error: BaseException) -> bool:
     """Whether ``error`` looks like an operation that failed because a peer
     went away or is late, rather than a mistake in the call."""
-    if isinstance(error, PeerFailureError):
+    if isinstance(error, PeerFailureError | dist.DistError):  # DistBackendError, DistNetworkError
         return True
-    if isinstance(error, dist.DistError):
-        return True
-    text = f"{type(error).__name__}: {error}"
+    text = str(error).lower()
     return isinstance(error, RuntimeError) and any(name in text for name in _SYMPTOMS)
 
 

@@ -50,21 +50,12 @@ Finisher = Callable[[], None]
 Failure = Callable[[RuntimeError], BaseException]
 
 
-def _unchanged(error: RuntimeError) -> BaseException:
-    return error
-
-
 class _WorkHandle:
     """A torch ``Work`` plus what must happen after it: copying a padded
     buffer out, or dividing an emulated average. ``failure`` turns the
     backend's error into the one to raise."""
 
-    def __init__(
-        self,
-        work: dist.Work | None,
-        finishers: list[Finisher],
-        failure: Failure = _unchanged,
-    ) -> None:
+    def __init__(self, work: dist.Work | None, finishers: list[Finisher], failure: Failure) -> None:
         self._work = work
         self._finishers = finishers  # run once, in order, on the first wait()
         self._failure = failure
@@ -129,11 +120,14 @@ class TorchCommunicator:
 
     # -- running one operation ---------------------------------------------
 
-    def _failure_for(self, name: str) -> Failure:
+    def _failure_for(self, name: Callable[[], str]) -> Failure:
+        """Turns a backend error into a PeerFailureError where a peer caused
+        it; ``name`` formats the operation, only then."""
+
         def failure(error: RuntimeError) -> BaseException:
             if not health.is_peer_failure(error):
                 return error
-            return health.diagnose(error, name, self._global_ranks)
+            return health.diagnose(error, name(), self._global_ranks)
 
         return failure
 
@@ -148,9 +142,8 @@ class TorchCommunicator:
         """Start ``call`` (a c10d call), noted on the health board as ``op``;
         a failure caused by a peer becomes a PeerFailureError that names
         the operation and where the other ranks are."""
-        name = f"{op} {str(tensor.dtype).removeprefix('torch.')}[{tensor.numel()}]"
-        health.started(name)
-        failure = self._failure_for(name)
+        health.started(op, tensor)
+        failure = self._failure_for(lambda: health.op_name(op, tensor.dtype, tensor.numel()))
         try:
             work = call()
         except RuntimeError as error:
@@ -341,10 +334,14 @@ class TorchCommunicator:
             torch_ops.append(dist.P2POp(fn, op.tensor, group=self.group, group_peer=op.peer))
         if not torch_ops:
             return []
-        name = " + ".join(
-            f"{op.kind.value} {'to' if op.kind is P2PKind.SEND else 'from'} {op.peer}" for op in ops
-        )
-        health.started(name)
+        health.started("batch_p2p")
+
+        def name() -> str:
+            return " + ".join(
+                f"{op.kind.value} {'to' if op.kind is P2PKind.SEND else 'from'} {op.peer}"
+                for op in ops
+            )
+
         failure = self._failure_for(name)
         try:
             works = dist.batch_isend_irecv(torch_ops)
@@ -357,4 +354,4 @@ class TorchCommunicator:
         try:
             dist.barrier(group=self.group)
         except RuntimeError as error:
-            raise self._failure_for("barrier")(error) from error
+            raise self._failure_for(lambda: "barrier")(error) from error
