@@ -11,10 +11,14 @@ behind.
 
 [Note: synchronisation without the store]
 The hot path never touches the TCP store or a socket. The segment holds one
-64-byte line per rank with a generation counter that only that rank writes.
-``_barrier`` bumps this rank's counter and polls until every counter reached
-the same generation, yielding the core between polls (ranks often outnumber
-cores). On x86-64 stores become visible in program order (TSO), so a counter
+128-byte line per rank with a generation counter that only that rank writes.
+``_barrier`` bumps this rank's counter, wakes whoever sleeps on it, and
+waits until every counter reached the same generation: a few polls that
+yield the core (none when the host's ranks outnumber its cores), then a
+sleep in the kernel on the first missing rank's counter, which that rank's
+wake ends at once [Note: waiting in the kernel, in pc_comm._futex]. Where
+futexes do not exist the wait polls with naps of at most 1 ms. On x86-64
+stores become visible in program order (TSO), so a counter
 seen at generation g means the data its rank wrote before it is visible too.
 Other architectures do not promise that, so there the barrier goes through
 the process group instead (correct, slower). While waiting, the barrier
@@ -56,6 +60,7 @@ when a mismatch makes both ranks raise and go straight on to their next call.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import platform
 import time
@@ -69,7 +74,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from pc_comm import health
+from pc_comm import _futex, health
 from pc_comm._host import HostExecutor
 from pc_comm.communicator import (
     Handle,
@@ -84,6 +89,9 @@ from pc_comm.shm_p2p import P2PChannels
 __all__ = ["ShmCommunicator", "ShmPeerError"]
 
 _LINE = 128  # bytes per control line: two cache lines, so ranks never share one
+_LINE_INT64 = _LINE // 8
+_SPINS = 20  # yielding polls before a barrier sleeps, when every rank has a core
+_CHECK_EVERY_S = 0.05  # how often a waiting barrier checks that its peers live
 _TSO = platform.machine().lower() in {"x86_64", "amd64", "i386", "i686"}
 _DEFAULT_SLOT_BYTES = 16 * 1024 * 1024
 _P2P_SLOT_BYTES = 1024 * 1024  # per piece of a send; a pair's ring holds _P2P_SLOTS
@@ -94,6 +102,13 @@ class ShmPeerError(health.PeerFailureError):
     """A peer died or did not arrive at a shared-memory collective in time,
     or called a different one. With a health board (pc_comm.health), the
     message also says where every other rank is."""
+
+
+def _usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
 
 
 def _shm_dir() -> Path:
@@ -242,6 +257,12 @@ class ShmCommunicator(HostExecutor):
         # signature slot 1 (4), unused].
         self._lines = self._segment[:control].view(torch.int64).view(self._world_size, -1)
         self._arrivals = self._lines[:, 0]
+        # The same lines as a ctypes array: a plain load or store per element
+        # costs ~100 ns there against microseconds through torch indexing.
+        self._control = (ctypes.c_int64 * (self._world_size * _LINE_INT64)).from_address(
+            self._lines.data_ptr()
+        )
+        self._spins = 0 if self._world_size > _usable_cores() else _SPINS
         self._data = self._segment[control:]
         self._generation = 0
         self._symmetric: list[_Symmetric] = []
@@ -360,32 +381,59 @@ class ShmCommunicator(HostExecutor):
         matching calls]."""
         self._generation += 1
         generation = self._generation
+        control, me = self._control, self._rank
         first = 1 + 4 * (generation % 2)
         if signature is not None:
             for i, value in enumerate(signature):
-                self._lines[self._rank, first + i] = value
+                control[me * _LINE_INT64 + first + i] = value
         if not _TSO:
             dist.barrier(group=self.group)
         else:
-            self._arrivals[self._rank] = generation
-            deadline = time.monotonic() + self._timeout_s
-            spins, nap = 0, 20e-6
-            while int(self._arrivals.min()) < generation:
-                spins += 1
-                if spins < 100:
-                    os.sched_yield()
-                    continue
-                # Back off to at most 1 ms between polls: a waiting rank
-                # shares its core with the compute of its own process.
-                time.sleep(nap)
-                nap = min(nap * 1.5, 1e-3)
-                if spins % 64 == 0:
-                    self._check_peers(generation, what, deadline)
+            control[me * _LINE_INT64] = generation  # after the signature (TSO)
+            if _futex.AVAILABLE:
+                _futex.wake(self._counter_address(me))
+            self._wait_for(generation, what)
         if signature is not None:
             self._check_signatures(signature, what, first)
 
+    def _counter_address(self, rank: int) -> int:
+        return ctypes.addressof(self._control) + rank * _LINE
+
+    def _wait_for(self, generation: int, what: str) -> None:
+        """Until every rank's counter reached ``generation`` [Note:
+        synchronisation without the store]."""
+        control = self._control
+        counters = range(0, self._world_size * _LINE_INT64, _LINE_INT64)
+        deadline = time.monotonic() + self._timeout_s
+        next_check = time.monotonic() + _CHECK_EVERY_S
+        spins, nap = 0, 20e-6
+        while True:
+            missing = next((i for i in counters if control[i] < generation), None)
+            if missing is None:
+                return
+            spins += 1
+            if spins <= self._spins:
+                os.sched_yield()
+                continue
+            if _futex.AVAILABLE:
+                seen = control[missing]
+                if seen < generation:
+                    _futex.wait(self._counter_address(missing // _LINE_INT64), seen, 0.02)
+            else:
+                # Naps of at most 1 ms: a waiting rank shares its core with
+                # the compute of its own process.
+                time.sleep(nap)
+                nap = min(nap * 1.5, 1e-3)
+            if time.monotonic() > next_check:
+                self._check_peers(generation, what, deadline)
+                next_check = time.monotonic() + _CHECK_EVERY_S
+
     def _check_signatures(self, signature: _Signature, what: str, first: int) -> None:
-        lines = self._lines[:, first : first + 4].tolist()
+        control = self._control
+        lines = [
+            [control[r * _LINE_INT64 + first + i] for i in range(4)]
+            for r in range(self._world_size)
+        ]
         if all(tuple(line) == signature for line in lines):
             return
         calls = ", ".join(f"rank {r}: {_describe(line)}" for r, line in enumerate(lines))

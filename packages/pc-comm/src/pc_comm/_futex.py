@@ -1,0 +1,88 @@
+"""Sleeping on a word of shared memory until another process changes it.
+
+[Note: waiting in the kernel]
+A rank that waits for its peers in a shared-memory barrier has two poor
+choices in plain Python: poll (it takes a core from the compute of its own
+or another rank) or sleep a fixed time (it wakes late, up to the nap, each
+time). Linux's futex gives a third: ``wait(address, seen)`` sleeps in the
+kernel while the 32-bit word at ``address`` still holds ``seen``, and the
+process that changes the word calls ``wake(address)``. The kernel checks
+the word and queues the sleeper atomically, so a change that lands between
+the caller's read and its call is never missed (the wait returns at once).
+The word lives in a MAP_SHARED mapping, so the key is the file's page, and
+processes that map it at different addresses still meet.
+
+Only Linux has futexes; elsewhere ``AVAILABLE`` is False and callers keep
+their polling loop.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import platform
+import sys
+
+__all__ = ["AVAILABLE", "wait", "wake"]
+
+# futex(2) syscall numbers by machine (asm/unistd.h).
+_SYS_FUTEX = {"x86_64": 202, "amd64": 202, "aarch64": 98, "arm64": 98, "i386": 240, "i686": 240}
+_FUTEX_WAIT = 0  # not FUTEX_PRIVATE_FLAG: the word is shared between processes
+_FUTEX_WAKE = 1
+_WAKE_ALL = 2**31 - 1
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+def _syscall() -> tuple[ctypes._CFuncPtr, int] | None:  # type: ignore[name-defined]
+    number = _SYS_FUTEX.get(platform.machine().lower())
+    if not sys.platform.startswith("linux") or number is None:
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+    except OSError:
+        return None
+    call = libc.syscall
+    call.restype = ctypes.c_long
+    return call, number
+
+
+_FOUND = _syscall()
+AVAILABLE = _FOUND is not None
+
+
+def wait(address: int, seen: int, timeout_s: float) -> None:
+    """Sleep while the 32-bit word at ``address`` equals the low 32 bits of
+    ``seen``, at most ``timeout_s`` seconds. Returns early on a wake, a
+    changed word or a signal; the caller rechecks its condition."""
+    assert _FOUND is not None, "futex wait called where futexes are not available"
+    call, number = _FOUND
+    whole = max(0.0, timeout_s)
+    spec = _Timespec(int(whole), int((whole % 1.0) * 1e9))
+    expected = ctypes.c_int32(seen & 0xFFFFFFFF).value  # wraps like the word does
+    call(
+        ctypes.c_long(number),
+        ctypes.c_void_p(address),
+        ctypes.c_int(_FUTEX_WAIT),
+        ctypes.c_int(expected),
+        ctypes.byref(spec),
+        ctypes.c_void_p(0),
+        ctypes.c_int(0),
+    )
+
+
+def wake(address: int) -> None:
+    """Wake every process sleeping on the word at ``address``."""
+    assert _FOUND is not None, "futex wake called where futexes are not available"
+    call, number = _FOUND
+    call(
+        ctypes.c_long(number),
+        ctypes.c_void_p(address),
+        ctypes.c_int(_FUTEX_WAKE),
+        ctypes.c_int(_WAKE_ALL),
+        ctypes.c_void_p(0),
+        ctypes.c_void_p(0),
+        ctypes.c_int(0),
+    )
