@@ -97,15 +97,24 @@ def _ddp_steps(iters: int, out: str) -> None:
     machine hits them alike. The single-process step runs on rank 0 alone
     while the other ranks sleep in a barrier; "2 processes, no
     communication" shows what sharing the machine costs before any gradient
-    moves (memory bandwidth and caches are shared between cores)."""
+    moves (memory bandwidth and caches are shared between cores); "in
+    step" adds a barrier at the end of each step, so each sample is the
+    slower rank's step, as in any synchronous data parallelism: the floor
+    for DDP on this machine."""
     torch.set_num_threads(1)
     rank = dist.get_rank()
     ours = DistributedDataParallel(step_gpt2(), communicator=ShmCommunicator())
     peer = torch.nn.parallel.DistributedDataParallel(step_gpt2())
     alone = _step_fn(step_gpt2(), rank)
+
+    def alone_in_step() -> None:
+        alone()
+        dist.barrier()  # the step ends when the slower rank's ends, as in DDP
+
     steps: dict[str, Callable[[], None]] = {
         "single process": alone if rank == 0 else lambda: None,
         "2 processes, no communication": alone,
+        "2 processes, no communication, in step": alone_in_step,
         "pc DDP (shm)": _step_fn(ours, rank),
         "torch DDP (gloo)": _step_fn(peer, rank),
     }
