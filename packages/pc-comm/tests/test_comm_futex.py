@@ -56,3 +56,39 @@ def test_changed_word_returns_at_once_and_timeout_bounds_the_wait() -> None:
     _futex.wait(address, 3, 0.05)
     assert time.monotonic() - start >= 0.04
     assert int(backing[0]) == (5 << 32) + 3
+
+
+def test_a_failing_wait_raises() -> None:
+    backing, word = _word()
+    misaligned = ctypes.addressof(word) + 1  # the kernel refuses it (EINVAL)
+    with pytest.raises(OSError, match="futex wait failed"):
+        _futex.wait(misaligned, 0, 1.0)
+    assert int(backing[0]) == 0
+
+
+def _barrier_without_futex() -> None:
+    import torch.distributed as dist
+
+    from pc_comm import ReduceOp, ShmCommunicator
+
+    def refuse(address: int, seen: int, timeout_s: float) -> None:
+        raise OSError(38, "futex wait failed: refused on purpose")
+
+    _futex.wait = refuse  # as in a sandbox that lets the probe through
+    comm = ShmCommunicator()
+    rank = dist.get_rank()
+    for step in range(5):
+        if rank == 1:
+            time.sleep(0.05)  # rank 0 must wait, so it tries the futex
+        x = torch.full((1000,), float(rank + step))
+        comm.all_reduce(x, ReduceOp.SUM)
+        torch.testing.assert_close(x, torch.full((1000,), float(2 * step + 1)), rtol=0, atol=0)
+    if rank == 0:  # it waited 50 ms each step: past its polls, into the wait
+        assert comm._use_futex is False
+    comm.close()
+
+
+def test_barrier_falls_back_to_naps_when_the_wait_fails() -> None:
+    from pc_comm.testing import spawn
+
+    spawn(_barrier_without_futex, 2, timeout=60)

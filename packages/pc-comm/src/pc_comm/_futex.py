@@ -13,13 +13,18 @@ The word lives in a MAP_SHARED mapping, so the key is the file's page, and
 processes that map it at different addresses still meet.
 
 Only Linux has futexes; elsewhere ``AVAILABLE`` is False and callers keep
-their polling loop.
+their polling loop. A sandbox that refuses the syscall (seccomp) is found by
+a wake on a private word at import, and a wait that fails for another
+reason than a changed word, a timeout or a signal raises OSError, so a
+caller never spins on a wait that returns at once.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import errno
+import os
 import platform
 import sys
 
@@ -50,7 +55,27 @@ def _syscall() -> tuple[ctypes._CFuncPtr, int] | None:  # type: ignore[name-defi
 
 
 _FOUND = _syscall()
-AVAILABLE = _FOUND is not None
+_EXPECTED = {errno.EAGAIN, errno.ETIMEDOUT, errno.EINTR}
+
+
+def _works() -> bool:
+    if _FOUND is None:
+        return False
+    call, number = _FOUND
+    word = ctypes.c_int32(0)
+    result = call(
+        ctypes.c_long(number),
+        ctypes.byref(word),
+        ctypes.c_int(_FUTEX_WAKE),
+        ctypes.c_int(1),
+        ctypes.c_void_p(0),
+        ctypes.c_void_p(0),
+        ctypes.c_int(0),
+    )
+    return int(result) >= 0
+
+
+AVAILABLE = _works()
 
 
 def wait(address: int, seen: int, timeout_s: float) -> None:
@@ -62,7 +87,7 @@ def wait(address: int, seen: int, timeout_s: float) -> None:
     whole = max(0.0, timeout_s)
     spec = _Timespec(int(whole), int((whole % 1.0) * 1e9))
     expected = ctypes.c_int32(seen & 0xFFFFFFFF).value  # wraps like the word does
-    call(
+    result = call(
         ctypes.c_long(number),
         ctypes.c_void_p(address),
         ctypes.c_int(_FUTEX_WAIT),
@@ -71,6 +96,10 @@ def wait(address: int, seen: int, timeout_s: float) -> None:
         ctypes.c_void_p(0),
         ctypes.c_int(0),
     )
+    if int(result) < 0:
+        code = ctypes.get_errno()
+        if code not in _EXPECTED:
+            raise OSError(code, f"futex wait failed: {os.strerror(code)}")
 
 
 def wake(address: int) -> None:

@@ -263,6 +263,7 @@ class ShmCommunicator(HostExecutor):
             self._lines.data_ptr()
         )
         self._spins = 0 if self._world_size > _usable_cores() else _SPINS
+        self._use_futex = _futex.AVAILABLE
         self._data = self._segment[control:]
         self._generation = 0
         self._symmetric: list[_Symmetric] = []
@@ -391,7 +392,7 @@ class ShmCommunicator(HostExecutor):
         else:
             control[me * _LINE_INT64] = generation  # after the signature (TSO)
             if _futex.AVAILABLE:
-                _futex.wake(self._counter_address(me))
+                _futex.wake(self._counter_address(me))  # peers may sleep on it
             self._wait_for(generation, what)
         if signature is not None:
             self._check_signatures(signature, what, first)
@@ -415,10 +416,13 @@ class ShmCommunicator(HostExecutor):
             if spins <= self._spins:
                 os.sched_yield()
                 continue
-            if _futex.AVAILABLE:
+            if self._use_futex:
                 seen = control[missing]
                 if seen < generation:
-                    _futex.wait(self._counter_address(missing // _LINE_INT64), seen, 0.02)
+                    try:
+                        _futex.wait(self._counter_address(missing // _LINE_INT64), seen, 0.02)
+                    except OSError:
+                        self._use_futex = False  # nap from now on
             else:
                 # Naps of at most 1 ms: a waiting rank shares its core with
                 # the compute of its own process.
