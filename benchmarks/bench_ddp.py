@@ -93,7 +93,7 @@ def _step_fn(model: torch.nn.Module, seed: int) -> Callable[[], None]:
 
 
 def _ddp_steps(iters: int, out: str) -> None:
-    """Samples alternate between the three setups, so drift on a shared
+    """Samples alternate between the set-ups, so drift on a shared
     machine hits them alike. The single-process step runs on rank 0 alone
     while the other ranks sleep in a barrier; "2 processes, no
     communication" shows what sharing the machine costs before any gradient

@@ -26,12 +26,14 @@ import ctypes.util
 import errno
 import os
 import platform
-import sys
 
 __all__ = ["AVAILABLE", "wait", "wake"]
 
-# futex(2) syscall numbers by machine (asm/unistd.h).
-_SYS_FUTEX = {"x86_64": 202, "amd64": 202, "aarch64": 98, "arm64": 98, "i386": 240, "i686": 240}
+# futex(2) syscall numbers (asm/unistd.h) by instruction set and pointer
+# width: the kernel's machine name does not tell a 32-bit process apart.
+_SYS_FUTEX = {("x86", 8): 202, ("x86", 4): 240, ("arm", 8): 98, ("arm", 4): 240}
+_FAMILY = {"x86_64": "x86", "amd64": "x86", "i386": "x86", "i686": "x86"}
+_FAMILY |= {"aarch64": "arm", "arm64": "arm", "armv7l": "arm", "armv8l": "arm"}
 _FUTEX_WAIT = 0  # not FUTEX_PRIVATE_FLAG: the word is shared between processes
 _FUTEX_WAKE = 1
 _WAKE_ALL = 2**31 - 1
@@ -42,8 +44,9 @@ class _Timespec(ctypes.Structure):
 
 
 def _syscall() -> tuple[ctypes._CFuncPtr, int] | None:  # type: ignore[name-defined]
-    number = _SYS_FUTEX.get(platform.machine().lower())
-    if not sys.platform.startswith("linux") or number is None:
+    family = _FAMILY.get(platform.machine().lower(), "")
+    number = _SYS_FUTEX.get((family, ctypes.sizeof(ctypes.c_void_p)))
+    if platform.system() != "Linux" or number is None:
         return None
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
@@ -59,20 +62,23 @@ _EXPECTED = {errno.EAGAIN, errno.ETIMEDOUT, errno.EINTR}
 
 
 def _works() -> bool:
+    """A wait on a private word that no longer holds the value must fail at
+    once with EAGAIN: proof that the syscall is there, allowed, and futex."""
     if _FOUND is None:
         return False
     call, number = _FOUND
-    word = ctypes.c_int32(0)
+    word = ctypes.c_int32(1)
+    spec = _Timespec(0, 1_000_000)
     result = call(
         ctypes.c_long(number),
         ctypes.byref(word),
-        ctypes.c_int(_FUTEX_WAKE),
-        ctypes.c_int(1),
-        ctypes.c_void_p(0),
+        ctypes.c_int(_FUTEX_WAIT),
+        ctypes.c_int(0),
+        ctypes.byref(spec),
         ctypes.c_void_p(0),
         ctypes.c_int(0),
     )
-    return int(result) >= 0
+    return int(result) == -1 and ctypes.get_errno() == errno.EAGAIN
 
 
 AVAILABLE = _works()

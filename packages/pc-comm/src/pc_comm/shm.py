@@ -105,10 +105,12 @@ class ShmPeerError(health.PeerFailureError):
 
 
 def _usable_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
+    """The cores this process may run on (its affinity; a cgroup CPU quota
+    is not seen)."""
+    affinity = getattr(os, "sched_getaffinity", None)  # Linux only
+    if affinity is not None:
+        return len(affinity(0))
+    return os.cpu_count() or 1
 
 
 def _shm_dir() -> Path:
