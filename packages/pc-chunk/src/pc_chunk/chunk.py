@@ -177,11 +177,15 @@ class Chunk:
         if self.budget is not None:
             self.budget.free(nbytes, f"{self.name} {what}")
 
-    def _new_payload(self, dtype: torch.dtype) -> torch.Tensor:
+    def _new_payload(self, dtype: torch.dtype, *, zeroed: bool = True) -> torch.Tensor:
+        """A payload buffer; ``zeroed=False`` when the caller overwrites every
+        element (a gather), which saves a pass over the whole chunk."""
         nbytes = self.size * dtype.itemsize
         self._reserve(nbytes, "payload")
         self._held_bytes = nbytes
-        return torch.zeros(self.size, dtype=dtype, device=self.device)
+        if zeroed:
+            return torch.zeros(self.size, dtype=dtype, device=self.device)
+        return torch.empty(self.size, dtype=dtype, device=self.device)
 
     def _drop_payload(self) -> None:
         self.payload = None
@@ -246,7 +250,7 @@ class Chunk:
         elif self.shard_dtype != self.dtype:  # the packing payload becomes a compute one
             full = self.payload.to(self.dtype)
             self._drop_payload()
-            self.payload = self._new_payload(self.dtype)
+            self.payload = self._new_payload(self.dtype, zeroed=False)
             self.payload.copy_(full)
             self._point_params()
         if shard_on_device:
@@ -323,7 +327,7 @@ class Chunk:
                 self._finish_gather()
             return
         self._set_grads_aside()
-        self.payload = self._new_payload(self.dtype)
+        self.payload = self._new_payload(self.dtype, zeroed=False)  # the gather fills it
         shard = self._shard_for_compute()
         if shard.dtype != self.dtype:
             shard = shard.to(self.dtype)
@@ -450,12 +454,23 @@ class Chunk:
         self.finish_reduce()
         flat_bytes = self.size * self.reduce_dtype.itemsize
         self._reserve(flat_bytes, "gradient buffer")
-        flat = torch.zeros(self.size, dtype=self.reduce_dtype, device=self.device)
-        for slot in self.slots:
+        # Every element is written once: a gradient, or a zero where a
+        # parameter got none and in the padding (no zero-fill pass first).
+        flat = torch.empty(self.size, dtype=self.reduce_dtype, device=self.device)
+        end = 0
+        for slot in sorted(self.slots, key=lambda s: s.offset):
+            if slot.offset > end:
+                flat[end : slot.offset].zero_()
             grad = slot.param.grad
+            part = flat[slot.offset : slot.offset + slot.numel]
             if grad is not None:
-                flat[slot.offset : slot.offset + slot.numel].copy_(grad.reshape(-1))
+                part.copy_(grad.reshape(-1))
                 slot.param.grad = None
+            else:
+                part.zero_()
+            end = max(end, slot.offset + slot.numel)
+        if end < self.size:
+            flat[end:].zero_()
         out = torch.empty(self.shard_size, dtype=self.reduce_dtype, device=self.device)
         handle: Handle | None = None
         if self.comm is None:
