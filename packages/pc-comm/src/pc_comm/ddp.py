@@ -66,6 +66,7 @@ class _Bucket:
     params: list[nn.Parameter]
     offsets: list[int]
     flat: torch.Tensor  # allocated once; gradients live in it [Note: gradients as bucket views]
+    views: list[torch.Tensor] = field(default_factory=list)  # each parameter's slot, made once
     pending: int = 0  # gradients still to arrive in this backward
     handle: Handle | None = None
     arrived: set[int] = field(default_factory=set)  # indices (in params) that arrived
@@ -134,7 +135,11 @@ class Reducer:
                 count += p.numel()
             flat = storage[key][used[key] : used[key] + count]
             used[key] += count
-            buckets.append(_Bucket(params=group, offsets=offsets, flat=flat))
+            views = [
+                flat[offset : offset + p.numel()].view_as(p)
+                for p, offset in zip(group, offsets, strict=True)
+            ]
+            buckets.append(_Bucket(params=group, offsets=offsets, flat=flat, views=views))
         return buckets
 
     def _reset(self) -> None:
@@ -145,9 +150,12 @@ class Reducer:
         self._next_launch = 0
         self._callback_queued = False
 
-    def _slot(self, bucket: _Bucket, index: int) -> torch.Tensor:
-        param, offset = bucket.params[index], bucket.offsets[index]
-        return bucket.flat[offset : offset + param.numel()].view_as(param)
+    @staticmethod
+    def _slot(bucket: _Bucket, index: int) -> torch.Tensor:
+        # One view object per parameter, made once: ``param.grad is slot``
+        # then tells a gradient already in its bucket in one comparison, and
+        # no view is built per gradient per step.
+        return bucket.views[index]
 
     def _on_grad(self, param: torch.Tensor) -> None:
         if not self.sync_enabled:
@@ -166,10 +174,11 @@ class Reducer:
                 "backward pass (a module reused in a loop?); DistributedDataParallel "
                 "reduces each gradient once per backward."
             )
-        assert param.grad is not None
+        grad = param.grad
+        assert grad is not None
         slot = self._slot(bucket, i)
-        if not _is_view_of(param.grad, slot):
-            slot.copy_(param.grad)
+        if grad is not slot and not _is_view_of(grad, slot):
+            slot.copy_(grad)
             if self._as_view:
                 param.grad = slot  # [Note: gradients as bucket views]
         bucket.arrived.add(i)
@@ -198,7 +207,8 @@ class Reducer:
                         continue  # unused on every rank: the gradient stays as it was
                     slot = self._slot(bucket, i)
                     if self._as_view:
-                        param.grad = slot
+                        if param.grad is not slot:  # most are already (see _arrive)
+                            param.grad = slot
                     elif param.grad is None:
                         param.grad = slot.clone()
                     else:
