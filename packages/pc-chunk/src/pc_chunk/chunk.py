@@ -454,23 +454,19 @@ class Chunk:
         self.finish_reduce()
         flat_bytes = self.size * self.reduce_dtype.itemsize
         self._reserve(flat_bytes, "gradient buffer")
-        # Every element is written once: a gradient, or a zero where a
-        # parameter got none and in the padding (no zero-fill pass first).
+        # Every element is written once, with no zero-fill pass first: the
+        # parameters lie back to back from offset 0 (append), so what is not
+        # a gradient is a parameter without one or the padding after them.
         flat = torch.empty(self.size, dtype=self.reduce_dtype, device=self.device)
-        end = 0
-        for slot in sorted(self.slots, key=lambda s: s.offset):
-            if slot.offset > end:
-                flat[end : slot.offset].zero_()
-            grad = slot.param.grad
+        for slot in self.slots:
             part = flat[slot.offset : slot.offset + slot.numel]
-            if grad is not None:
+            grad = slot.param.grad
+            if grad is None:
+                part.zero_()
+            else:
                 part.copy_(grad.reshape(-1))
                 slot.param.grad = None
-            else:
-                part.zero_()
-            end = max(end, slot.offset + slot.numel)
-        if end < self.size:
-            flat[end:].zero_()
+        flat[self.used :].zero_()
         out = torch.empty(self.shard_size, dtype=self.reduce_dtype, device=self.device)
         handle: Handle | None = None
         if self.comm is None:

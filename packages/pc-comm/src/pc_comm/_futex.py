@@ -13,10 +13,11 @@ The word lives in a MAP_SHARED mapping, so the key is the file's page, and
 processes that map it at different addresses still meet.
 
 Only Linux has futexes; elsewhere ``AVAILABLE`` is False and callers keep
-their polling loop. A sandbox that refuses the syscall (seccomp) is found by
-a wake on a private word at import, and a wait that fails for another
-reason than a changed word, a timeout or a signal raises OSError, so a
-caller never spins on a wait that returns at once.
+their polling loop. A sandbox that refuses the syscall (seccomp) is found at
+import by a wait on a private word that no longer holds the value (it must
+fail with EAGAIN), and a wait that fails for another reason than a changed
+word, a timeout or a signal raises OSError, so a caller never spins on a
+wait that returns at once.
 """
 
 from __future__ import annotations
@@ -61,24 +62,35 @@ _FOUND = _syscall()
 _EXPECTED = {errno.EAGAIN, errno.ETIMEDOUT, errno.EINTR}
 
 
+def _futex(address: int, op: int, value: int, timeout_s: float | None = None) -> int:
+    """futex(address, op, value, timeout); -1 with errno set on failure."""
+    assert _FOUND is not None, "futex called where futexes are not available"
+    call, number = _FOUND
+    spec = None
+    if timeout_s is not None:
+        whole = max(0.0, timeout_s)
+        spec = _Timespec(int(whole), int((whole % 1.0) * 1e9))
+    return int(
+        call(
+            ctypes.c_long(number),
+            ctypes.c_void_p(address),
+            ctypes.c_int(op),
+            ctypes.c_int(value),
+            ctypes.byref(spec) if spec is not None else ctypes.c_void_p(0),
+            ctypes.c_void_p(0),
+            ctypes.c_int(0),
+        )
+    )
+
+
 def _works() -> bool:
     """A wait on a private word that no longer holds the value must fail at
     once with EAGAIN: proof that the syscall is there, allowed, and futex."""
     if _FOUND is None:
         return False
-    call, number = _FOUND
     word = ctypes.c_int32(1)
-    spec = _Timespec(0, 1_000_000)
-    result = call(
-        ctypes.c_long(number),
-        ctypes.byref(word),
-        ctypes.c_int(_FUTEX_WAIT),
-        ctypes.c_int(0),
-        ctypes.byref(spec),
-        ctypes.c_void_p(0),
-        ctypes.c_int(0),
-    )
-    return int(result) == -1 and ctypes.get_errno() == errno.EAGAIN
+    result = _futex(ctypes.addressof(word), _FUTEX_WAIT, 0, 0.001)
+    return result == -1 and ctypes.get_errno() == errno.EAGAIN
 
 
 AVAILABLE = _works()
@@ -88,21 +100,8 @@ def wait(address: int, seen: int, timeout_s: float) -> None:
     """Sleep while the 32-bit word at ``address`` equals the low 32 bits of
     ``seen``, at most ``timeout_s`` seconds. Returns early on a wake, a
     changed word or a signal; the caller rechecks its condition."""
-    assert _FOUND is not None, "futex wait called where futexes are not available"
-    call, number = _FOUND
-    whole = max(0.0, timeout_s)
-    spec = _Timespec(int(whole), int((whole % 1.0) * 1e9))
     expected = ctypes.c_int32(seen & 0xFFFFFFFF).value  # wraps like the word does
-    result = call(
-        ctypes.c_long(number),
-        ctypes.c_void_p(address),
-        ctypes.c_int(_FUTEX_WAIT),
-        ctypes.c_int(expected),
-        ctypes.byref(spec),
-        ctypes.c_void_p(0),
-        ctypes.c_int(0),
-    )
-    if int(result) < 0:
+    if _futex(address, _FUTEX_WAIT, expected, timeout_s) < 0:
         code = ctypes.get_errno()
         if code not in _EXPECTED:
             raise OSError(code, f"futex wait failed: {os.strerror(code)}")
@@ -110,14 +109,4 @@ def wait(address: int, seen: int, timeout_s: float) -> None:
 
 def wake(address: int) -> None:
     """Wake every process sleeping on the word at ``address``."""
-    assert _FOUND is not None, "futex wake called where futexes are not available"
-    call, number = _FOUND
-    call(
-        ctypes.c_long(number),
-        ctypes.c_void_p(address),
-        ctypes.c_int(_FUTEX_WAKE),
-        ctypes.c_int(_WAKE_ALL),
-        ctypes.c_void_p(0),
-        ctypes.c_void_p(0),
-        ctypes.c_int(0),
-    )
+    _futex(address, _FUTEX_WAKE, _WAKE_ALL)

@@ -14,7 +14,8 @@ The hot path never touches the TCP store or a socket. The segment holds one
 128-byte line per rank with a generation counter that only that rank writes.
 ``_barrier`` bumps this rank's counter, wakes whoever sleeps on it, and
 waits until every counter reached the same generation: a few polls that
-yield the core (none when the host's ranks outnumber its cores), then a
+yield the core (none when the ranks outnumber the cores this process may
+run on), then a
 sleep in the kernel on the first missing rank's counter, which that rank's
 wake ends at once [Note: waiting in the kernel, in pc_comm._futex]. Where
 futexes do not exist the wait polls with naps of at most 1 ms. On x86-64
@@ -257,12 +258,11 @@ class ShmCommunicator(HostExecutor):
         self._segment = self._map_shared(control + (self._world_size + 1) * slot_bytes)
         # Control lines, int64 per rank: [generation, signature slot 0 (4),
         # signature slot 1 (4), unused].
-        self._lines = self._segment[:control].view(torch.int64).view(self._world_size, -1)
-        self._arrivals = self._lines[:, 0]
-        # The same lines as a ctypes array: a plain load or store per element
+        # Read and written through ctypes: a plain load or store per element
         # costs ~100 ns there against microseconds through torch indexing.
+        # The array does not keep the mapping alive; self._segment does.
         self._control = (ctypes.c_int64 * (self._world_size * _LINE_INT64)).from_address(
-            self._lines.data_ptr()
+            self._segment.data_ptr()
         )
         self._spins = 0 if self._world_size > _usable_cores() else _SPINS
         self._use_futex = _futex.AVAILABLE
@@ -457,7 +457,8 @@ class ShmCommunicator(HostExecutor):
         )
 
     def _check_peers(self, generation: int, what: str, deadline: float) -> None:
-        missing = [r for r in range(self._world_size) if int(self._arrivals[r]) < generation]
+        control = self._control
+        missing = [r for r in range(self._world_size) if control[r * _LINE_INT64] < generation]
         for rank in missing:
             try:
                 os.kill(self._pids[rank], 0)
