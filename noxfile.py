@@ -135,6 +135,18 @@ def docs(session: nox.Session) -> None:
 
 
 @nox.session(venv_backend="none")
+def bench_gpu(session: nox.Session) -> None:
+    """The GPU benchmarks (benchmarks/gpu_*.py), in the current interpreter,
+    on a GPU machine: activation offload on GPT-2 medium, the all-reduce of
+    CUDA tensors through the host, and the largest model per GPU."""
+    sources = os.pathsep.join(str(ROOT / "packages" / p / "src") for p in PACKAGES)
+    env = {"PYTHONPATH": sources + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    session.run("python", "benchmarks/gpu_offload.py", env=env)
+    session.run("python", "benchmarks/gpu_staging.py", env=env)
+    session.run("python", "benchmarks/gpu_largest_model.py", "search", env=env)
+
+
+@nox.session(venv_backend="none")
 def gpu(session: nox.Session) -> None:
     """Tests marked `gpu`, in the current interpreter (a GPU machine's CUDA
     torch; such machines are often offline, so nothing is installed)."""

@@ -46,6 +46,17 @@ shard zeroed, or the whole shard dropped when all are None.
 Every byte a chunk holds on the compute device (payload, shard, gradient
 shard) is reserved in a :class:`~pc_chunk.budget.DeviceBudget` when given,
 which refuses to exceed its limit.
+
+[Note: host buffers]
+A shard kept on the host, and its gradient shard, live for the whole run:
+each is one exactly sized host tensor, pinned when the copy engine pins
+(CUDA), allocated once. The gradient shard's buffer is reused by every
+later step's copy down. They do not come from the engine's pool: its size
+classes round up to powers of two (up to twice the bytes) and its bound is
+for short-lived buffers (accumulation scratch, activation offload). A
+prefetch of a host shard copies it up on the engine's side stream, so the
+copy overlaps the compute before it; the cast to the compute dtype and the
+all-gather wait until the chunk is used.
 """
 
 from __future__ import annotations
@@ -58,7 +69,7 @@ from torch import nn
 
 from pc_chunk.budget import DeviceBudget
 from pc_comm import Communicator, Handle, ReduceOp
-from pc_offload import CopyEngine
+from pc_offload import CopyEngine, Transfer
 
 __all__ = ["Chunk", "ChunkState", "ChunkStateError"]
 
@@ -143,6 +154,8 @@ class Chunk:
         self.users = 0  # operators between access() and done()
         self._gathering: Handle | None = None  # an all-gather in flight (prefetch)
         self._gather_source: torch.Tensor | None = None  # kept alive while it runs
+        self._uploading: Transfer | None = None  # a host shard's prefetch copy to the device
+        self._host_grad: torch.Tensor | None = None  # [Note: host buffers]
         self._grads_set_aside = False  # [Note: exposed shards]
         self._params_on_payload = True  # parameters view the payload (not the shard)
         self.gathers = 0  # all-gathers issued, for tests and statistics
@@ -328,11 +341,27 @@ class Chunk:
             return
         self._set_grads_aside()
         self.payload = self._new_payload(self.dtype, zeroed=False)  # the gather fills it
-        shard = self._shard_for_compute()
-        if shard.dtype != self.dtype:
-            shard = shard.to(self.dtype)
         self.state = ChunkState.HOLD
         self.gathers += 1
+        shard = self.shard
+        assert shard is not None
+        if (
+            async_op
+            and self.engine is not None
+            and self.device.type == "cuda"
+            and shard.device.type == "cpu"
+        ):
+            # A prefetch of a host shard: its copy to the device runs on the
+            # copy engine's side stream, overlapping compute; the cast and the
+            # all-gather follow when the chunk is needed (_finish_gather).
+            self._uploading = self.engine.to_device(shard, self.device)
+            return
+        self._gather_from(self._shard_for_compute(), async_op)
+
+    def _gather_from(self, shard: torch.Tensor, async_op: bool) -> None:
+        assert self.payload is not None
+        if shard.dtype != self.dtype:
+            shard = shard.to(self.dtype)
         if self.comm is None:
             self.payload.copy_(shard)
         else:
@@ -343,6 +372,11 @@ class Chunk:
         self._finish_gather()
 
     def _finish_gather(self) -> None:
+        if self._uploading is not None:
+            shard = self._uploading.wait()
+            self._uploading = None
+            self._gather_from(shard, async_op=False)  # finishes the gather
+            return
         if self._gathering is not None:
             self._gathering.wait()
             self._gathering = None
@@ -368,6 +402,7 @@ class Chunk:
             self._gathering.wait()
             self._gathering = None
             self._gather_source = None
+        self._uploading = None  # its device memory is kept until the copy is done
         self._drop_payload()
         self._point_params()
         self.state = ChunkState.FREE
@@ -413,23 +448,37 @@ class Chunk:
         self.shard = self._move(self.shard, to_device)
         if self.grad_shard is not None:
             self.grad_shard = self._move(self.grad_shard, to_device)
+        self._host_grad = None if to_device else self.grad_shard
         if not to_device:
             self._free(nbytes, "shard")
         self.shard_on_device = to_device
         if self.payload is None and self.expose_shard:
             self._point_params()  # the parameters view the moved shard
 
-    def _move(self, tensor: torch.Tensor, to_device: bool) -> torch.Tensor:
-        """Through the copy engine's pinned pool when there is one: host
-        copies live in pool buffers, returned once copied back."""
-        if self.engine is None:
-            return tensor.to(self.device if to_device else torch.device("cpu"), copy=True)
+    def _move(
+        self, tensor: torch.Tensor, to_device: bool, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """A copy on the device, or in a long-lived host buffer (``out``, or a
+        new one) [Note: host buffers]; through the copy engine when there is one."""
         if to_device:
+            if self.engine is None:
+                return tensor.to(self.device, copy=True)
             transfer = self.engine.to_device(tensor, self.device)
             moved = transfer.wait()
             if self.engine.pool.owns(tensor):
                 self.engine.release_after(transfer, tensor)
             return moved
+        if out is None:
+            pinned = self.engine is not None and self.engine.pool.pinned
+            out = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pinned)
+        if self.engine is None:
+            return out.copy_(tensor)
+        return self.engine.to_host(tensor, out=out).wait()
+
+    def _to_host_scratch(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A short-lived host copy: a pool buffer, given back with _drop."""
+        if self.engine is None:
+            return tensor.to("cpu", copy=True)
         return self.engine.to_host(tensor).wait()
 
     def _drop(self, tensor: torch.Tensor | None) -> None:
@@ -497,15 +546,24 @@ class Chunk:
         del flat
         self._free(flat_bytes, "gradient buffer")
         grad_shard = out if out.dtype == torch.float32 else out.float()
+        accumulate = self.expose_shard and self.grad_shard is not None
         if not self.shard_on_device:
-            grad_shard = self._move(grad_shard, False)
-        if self.expose_shard and self.grad_shard is not None:  # accumulate
+            if accumulate:
+                grad_shard = self._to_host_scratch(grad_shard)
+            else:  # into the host buffer of earlier steps [Note: host buffers]
+                free = self.grad_shard is None or self.grad_shard is self._host_grad
+                reuse = self._host_grad if free else None
+                grad_shard = self._move(grad_shard, False, out=reuse)
+                self._host_grad = grad_shard
+        if accumulate:
+            assert self.grad_shard is not None
             self.grad_shard.add_(grad_shard)
             self._drop(grad_shard)
         else:
             if self.grad_shard is None and self.shard_on_device:
                 self._reserve(grad_shard.numel() * 4, "grad shard")
-            self._drop(self.grad_shard)
+            if self.grad_shard is not grad_shard:
+                self._drop(self.grad_shard)
             self.grad_shard = grad_shard
             if self.expose_shard and self.state is ChunkState.FREE:
                 self._point_params()  # released meanwhile: .grad views the new shard

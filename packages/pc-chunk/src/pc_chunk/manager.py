@@ -201,7 +201,9 @@ class ChunkManager:
         self.prefetch = prefetch
         world = comm.world_size if comm is not None else 1
         self._chunk_args: dict[str, Any] = {
-            "comm": comm,
+            # One rank's gather and reduce-scatter are copies: no collective
+            # (a host communicator would stage CUDA chunks through the host).
+            "comm": comm if world > 1 else None,
             "device": self.device,
             "budget": budget,
             "reduce_dtype": reduce_dtype,

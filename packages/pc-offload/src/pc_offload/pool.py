@@ -205,9 +205,19 @@ class CopyEngine:
             event.record(stream)
         return Transfer(result, event)
 
-    def to_host(self, tensor: torch.Tensor) -> Transfer:
-        """Copy ``tensor`` into a pool buffer (release it with ``pool.release``)."""
-        host = self.pool.acquire(tensor.shape, tensor.dtype)
+    def to_host(self, tensor: torch.Tensor, out: torch.Tensor | None = None) -> Transfer:
+        """Copy ``tensor`` into a pool buffer (release it with ``pool.release``),
+        or into ``out``, a host tensor of the same shape and dtype that the
+        caller keeps (long-lived buffers: pinned once, exactly sized)."""
+        if out is None:
+            host = self.pool.acquire(tensor.shape, tensor.dtype)
+        elif out.device.type != "cpu" or out.shape != tensor.shape or out.dtype != tensor.dtype:
+            raise ValueError(
+                f"to_host(out=...) needs a host tensor of shape {tuple(tensor.shape)} and dtype "
+                f"{tensor.dtype}; got {out.device} {tuple(out.shape)} {out.dtype}."
+            )
+        else:
+            host = out
         return self._run(tensor.device, lambda: host.copy_(tensor, non_blocking=True), host, tensor)
 
     def to_device(self, host: torch.Tensor, device: torch.device) -> Transfer:

@@ -1,0 +1,120 @@
+"""ZeRO-3 on CUDA with shards on the host: GeminiDDP with half the chunks
+offloaded (pinned host shards, prefetch copies on the copy engine's side
+stream, HybridAdam stepping host shards on the host and device shards on
+the device) and FullyShardedDataParallel with offload_params, against
+plain single-process training on the GPU. One rank, and two ranks sharing
+the one GPU a lent machine has. Runs with `nox -s gpu`; skipped without CUDA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pc_comm.testing import run_subtests
+from pc_offload import HybridAdam
+from pc_zero import (
+    FullyShardedDataParallel,
+    GeminiDDP,
+    GeminiOptimizer,
+    transformer_auto_wrap_policy,
+)
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.timeout(300),
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+STEPS, GLOBAL_BATCH, LR = 6, 16, 1e-3
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.fc = nn.LayerNorm(128), nn.Linear(128, 128)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = x + torch.tanh(self.fc(self.norm(x)))
+        return out
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 128), *[_Block() for _ in range(6)], nn.Linear(128, 10))
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(step)
+    x = torch.randn(GLOBAL_BATCH, 32, generator=gen)
+    return x.cuda(), torch.randint(0, 10, (GLOBAL_BATCH,), generator=gen).cuda()
+
+
+def check_offloaded_zero3_on_cuda(kind: str, prefetch: bool) -> None:
+    torch.cuda.set_device(0)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    rank, world = dist.get_rank(), dist.get_world_size()
+    reference = _model().cuda()
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR)
+    model = _model()
+    wrapped: nn.Module
+    if kind == "gemini":
+        sizes = [p.numel() for p in model.parameters()]
+        quantum = 64 * world
+        size = -(-max(max(sizes), sum(sizes) // 6) // quantum) * quantum
+        wrapped = GeminiDDP(
+            model.cuda(),
+            device="cuda",
+            placement_policy="static",
+            offload_param_frac=0.5,
+            chunk_size=size,
+            prefetch=prefetch,
+        )
+        on_host = [c for c in wrapped.chunks if not c.shard_on_device]
+        assert on_host
+        assert len(on_host) < len(wrapped.chunks)
+        assert all(c.shard is not None and c.shard.is_pinned() for c in on_host)
+        opt: torch.optim.Optimizer = GeminiOptimizer(
+            HybridAdam(wrapped.parameters(), lr=LR, weight_decay=0.01), wrapped
+        )
+    else:
+        wrapped = FullyShardedDataParallel(
+            model,
+            auto_wrap_policy=transformer_auto_wrap_policy({_Block}),
+            offload_params=True,
+            device="cuda",
+            forward_prefetch=prefetch,
+        )
+        opt = torch.optim.AdamW(wrapped.parameters(), lr=LR)
+    shard = GLOBAL_BATCH // world
+    for step in range(STEPS):
+        x, y = _batch(step)
+        ref_loss = nn.functional.cross_entropy(reference(x), y)
+        ref_loss.backward()  # type: ignore[no-untyped-call]
+        ref_opt.step()
+        ref_opt.zero_grad()
+        lo, hi = rank * shard, (rank + 1) * shard
+        loss = nn.functional.cross_entropy(wrapped(x[lo:hi]), y[lo:hi])
+        loss.backward()  # type: ignore[no-untyped-call]
+        opt.step()
+        opt.zero_grad()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        torch.testing.assert_close(total / world, ref_loss.detach(), rtol=1e-5, atol=1e-6)
+    full = wrapped.full_state_dict()
+    for name, value in reference.state_dict().items():
+        torch.testing.assert_close(
+            full[name].to(value.device), value, rtol=1e-5, atol=1e-6, msg=name
+        )
+    torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_offloaded_zero3_matches_single_process_on_cuda(world_size: int) -> None:
+    run_subtests(
+        check_offloaded_zero3_on_cuda,
+        world_size,
+        {"kind": ["gemini", "fsdp"], "prefetch": [True, False]},
+        timeout=280,
+    )
