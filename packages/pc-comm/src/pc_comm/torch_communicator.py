@@ -14,6 +14,7 @@ from __future__ import annotations
 import datetime
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -48,6 +49,17 @@ Finisher = Callable[[], None]
 
 
 Failure = Callable[[RuntimeError], BaseException]
+
+
+# torch 2.13 names the flat collectives all_gather_single / reduce_scatter_single;
+# earlier releases call them all_gather_into_tensor / reduce_scatter_tensor
+# (same arguments).
+_all_gather_flat: Callable[..., Any] = (
+    getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+)
+_reduce_scatter_flat: Callable[..., Any] = (
+    getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+)
 
 
 class _WorkHandle:
@@ -200,7 +212,7 @@ class TorchCommunicator:
         return self._run(
             "reduce_scatter",
             input,
-            lambda: dist.reduce_scatter_single(
+            lambda: _reduce_scatter_flat(
                 output.view(-1), input.view(-1), op=torch_op, group=self.group, async_op=async_op
             ),
             finishers,
@@ -231,7 +243,7 @@ class TorchCommunicator:
         return self._run(
             "reduce_scatter",
             flat,
-            lambda: dist.reduce_scatter_single(
+            lambda: _reduce_scatter_flat(
                 mine, flat, op=torch_op, group=self.group, async_op=async_op
             ),
             finishers,
@@ -248,7 +260,7 @@ class TorchCommunicator:
         return self._run(
             "all_gather",
             output,
-            lambda: dist.all_gather_single(
+            lambda: _all_gather_flat(
                 output.view(-1), input.reshape(-1), group=self.group, async_op=async_op
             ),
             [],
@@ -274,7 +286,7 @@ class TorchCommunicator:
         return self._run(
             "all_gather",
             gathered,
-            lambda: dist.all_gather_single(gathered, mine, group=self.group, async_op=async_op),
+            lambda: _all_gather_flat(gathered, mine, group=self.group, async_op=async_op),
             [scatter_out],
             async_op,
         )
