@@ -64,3 +64,25 @@ def test_bf16_device_parameters_step_from_fp32_masters(make: type) -> None:
     assert master.device.type == ("cpu" if make is CPUAdamW else "cuda")
     torch.testing.assert_close(master.to("cuda"), masters[0].detach(), rtol=1e-5, atol=1e-6)
     assert torch.equal(params[0].detach(), master.to("cuda").bfloat16())
+
+
+def test_pinned_empty_is_exact_and_page_locked() -> None:
+    import gc
+
+    from pc_offload import pinned_empty
+
+    host = pinned_empty((3, 100_003), torch.float32)
+    assert host.shape == (3, 100_003)
+    assert host.is_pinned()
+    assert host.untyped_storage().nbytes() == 3 * 100_003 * 4  # not rounded up
+    x = torch.randn(3, 100_003, device="cuda")
+    host.copy_(x, non_blocking=True)
+    torch.cuda.synchronize()
+    assert torch.equal(host, x.cpu())
+    view = host[1]
+    del host
+    gc.collect()
+    assert view.is_pinned()  # a view keeps the registration alive
+    back = view.to("cuda", non_blocking=True)
+    torch.cuda.synchronize()
+    assert torch.equal(back, x[1])

@@ -50,10 +50,12 @@ which refuses to exceed its limit.
 [Note: host buffers]
 A shard kept on the host, and its gradient shard, live for the whole run:
 each is one exactly sized host tensor, pinned when the copy engine pins
-(CUDA), allocated once. The gradient shard's buffer is reused by every
-later step's copy down. They do not come from the engine's pool: its size
-classes round up to powers of two (up to twice the bytes) and its bound is
-for short-lived buffers (accumulation scratch, activation offload). A
+(CUDA; pc_offload.pinned_empty, which does not round up to a power of two
+as torch's pinned allocator does), allocated once. The gradient shard's
+buffer is reused by every later step's copy down. They do not come from
+the engine's pool: its size classes round up to powers of two (up to
+twice the bytes) and its bound is for short-lived buffers (accumulation
+scratch, activation offload). A
 prefetch of a host shard copies it up on the engine's side stream, so the
 copy overlaps the compute before it; the cast to the compute dtype and the
 all-gather wait until the chunk is used.
@@ -69,7 +71,7 @@ from torch import nn
 
 from pc_chunk.budget import DeviceBudget
 from pc_comm import Communicator, Handle, ReduceOp
-from pc_offload import CopyEngine, Transfer
+from pc_offload import CopyEngine, Transfer, pinned_empty
 
 __all__ = ["Chunk", "ChunkState", "ChunkStateError"]
 
@@ -467,10 +469,16 @@ class Chunk:
             moved = transfer.wait()
             if self.engine.pool.owns(tensor):
                 self.engine.release_after(transfer, tensor)
+            else:
+                transfer.synchronize()  # the host buffer may be freed next
             return moved
         if out is None:
             pinned = self.engine is not None and self.engine.pool.pinned
-            out = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pinned)
+            out = (
+                pinned_empty(tensor.shape, tensor.dtype)
+                if pinned
+                else torch.empty(tensor.shape, dtype=tensor.dtype)
+            )
         if self.engine is None:
             return out.copy_(tensor)
         return self.engine.to_host(tensor, out=out).wait()

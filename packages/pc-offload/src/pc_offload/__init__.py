@@ -4,7 +4,14 @@ of pinned host buffers with an asynchronous copy engine."""
 
 from pc_offload.activation import CPUOffload, OffloadStats
 from pc_offload.optim import CPUAdam, CPUAdamW, HybridAdam
-from pc_offload.pool import CopyEngine, PinnedPool, PoolExhaustedError, PoolStats, Transfer
+from pc_offload.pool import (
+    CopyEngine,
+    PinnedPool,
+    PoolExhaustedError,
+    PoolStats,
+    Transfer,
+    pinned_empty,
+)
 
 __version__ = "0.1.0"
 
@@ -19,4 +26,5 @@ __all__ = [
     "PoolExhaustedError",
     "PoolStats",
     "Transfer",
+    "pinned_empty",
 ]

@@ -14,15 +14,58 @@ buffers are ordinary host memory and ``pinned`` says so.
 
 from __future__ import annotations
 
+import ctypes
 import threading
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["CopyEngine", "PinnedPool", "PoolExhaustedError", "PoolStats", "Transfer"]
+__all__ = [
+    "CopyEngine",
+    "PinnedPool",
+    "PoolExhaustedError",
+    "PoolStats",
+    "Transfer",
+    "pinned_empty",
+]
 
 _MIN_CLASS = 4096
+
+
+def pinned_empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """A page-locked host tensor of exactly its size, for long-lived buffers.
+
+    torch's pinned allocator rounds every request up to a power of two (up
+    to twice the bytes: a 0.8 GB shard takes 1 GiB); this pins an ordinary
+    allocation with ``cudaHostRegister`` instead and unregisters it when the
+    memory is freed. Falls back to ``pin_memory=True`` where registration is
+    not available, and to ordinary memory without CUDA. The caller must not
+    free it while an asynchronous copy still reads or writes it."""
+    numel = 1
+    for dim in shape:
+        numel *= dim
+    if not torch.cuda.is_available():
+        return torch.empty(shape, dtype=dtype)
+    nbytes = numel * dtype.itemsize
+    cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
+    register = getattr(cudart, "cudaHostRegister", None)
+    if nbytes == 0 or register is None:
+        return torch.empty(shape, dtype=dtype, pin_memory=True)
+    buffer = _Registered(nbytes)
+    address = ctypes.addressof(ctypes.c_char.from_buffer(buffer))
+    status = register(address, nbytes, 0)
+    if int(getattr(status, "value", status)) != 0:
+        return torch.empty(shape, dtype=dtype, pin_memory=True)
+    # The tensor's storage keeps the buffer alive; the buffer's finaliser
+    # runs after the last view is gone, before its memory is released.
+    weakref.finalize(buffer, cudart.cudaHostUnregister, address)
+    return torch.frombuffer(buffer, dtype=dtype).view(shape)
+
+
+class _Registered(bytearray):
+    """A bytearray that weak references (and so a finaliser) can follow."""
 
 
 class PoolExhaustedError(MemoryError):
@@ -152,7 +195,11 @@ class Transfer:
     def wait(self) -> torch.Tensor:
         if self._event is not None:
             if self.result.is_cuda:
-                torch.cuda.current_stream(self.result.device).wait_event(self._event)
+                stream = torch.cuda.current_stream(self.result.device)
+                stream.wait_event(self._event)
+                # Its memory may come from the copy stream's pool: not reused
+                # before the consumer's work is done.
+                self.result.record_stream(stream)
             else:
                 self._event.synchronize()
         return self.result
@@ -221,11 +268,22 @@ class CopyEngine:
         return self._run(tensor.device, lambda: host.copy_(tensor, non_blocking=True), host, tensor)
 
     def to_device(self, host: torch.Tensor, device: torch.device) -> Transfer:
-        """Copy a host tensor to ``device`` (a fresh tensor there)."""
-        # Allocated on the caller's stream, which will use it; the side
-        # stream's write is recorded so the memory is not reused too early.
-        out = torch.empty_like(host, device=device)
-        return self._run(device, lambda: out.copy_(host, non_blocking=True), out, out)
+        """Copy a host tensor, ready on the host, to ``device`` (a fresh
+        tensor there). On CUDA the copy does not wait for the caller's queued
+        work: the destination comes from the side stream's own memory, so it
+        overlaps everything queued before it; ``wait()`` orders the consumer
+        after the copy and records the consumer's stream on the result."""
+        if device.type != "cuda":
+            out = torch.empty_like(host, device=device)
+            out.copy_(host)
+            return Transfer(out, None)
+        stream = self._stream(device)
+        with torch.cuda.stream(stream):
+            out = torch.empty_like(host, device=device)
+            out.copy_(host, non_blocking=True)
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            event.record(stream)
+        return Transfer(out, event)
 
     def release_after(self, transfer: Transfer, host: torch.Tensor) -> None:
         """Give ``host`` back to the pool once ``transfer`` (which reads or
