@@ -30,6 +30,13 @@ from pc_comm import ReduceOp, TorchCommunicator, all_reduce_coalesced
 from pc_comm.testing import spawn
 
 RESULTS = Path(__file__).resolve().parent.parent / "bench-results"
+# torch before 2.13 names the flat collectives *_into_tensor / *_tensor.
+_ALL_GATHER: Callable[..., object] = (
+    getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+)
+_REDUCE_SCATTER: Callable[..., object] = (
+    getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+)
 
 
 def _time_pair(
@@ -75,11 +82,11 @@ def _cases(comm: TorchCommunicator, numel: int) -> dict[str, Pair]:
         ),
         "all_gather": (
             lambda: comm.all_gather(full, shard).wait(),
-            lambda: dist.all_gather_single(full, shard),
+            lambda: _ALL_GATHER(full, shard),
         ),
         "reduce_scatter": (
             lambda: comm.reduce_scatter(shard, buf).wait(),
-            lambda: dist.reduce_scatter_single(shard, buf),
+            lambda: _REDUCE_SCATTER(shard, buf),
         ),
     }
 

@@ -56,9 +56,12 @@ buffer is reused by every later step's copy down. They do not come from
 the engine's pool: its size classes round up to powers of two (up to
 twice the bytes) and its bound is for short-lived buffers (accumulation
 scratch, activation offload). A
-prefetch of a host shard copies it up on the engine's side stream, so the
-copy overlaps the compute before it; the cast to the compute dtype and the
-all-gather wait until the chunk is used.
+prefetch of a host shard by a single rank copies it up on the engine's
+side stream, so the copy overlaps the compute before it (its device bytes
+reserved in the budget meanwhile); the cast to the compute dtype waits
+until the chunk is used. With several ranks the prefetch copies up on the
+current stream and starts the all-gather at once, as for a device shard:
+every rank issues its collectives in the same order whatever its placement.
 """
 
 from __future__ import annotations
@@ -349,13 +352,18 @@ class Chunk:
         assert shard is not None
         if (
             async_op
+            and self.comm is None
             and self.engine is not None
             and self.device.type == "cuda"
             and shard.device.type == "cpu"
+            and (self.budget is None or self.budget.available_bytes >= self.shard_bytes)
         ):
-            # A prefetch of a host shard: its copy to the device runs on the
-            # copy engine's side stream, overlapping compute; the cast and the
-            # all-gather follow when the chunk is needed (_finish_gather).
+            # One rank's prefetch of a host shard: its copy to the device
+            # runs on the copy engine's side stream, overlapping compute; the
+            # cast follows when the chunk is needed (_finish_gather). Not with
+            # several ranks: deferring the all-gather would make the order of
+            # collectives depend on this rank's placement.
+            self._reserve(self.shard_bytes, "upload")
             self._uploading = self.engine.to_device(shard, self.device)
             return
         self._gather_from(self._shard_for_compute(), async_op)
@@ -378,6 +386,8 @@ class Chunk:
             shard = self._uploading.wait()
             self._uploading = None
             self._gather_from(shard, async_op=False)  # finishes the gather
+            del shard
+            self._free(self.shard_bytes, "upload")
             return
         if self._gathering is not None:
             self._gathering.wait()
@@ -404,7 +414,9 @@ class Chunk:
             self._gathering.wait()
             self._gathering = None
             self._gather_source = None
-        self._uploading = None  # its device memory is kept until the copy is done
+        if self._uploading is not None:  # its device memory lives until the copy is done
+            self._uploading = None
+            self._free(self.shard_bytes, "upload")
         self._drop_payload()
         self._point_params()
         self.state = ChunkState.FREE
@@ -590,6 +602,9 @@ class Chunk:
         self.finish_reduce()
         self._need_closed("set_shard")
         assert self.shard is not None
+        if self._uploading is not None:  # a prefetch is copying the old values up
+            self._uploading.synchronize()
+            self.release()
         self.shard.copy_(values)
         if self.payload is not None:
             lo = self.rank * self.shard_size

@@ -15,6 +15,7 @@ buffers are ordinary host memory and ``pinned`` says so.
 from __future__ import annotations
 
 import ctypes
+import mmap
 import threading
 import weakref
 from collections.abc import Callable
@@ -51,17 +52,27 @@ def pinned_empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> tor
     nbytes = numel * dtype.itemsize
     cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
     register = getattr(cudart, "cudaHostRegister", None)
-    if nbytes == 0 or register is None:
+    if nbytes < _REGISTER_FROM or register is None:  # small: the rounding costs little
         return torch.empty(shape, dtype=dtype, pin_memory=True)
-    buffer = _Registered(nbytes)
-    address = ctypes.addressof(ctypes.c_char.from_buffer(buffer))
-    status = register(address, nbytes, 0)
+    # CUDA pins whole pages: register only pages that lie entirely inside
+    # this buffer, so no other allocation shares one (a second registration
+    # of a page fails and leaves an error behind in the CUDA runtime).
+    page = mmap.PAGESIZE
+    length = -(-nbytes // page) * page
+    buffer = _Registered(length + page)
+    start = ctypes.addressof(ctypes.c_char.from_buffer(buffer))
+    offset = -start % page
+    status = register(start + offset, length, 0)
     if int(getattr(status, "value", status)) != 0:
         return torch.empty(shape, dtype=dtype, pin_memory=True)
     # The tensor's storage keeps the buffer alive; the buffer's finaliser
     # runs after the last view is gone, before its memory is released.
-    weakref.finalize(buffer, cudart.cudaHostUnregister, address)
-    return torch.frombuffer(buffer, dtype=dtype).view(shape)
+    weakref.finalize(buffer, cudart.cudaHostUnregister, start + offset)
+    flat = torch.frombuffer(buffer, dtype=torch.uint8, count=nbytes, offset=offset)
+    return flat.view(dtype).view(shape)
+
+
+_REGISTER_FROM = 1 << 20
 
 
 class _Registered(bytearray):
@@ -216,11 +227,12 @@ class Transfer:
 class CopyEngine:
     """Moves tensors between device and host through a :class:`PinnedPool`.
 
-    On CUDA each copy runs on a side stream, ordered after the caller's
-    current stream at the time of the call, so it overlaps the caller's
-    later kernels; the source is protected from reuse by
-    ``record_stream``. On the CPU copies are immediate and the transfer is
-    complete on return.
+    On CUDA each copy runs on a side stream, so it overlaps the caller's
+    kernels. A copy to the host is ordered after the caller's current stream
+    at the time of the call (the kernel that made the tensor), its source
+    protected from reuse by ``record_stream``; a copy to the device is not
+    (its source is ready on the host). On the CPU copies are immediate and
+    the transfer is complete on return.
     """
 
     def __init__(self, pool: PinnedPool | None = None) -> None:
