@@ -75,3 +75,48 @@ def test_copy_engine_round_trip() -> None:
     engine.release_after(up, host)
     engine.synchronize()
     assert engine.pool.stats().in_use_bytes == 0
+
+
+def test_pinned_empty_registers_whole_pages_of_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The registration logic, with CUDA's two calls recorded (the GPU test
+    checks the real thing): exactly the bytes asked for, page-aligned,
+    whole pages inside the buffer, unregistered once the last view is gone."""
+    import gc
+    import mmap
+
+    from pc_offload import pinned_empty
+
+    calls: list[tuple[str, int, int]] = []
+
+    class FakeCudart:
+        def cudaHostRegister(self, address: int, length: int, flags: int) -> int:  # noqa: N802
+            calls.append(("register", address, length))
+            return 0
+
+        def cudaHostUnregister(self, address: int) -> int:  # noqa: N802
+            calls.append(("unregister", address, 0))
+            return 0
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: FakeCudart())
+    shape = (3, 100_003)
+    host = pinned_empty(shape, torch.float32)
+    nbytes = 3 * 100_003 * 4
+    assert host.shape == shape
+    assert host.dtype == torch.float32
+    assert host.untyped_storage().nbytes() >= nbytes
+    ((kind, address, length),) = calls
+    assert kind == "register"
+    assert address == host.data_ptr()
+    assert address % mmap.PAGESIZE == 0
+    assert length % mmap.PAGESIZE == 0
+    assert nbytes <= length < nbytes + mmap.PAGESIZE
+    host.fill_(1.5)
+    view = host[2]
+    del host
+    gc.collect()
+    assert len(calls) == 1  # a view keeps the buffer registered
+    assert torch.all(view == 1.5)
+    del view
+    gc.collect()
+    assert calls[-1] == ("unregister", address, 0)
