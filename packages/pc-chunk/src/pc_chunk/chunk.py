@@ -550,6 +550,13 @@ class Chunk:
         return self.grad_shard
 
     @property
+    def held_grad(self) -> torch.Tensor | None:
+        """The gradient memory this chunk holds: the gradient shard, or,
+        between steps, the host buffer kept for the next one [Note: host
+        buffers]."""
+        return self.grad_shard if self.grad_shard is not None else self._host_grad
+
+    @property
     def reducing(self) -> bool:
         """A reduce-scatter started with ``async_op=True`` is not finished."""
         return self._reducing is not None

@@ -227,16 +227,18 @@ class ShardedModule(nn.Module):
 
     def memory(self, optimizer: torch.optim.Optimizer | None = None) -> ModelStateMemory:
         """Model-state bytes this rank holds between steps: shards (the
-        fp32 masters), gradient shards and the optimizer's states."""
+        fp32 masters), gradient shards (and host gradient buffers kept for
+        the next step) and the optimizer's states."""
         params = grads = host = 0
         for chunk in self.chunks:
             assert chunk.shard is not None
             params += chunk.shard_bytes
             host += chunk.shard_bytes if chunk.shard.device.type == "cpu" else 0
-            if chunk.grad_shard is not None:
-                nbytes = chunk.grad_shard.numel() * chunk.grad_shard.element_size()
+            held = chunk.held_grad  # a host buffer kept between steps counts too
+            if held is not None:
+                nbytes = held.numel() * held.element_size()
                 grads += nbytes
-                host += nbytes if chunk.grad_shard.device.type == "cpu" else 0
+                host += nbytes if held.device.type == "cpu" else 0
         states = 0
         if optimizer is not None:
             for state in optimizer.state.values():
