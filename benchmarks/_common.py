@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
 import time
@@ -40,6 +41,35 @@ def median_max(samples: list[float]) -> float:
     value = torch.tensor([statistics.median(samples)], dtype=torch.float64)
     dist.all_reduce(value, op=dist.ReduceOp.MAX)
     return float(value)
+
+
+def _reps(fns: Mapping[str, Callable[[], object]]) -> int:
+    """Back-to-back calls per sample so that the fastest side's sample lasts
+    about 20 ms: a single call after a barrier would time the ranks'
+    skew leaving the barrier as much as the collective. Agreed by every rank."""
+    fastest = float("inf")
+    for fn in fns.values():
+        fn()  # warm-up
+        dist.barrier()
+        start = time.perf_counter()
+        fn()
+        fastest = min(fastest, time.perf_counter() - start)
+    slowest_rank = torch.tensor([fastest], dtype=torch.float64)
+    dist.all_reduce(slowest_rank, op=dist.ReduceOp.MAX)
+    return max(1, math.ceil(0.02 / float(slowest_rank)))
+
+
+def bus_bandwidth(
+    fns: Mapping[str, Callable[[], object]], iters: int, size_mb: int
+) -> dict[str, float]:
+    """All-reduce bus bandwidth in GB/s of each function (one all-reduce of
+    ``size_mb`` MB per call): 2 (n-1)/n * bytes over the slowest rank's
+    median time, the functions sampled alternately, each sample long enough
+    that the ranks' skew does not count."""
+    world = dist.get_world_size()
+    samples = alternate(fns, iters, reps=_reps(fns), sync=True)
+    factor = 2 * (world - 1) / world * size_mb * 1024 * 1024 / 1e9
+    return {name: factor / median_max(s) for name, s in samples.items()}
 
 
 def step_times(samples: Mapping[str, list[float]]) -> dict[str, float]:

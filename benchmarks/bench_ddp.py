@@ -14,14 +14,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from _common import alternate, median_max, print_step_table, step_gpt2, step_times
+from _common import alternate, bus_bandwidth, print_step_table, step_gpt2, step_times
 
 from pc_comm import DistributedDataParallel, ReduceOp, ShmCommunicator
 from pc_comm.testing import spawn
@@ -45,39 +43,21 @@ def _bandwidth(out: str) -> None:
             "pc shm symmetric": lambda b=sym: shm.all_reduce(b, ReduceOp.SUM).wait(),  # type: ignore[misc]
             "gloo": lambda b=buf: dist.all_reduce(b),  # type: ignore[misc]
         }
-        samples = alternate(fns, iters, reps=_reps(fns), sync=True)
-        times = {name: median_max(s) for name, s in samples.items()}
-        factor = 2 * (world - 1) / world * size_mb * 1024 * 1024 / 1e9
+        gbps = bus_bandwidth(fns, iters, size_mb)
         rows.append(
             {
                 "world": world,
                 "size_mb": size_mb,
-                "pc_gbps": factor / times["pc shm"],
-                "sym_gbps": factor / times["pc shm symmetric"],
-                "gloo_gbps": factor / times["gloo"],
-                "speedup": times["gloo"] / times["pc shm"],
-                "sym_speedup": times["gloo"] / times["pc shm symmetric"],
+                "pc_gbps": gbps["pc shm"],
+                "sym_gbps": gbps["pc shm symmetric"],
+                "gloo_gbps": gbps["gloo"],
+                "speedup": gbps["pc shm"] / gbps["gloo"],
+                "sym_speedup": gbps["pc shm symmetric"] / gbps["gloo"],
             }
         )
     shm.close()
     if dist.get_rank() == 0:
         Path(out).write_text(json.dumps(rows))
-
-
-def _reps(fns: dict[str, Callable[[], None]]) -> int:
-    """Back-to-back calls per sample so that the fastest side's sample lasts
-    about 20 ms: a single call after a barrier would time the ranks'
-    skew leaving the barrier as much as the collective. Agreed by every rank."""
-    fastest = float("inf")
-    for fn in fns.values():
-        fn()  # warm-up
-        dist.barrier()
-        start = time.perf_counter()
-        fn()
-        fastest = min(fastest, time.perf_counter() - start)
-    slowest_rank = torch.tensor([fastest], dtype=torch.float64)
-    dist.all_reduce(slowest_rank, op=dist.ReduceOp.MAX)
-    return max(1, math.ceil(0.02 / float(slowest_rank)))
 
 
 def _step_fn(model: torch.nn.Module, seed: int) -> Callable[[], None]:

@@ -20,8 +20,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from _common import alternate, median_max
-from bench_ddp import _reps
+from _common import bus_bandwidth
 
 from pc_comm import ReduceOp, ShmCommunicator
 from pc_comm.testing import spawn
@@ -48,16 +47,14 @@ def _staged(out: str) -> None:
             torch.cuda.synchronize(device)
 
         fns: dict[str, Callable[[], None]] = {"pc shm": ours, "gloo": gloo}
-        samples = alternate(fns, 5, reps=_reps(fns), sync=True)
-        times = {name: median_max(s) for name, s in samples.items()}
-        factor = 2 * (world - 1) / world * size_mb * 1024 * 1024 / 1e9
+        gbps = bus_bandwidth(fns, 5, size_mb)
         rows.append(
             {
                 "world": world,
                 "size_mb": size_mb,
-                "pc_gbps": factor / times["pc shm"],
-                "gloo_gbps": factor / times["gloo"],
-                "speedup": times["gloo"] / times["pc shm"],
+                "pc_gbps": gbps["pc shm"],
+                "gloo_gbps": gbps["gloo"],
+                "speedup": gbps["pc shm"] / gbps["gloo"],
             }
         )
     shm.close()
