@@ -168,6 +168,9 @@ def _symmetric_buffers() -> None:
         (1031, torch.bfloat16, ReduceOp.SUM),
         (1031, torch.int64, ReduceOp.AVG),
         (517, torch.float64, ReduceOp.MIN),
+        # Slices of several 256 KiB blocks, the last one partial.
+        (300_007, torch.float32, ReduceOp.AVG),
+        (400_009, torch.bfloat16, ReduceOp.SUM),
     ]:
         buffer = comm.alloc(numel + 10, dtype)
         assert torch.all(buffer == 0)
