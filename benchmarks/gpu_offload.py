@@ -16,8 +16,10 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from functools import partial
 
 import torch
+from _common import alternate
 
 from pc_comm.testing import tiny_gpt2
 from pc_offload import CopyEngine, CPUOffload, PinnedPool
@@ -82,12 +84,8 @@ def main() -> None:
     for ratio in args.ratios:  # warm-up: pinned buffers, kernels, the ratio's calibration
         for _ in range(3):
             step(ratio)
-    samples: dict[float, list[float]] = {r: [] for r in args.ratios}
-    for i in range(args.iters):
-        for ratio in args.ratios if i % 2 == 0 else list(reversed(args.ratios)):
-            start = time.perf_counter()
-            step(ratio)
-            samples[ratio].append(time.perf_counter() - start)
+    by_name = alternate({f"{r:g}": partial(step, r) for r in args.ratios}, args.iters)
+    samples = {r: by_name[f"{r:g}"] for r in args.ratios}
     peaks = {}
     for ratio in args.ratios:
         torch.cuda.reset_peak_memory_stats()

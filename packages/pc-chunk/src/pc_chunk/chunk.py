@@ -55,11 +55,10 @@ as torch's pinned allocator does), allocated once. The gradient shard's
 buffer is reused by every later step's copy down. They do not come from
 the engine's pool: its size classes round up to powers of two (up to
 twice the bytes) and its bound is for short-lived buffers (accumulation
-scratch, activation offload). A
-prefetch of a host shard by a single rank copies it up on the engine's
-side stream, so the copy overlaps the compute before it (its device bytes
-reserved in the budget meanwhile); the cast to the compute dtype waits
-until the chunk is used. With several ranks the prefetch copies up on the
+scratch, activation offload). A prefetch of a host shard by a single rank
+copies it up on the engine's side stream, so the copy overlaps the compute
+before it (its device bytes reserved in the budget meanwhile); the cast to
+the compute dtype waits until the chunk is used. With several ranks the prefetch copies up on the
 current stream and starts the all-gather at once, as for a device shard:
 every rank issues its collectives in the same order whatever its placement.
 """

@@ -15,6 +15,7 @@ buffers are ordinary host memory and ``pinned`` says so.
 from __future__ import annotations
 
 import ctypes
+import math
 import mmap
 import threading
 import weakref
@@ -33,6 +34,11 @@ __all__ = [
 ]
 
 _MIN_CLASS = 4096
+_REGISTER_FROM = 1 << 20  # pinned_empty: smaller buffers use torch's allocator
+
+
+class _Registered(bytearray):
+    """A bytearray that weak references (and so a finaliser) can follow."""
 
 
 def pinned_empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
@@ -44,12 +50,9 @@ def pinned_empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> tor
     memory is freed. Falls back to ``pin_memory=True`` where registration is
     not available, and to ordinary memory without CUDA. The caller must not
     free it while an asynchronous copy still reads or writes it."""
-    numel = 1
-    for dim in shape:
-        numel *= dim
     if not torch.cuda.is_available():
         return torch.empty(shape, dtype=dtype)
-    nbytes = numel * dtype.itemsize
+    nbytes = math.prod(shape) * dtype.itemsize
     cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
     register = getattr(cudart, "cudaHostRegister", None)
     if nbytes < _REGISTER_FROM or register is None:  # small: the rounding costs little
@@ -70,13 +73,6 @@ def pinned_empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> tor
     weakref.finalize(buffer, cudart.cudaHostUnregister, start + offset)
     flat = torch.frombuffer(buffer, dtype=torch.uint8, count=nbytes, offset=offset)
     return flat.view(dtype).view(shape)
-
-
-_REGISTER_FROM = 1 << 20
-
-
-class _Registered(bytearray):
-    """A bytearray that weak references (and so a finaliser) can follow."""
 
 
 class PoolExhaustedError(MemoryError):
@@ -123,10 +119,7 @@ class PinnedPool:
         self._lock = threading.Lock()
 
     def acquire(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
-        numel = 1
-        for dim in shape:
-            numel *= dim
-        nbytes = numel * dtype.itemsize
+        nbytes = math.prod(shape) * dtype.itemsize
         size = _size_class(nbytes)
         with self._lock:
             free = self._free.get(size)
