@@ -13,7 +13,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from pc_comm import tune_host_allocator
 from pc_comm.testing import tiny_gpt2
+
+# Every benchmark process, the single-process rows' included, keeps freed
+# host memory mapped, as pc-train's ranks do ([Note: host allocator]).
+tune_host_allocator()
 
 
 def alternate(
@@ -81,6 +86,25 @@ def step_times(samples: Mapping[str, list[float]]) -> dict[str, float]:
     }
 
 
+def paired_ratios(samples: Mapping[str, list[float]]) -> dict[str, float]:
+    """Each row over the single process, round by round: the median over
+    rounds of (the slowest rank's sample of the row) / (rank 0's
+    single-process sample of the same round). The samples of one round are
+    seconds apart, so drift over minutes (on this machine a step's time
+    wandered from 3.2 to 2.2 s in one run) cancels in the ratio where it
+    does not in a ratio of medians."""
+    names = list(samples)
+    rows = torch.tensor([samples[name] for name in names], dtype=torch.float64)
+    slowest = rows.clone()
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    single = rows[names.index("single process")].clone()
+    dist.broadcast(single, src=0)  # rank 0 ran it; the others' samples are empty calls
+    return {
+        name: 1.0 if name == "single process" else statistics.median((slowest[i] / single).tolist())
+        for i, name in enumerate(names)
+    }
+
+
 def gpt2(vocab_size: int, positions: int, width: int, layers: int, heads: int) -> nn.Module:
     """A GPT-2 with the library's default dropout, seeded, for timing."""
     torch.manual_seed(0)
@@ -102,14 +126,15 @@ def step_gpt2() -> nn.Module:
     return gpt2(vocab_size=8192, positions=256, width=512, layers=6, heads=8)
 
 
-def print_step_table(title: str, times: Mapping[str, float]) -> None:
-    """Step times as a markdown table, relative to ``times["single process"]``."""
+def print_step_table(title: str, times: Mapping[str, float], ratios: Mapping[str, float]) -> None:
+    """Step times (medians) as a markdown table, over the single process's
+    median and round by round (:func:`paired_ratios`)."""
     single = times["single process"]
     print(f"\n## {title}\n")
-    print("| | step (s) | / single process |")
-    print("|---|---:|---:|")
+    print("| | step (s) | / single process (medians) | / single process (paired) |")
+    print("|---|---:|---:|---:|")
     for name, seconds in times.items():
-        print(f"| {name} | {seconds:.3f} | {seconds / single:.3f} |")
+        print(f"| {name} | {seconds:.3f} | {seconds / single:.3f} | {ratios[name]:.3f} |")
 
 
 def deepspeed_gpt2(

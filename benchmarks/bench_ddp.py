@@ -19,7 +19,14 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from _common import alternate, bus_bandwidth, print_step_table, step_gpt2, step_times
+from _common import (
+    alternate,
+    bus_bandwidth,
+    paired_ratios,
+    print_step_table,
+    step_gpt2,
+    step_times,
+)
 
 from pc_comm import DistributedDataParallel, ReduceOp, ShmCommunicator
 from pc_comm.testing import spawn
@@ -101,10 +108,10 @@ def _ddp_steps(iters: int, out: str) -> None:
     for fn in steps.values():
         fn()
     samples = alternate(steps, iters, sync=True)
-    times = step_times(samples)
+    times, ratios = step_times(samples), paired_ratios(samples)
     ours.reducer.stop()
     if rank == 0:
-        Path(out).write_text(json.dumps(times))
+        Path(out).write_text(json.dumps({"times": times, "ratios": ratios}))
 
 
 def main() -> None:
@@ -133,11 +140,13 @@ def main() -> None:
     if not args.skip_ddp:
         out = RESULTS / "ddp_step.json"
         spawn(_ddp_steps, 2, args=(args.ddp_iters, str(out)), timeout=1800)
-        times = json.loads(out.read_text())
+        found = json.loads(out.read_text())
         print_step_table(
-            "DDP step, GPT-2 6x512, batch 4x256 per rank, 2 ranks, 1 thread each", times
+            "DDP step, GPT-2 6x512, batch 4x256 per rank, 2 ranks, 1 thread each",
+            found["times"],
+            found["ratios"],
         )
-        result["ddp"] = times
+        result["ddp"] = found
     (RESULTS / "bench_ddp.json").write_text(json.dumps(result, indent=2))
 
 

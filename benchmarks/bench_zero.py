@@ -24,7 +24,14 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from _common import alternate, deepspeed_gpt2, print_step_table, step_gpt2, step_times
+from _common import (
+    alternate,
+    deepspeed_gpt2,
+    paired_ratios,
+    print_step_table,
+    step_gpt2,
+    step_times,
+)
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from pc_comm.testing import spawn
@@ -97,9 +104,9 @@ def _steps(iters: int, out: str) -> None:
     for fn in steps.values():
         fn()  # warm-up: optimizer states exist from here on
     samples = alternate(steps, iters, sync=True)
-    times = step_times(samples)
+    times, ratios = step_times(samples), paired_ratios(samples)
     if rank == 0:
-        Path(out).write_text(json.dumps(times))
+        Path(out).write_text(json.dumps({"times": times, "ratios": ratios}))
 
 
 def main() -> None:
@@ -110,9 +117,9 @@ def main() -> None:
     RESULTS.mkdir(exist_ok=True)
     out = RESULTS / "zero_step.json"
     spawn(_steps, 2, args=(args.iters, str(out)), timeout=3000)
-    times = json.loads(out.read_text())
+    found = json.loads(out.read_text())
     title = "ZeRO step, GPT-2 6x512, batch 4x256 per rank, fp32 AdamW, 2 ranks, 1 thread each"
-    print_step_table(title, times)
+    print_step_table(title, found["times"], found["ratios"])
 
 
 if __name__ == "__main__":

@@ -28,7 +28,14 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from _common import alternate, deepspeed_gpt2, print_step_table, step_gpt2, step_times
+from _common import (
+    alternate,
+    deepspeed_gpt2,
+    paired_ratios,
+    print_step_table,
+    step_gpt2,
+    step_times,
+)
 from torch import nn
 
 from pc_comm.testing import spawn
@@ -151,10 +158,10 @@ def _steps(iters: int, out: str) -> None:
     for fn in steps.values():
         fn()  # warm-up: optimizer states exist from here on
     samples = alternate(steps, iters, sync=True)
-    times = step_times(samples)
+    times, ratios = step_times(samples), paired_ratios(samples)
     sizes = {name: float(fn()) for name, fn in memories.items()}
     if rank == 0:
-        Path(out).write_text(json.dumps({"times": times, "memory": sizes}))
+        Path(out).write_text(json.dumps({"times": times, "ratios": ratios, "memory": sizes}))
 
 
 def main() -> None:
@@ -167,7 +174,7 @@ def main() -> None:
     spawn(_steps, 2, args=(args.iters, str(out)), timeout=3000)
     result = json.loads(out.read_text())
     title = "ZeRO-3 step, GPT-2 6x512, batch 4x256 per rank, fp32 AdamW, 2 ranks, 1 thread each"
-    print_step_table(title, result["times"])
+    print_step_table(title, result["times"], result["ratios"])
     print("\n| | model states per rank (MB) |\n|---|---:|")
     for name, nbytes in result["memory"].items():
         print(f"| {name} | {nbytes / 2**20:.1f} |")

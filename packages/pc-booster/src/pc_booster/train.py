@@ -49,7 +49,7 @@ from pc_booster.data import batch_offsets, load_byte_corpus, load_corpus, window
 from pc_booster.faults import FaultInjector
 from pc_booster.models import MODEL_PRESETS, ModelSpec, build_model, resolve_model
 from pc_booster.train_config import TrainConfig, parse_args
-from pc_comm import health
+from pc_comm import health, tune_host_allocator
 
 __all__ = [
     "MODEL_PRESETS",
@@ -603,6 +603,7 @@ def _worker(config: TrainConfig, reasons: Sequence[str]) -> None:
     if context.device.type == "cpu":
         # Ranks share the host's cores; oversubscribing them slows every rank.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // context.env.local_world_size))
+        tune_host_allocator()  # no page faults for memory freed last step [Note: host allocator]
     phases = _Phases()
     try:
         train(config, context, reasons, phases)

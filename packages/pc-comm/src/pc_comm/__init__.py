@@ -20,6 +20,7 @@ from pc_comm.ddp import DistributedDataParallel, default_communicator, on_one_ho
 from pc_comm.env import DistEnv, DistEnvError, read_dist_env
 from pc_comm.health import PeerFailureError, set_phase
 from pc_comm.hierarchical import HierarchicalCommunicator
+from pc_comm.host_allocator import HostAllocatorSettings, tune_host_allocator
 from pc_comm.launch import DistContext, init_distributed, launch_from_torch
 from pc_comm.shm import ShmCommunicator, ShmPeerError
 from pc_comm.topology import Coord, ParallelDims, Subgroups, make_subgroups
@@ -37,6 +38,7 @@ __all__ = [
     "DistributedDataParallel",
     "Handle",
     "HierarchicalCommunicator",
+    "HostAllocatorSettings",
     "P2PKind",
     "P2POp",
     "ParallelDims",
@@ -56,4 +58,5 @@ __all__ = [
     "on_one_host",
     "read_dist_env",
     "set_phase",
+    "tune_host_allocator",
 ]
