@@ -47,7 +47,9 @@ def test_no_segment_left_after_exception() -> None:
 def _killed_mid_collective() -> None:
     health.start_board(interval=0.2)
     comm = ShmCommunicator(slot_bytes=4096, timeout=timedelta(seconds=30))
-    big = torch.ones(1_000_000)
+    # 64 MB through 4 KiB slots: 16,384 pieces, far longer than the 50 ms
+    # before rank 1 dies (1M elements once finished first under a futex barrier).
+    big = torch.ones(16_000_000)
     if dist.get_rank() == 1:
         # Join the first pieces of the collective, then die inside it.
         def die() -> None:
