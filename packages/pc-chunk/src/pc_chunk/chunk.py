@@ -58,9 +58,10 @@ twice the bytes) and its bound is for short-lived buffers (accumulation
 scratch, activation offload). A prefetch of a host shard by a single rank
 copies it up on the engine's side stream, so the copy overlaps the compute
 before it (its device bytes reserved in the budget meanwhile); the cast to
-the compute dtype waits until the chunk is used. With several ranks the prefetch copies up on the
-current stream and starts the all-gather at once, as for a device shard:
-every rank issues its collectives in the same order whatever its placement.
+the compute dtype waits until the chunk is used. With several ranks the
+prefetch copies up on the current stream and starts the all-gather at once,
+as for a device shard: every rank issues its collectives in the same order
+whatever its placement.
 """
 
 from __future__ import annotations

@@ -10,12 +10,12 @@ threshold* is given back after a ``free``. A training step allocates and
 frees the same few hundred megabytes of activations and gradients every
 step, so each step can fault them in again: 4 KiB at a time, each page
 zeroed by the kernel. On the GPT-2 of the step benchmarks (23 M parameters,
-batch 4x256, one thread per rank) that was 30,000 to 50,000 minor faults
-per forward pass and as many per backward, and a forward 10 % slower than
-with the memory kept. How many depends on the order of allocations: pc's
-DDP, whose gradients live in its buckets, freed the fresh gradients during
-backward and left the heap's top free to trim, which took its forward from
-8,000 to 38,000 faults.
+batch 4x256, one thread per rank) that was 8,000 to 47,000 minor faults
+per forward pass and 25,000 to 37,000 per backward, and a forward up to
+10 % slower than with the memory kept. How many depends on the order of
+allocations: pc's DDP, whose gradients live in its buckets, freed the fresh
+gradients during backward and left the heap's top free to trim, which took
+its forward from 8,000 to 38,000 faults.
 
 :func:`tune_host_allocator` raises both thresholds with ``mallopt``, so
 freed memory stays in the process for the next step and nothing is faulted
@@ -30,7 +30,6 @@ single-process baseline included, runs with it.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import platform
 from dataclasses import dataclass
 
@@ -82,11 +81,9 @@ def tune_host_allocator(settings: HostAllocatorSettings | None = None) -> bool:
         return True
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return False
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return False
-    libc = ctypes.CDLL(name)
-    mallopt = getattr(libc, "mallopt", None)
+    # The process's own symbols: libc is loaded in every Python on glibc
+    # (find_library would run ldconfig in a subprocess to find it).
+    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
     if mallopt is None:
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
