@@ -5,7 +5,10 @@ The multi-process test harness lives in :mod:`pc_comm.testing`; which rank
 failed and where, in :mod:`pc_comm.health`.
 """
 
-from pc_comm import health
+from pc_comm import (
+    _exit,  # noqa: F401  [Note: threads at interpreter exit]
+    health,
+)
 from pc_comm.collectives import all_reduce_coalesced
 from pc_comm.communicator import (
     Communicator,
