@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -17,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from pc_comm import PeerFailureError, TorchCommunicator, health, set_phase
-from pc_comm.testing import DistributedTestError, spawn
+from pc_comm.testing import DistributedTestError, assert_exits_cleanly, spawn
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -119,9 +117,4 @@ def test_a_process_with_a_board_exits_cleanly(tmp_path: Path) -> None:
     active exception" (SIGABRT) after their last line."""
     script = tmp_path / "exit_with_a_board.py"
     script.write_text(_EXIT_WITH_A_BOARD)
-    for attempt in range(8):
-        done = subprocess.run(
-            [sys.executable, str(script)], capture_output=True, text=True, timeout=60
-        )
-        assert done.returncode == 0, (attempt, done.returncode, done.stderr[-2000:])
-        assert "terminate called" not in done.stderr, (attempt, done.stderr[-2000:])
+    assert_exits_cleanly(script, runs=8, timeout=60)

@@ -3,11 +3,11 @@ cleanly ([Note: threads at interpreter exit] in pc_comm._exit)."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from pc_comm.testing import assert_exits_cleanly
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -35,9 +35,4 @@ def test_a_script_ending_after_a_sequence_parallel_layer_exits_cleanly(tmp_path:
     of 3 runs; with it, 0 of 16 runs aborted."""
     script = tmp_path / "ends_after_a_layer.py"
     script.write_text(_SCRIPT)
-    for attempt in range(8):
-        done = subprocess.run(
-            [sys.executable, str(script)], capture_output=True, text=True, timeout=120
-        )
-        assert done.returncode == 0, (attempt, done.returncode, done.stderr[-2000:])
-        assert "terminate called" not in done.stderr, (attempt, done.stderr[-2000:])
+    assert_exits_cleanly(script, runs=8)

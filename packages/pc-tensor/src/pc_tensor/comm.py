@@ -15,8 +15,9 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensor
 
 # A temporary all-reduced on gloo (``_reduce_scatter``) can leave gloo's work
-# loop needing the GIL at exit: [Note: threads at interpreter exit].
-import pc_comm._exit  # noqa: F401
+# loop needing the GIL at exit; importing pc_comm registers the exit handler
+# that lets it finish ([Note: threads at interpreter exit]).
+import pc_comm  # noqa: F401
 
 __all__ = [
     "copy_to_tp",

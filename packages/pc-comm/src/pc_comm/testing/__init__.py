@@ -5,10 +5,16 @@
 group. A rank that raises, dies or hangs fails the test within its timeout
 with that rank's traceback or stack. ``run_torchrun_agents`` starts real
 torchrun agents as simulated nodes; ``tiny_gpt2`` is the small model the
-parity tests train. See docs/testing.md.
+parity tests train; ``assert_exits_cleanly`` runs a script repeatedly and
+requires a clean exit every time. See docs/testing.md.
 """
 
-from pc_comm.testing._fixtures import one_process_group, run_torchrun_agents, tiny_gpt2
+from pc_comm.testing._fixtures import (
+    assert_exits_cleanly,
+    one_process_group,
+    run_torchrun_agents,
+    tiny_gpt2,
+)
 from pc_comm.testing._harness import (
     DistributedTestError,
     SubcaseError,
@@ -21,6 +27,7 @@ from pc_comm.testing._harness import (
 __all__ = [
     "DistributedTestError",
     "SubcaseError",
+    "assert_exits_cleanly",
     "find_free_port",
     "one_process_group",
     "preload",

@@ -89,3 +89,17 @@ def run_torchrun_agents(
         for proc in procs:
             proc.kill()
     return [proc.returncode for proc in procs], "".join(f.read_text() for f in files)
+
+
+def assert_exits_cleanly(script: Path, runs: int, timeout: float = 120.0) -> None:
+    """Run ``script`` in a fresh interpreter ``runs`` times; each run must
+    exit with status 0 and without "terminate called" (a C++ abort at
+    teardown) on stderr. For failures that happen in some runs only, so a
+    test repeats the run ([Note: threads at interpreter exit])."""
+    for attempt in range(runs):
+        done = subprocess.run(
+            [sys.executable, str(script)], capture_output=True, text=True, timeout=timeout
+        )
+        tail = done.stderr[-2000:]
+        assert done.returncode == 0, f"run {attempt + 1}: exit status {done.returncode}\n{tail}"
+        assert "terminate called" not in done.stderr, f"run {attempt + 1}: C++ abort\n{tail}"
