@@ -1,7 +1,8 @@
 """ZeRO-3 on CUDA with shards on the host: GeminiDDP with half the chunks
 offloaded (pinned host shards, prefetch copies on the copy engine's side
 stream, HybridAdam stepping host shards on the host and device shards on
-the device, at one rank) and FullyShardedDataParallel with offload_params, against
+the device, at one rank; also stepping each chunk in backward) and
+FullyShardedDataParallel with offload_params, against
 plain single-process training on the GPU. One rank, and two ranks sharing
 the one GPU a lent machine has. Runs with `nox -s gpu`; skipped without CUDA."""
 
@@ -70,7 +71,7 @@ def check_offloaded_zero3_on_cuda(kind: str, prefetch: bool) -> None:
     )
     model = _model()
     wrapped: nn.Module
-    if kind == "gemini":
+    if kind.startswith("gemini"):
         sizes = [p.numel() for p in model.parameters()]
         quantum = 64 * world
         size = -(-max(max(sizes), sum(sizes) // 6) // quantum) * quantum
@@ -81,6 +82,7 @@ def check_offloaded_zero3_on_cuda(kind: str, prefetch: bool) -> None:
             offload_param_frac=0.5,
             chunk_size=size,
             prefetch=prefetch,
+            step_in_backward=kind == "gemini-step-in-backward",
         )
         on_host = [c for c in wrapped.chunks if not c.shard_on_device]
         assert on_host
@@ -120,6 +122,8 @@ def check_offloaded_zero3_on_cuda(kind: str, prefetch: bool) -> None:
         total = loss.detach().clone()
         dist.all_reduce(total)
         torch.testing.assert_close(total / world, ref_loss.detach(), rtol=1e-5, atol=1e-6)
+        if kind == "gemini-step-in-backward":  # no gradient memory kept between steps
+            assert all(c.held_grad is None for c in wrapped.chunks)
     full = wrapped.full_state_dict()
     for name, value in reference.state_dict().items():
         torch.testing.assert_close(
@@ -133,6 +137,6 @@ def test_offloaded_zero3_matches_single_process_on_cuda(world_size: int) -> None
     run_subtests(
         check_offloaded_zero3_on_cuda,
         world_size,
-        {"kind": ["gemini", "fsdp"], "prefetch": [True, False]},
+        {"kind": ["gemini", "gemini-step-in-backward", "fsdp"], "prefetch": [True, False]},
         timeout=280,
     )

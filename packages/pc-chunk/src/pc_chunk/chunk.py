@@ -55,7 +55,11 @@ as torch's pinned allocator does), allocated once. The gradient shard's
 buffer is reused by every later step's copy down. They do not come from
 the engine's pool: its size classes round up to powers of two (up to
 twice the bytes) and its bound is for short-lived buffers (accumulation
-scratch, activation offload). A prefetch of a host shard by a single rank
+scratch, activation offload). With ``keep_host_grad=False`` (an optimizer
+that steps each chunk as soon as its gradients are reduced, so only one or
+two gradient shards exist at a time) the gradient shard is such a
+short-lived buffer instead, given back when it is cleared: no host
+gradient memory is kept between steps. A prefetch of a host shard by a single rank
 copies it up on the engine's side stream, so the copy overlaps the compute
 before it (its device bytes reserved in the budget meanwhile); the cast to
 the compute dtype waits until the chunk is used. With several ranks the
@@ -161,6 +165,7 @@ class Chunk:
         self._gather_source: torch.Tensor | None = None  # kept alive while it runs
         self._uploading: Transfer | None = None  # a host shard's prefetch copy to the device
         self._host_grad: torch.Tensor | None = None  # [Note: host buffers]
+        self.keep_host_grad = True  # [Note: host buffers]
         self._grads_set_aside = False  # [Note: exposed shards]
         self._params_on_payload = True  # parameters view the payload (not the shard)
         self.gathers = 0  # all-gathers issued, for tests and statistics
@@ -462,7 +467,7 @@ class Chunk:
         self.shard = self._move(self.shard, to_device)
         if self.grad_shard is not None:
             self.grad_shard = self._move(self.grad_shard, to_device)
-        self._host_grad = None if to_device else self.grad_shard
+        self._host_grad = None if to_device or not self.keep_host_grad else self.grad_shard
         if not to_device:
             self._free(nbytes, "shard")
         self.shard_on_device = to_device
@@ -575,7 +580,7 @@ class Chunk:
         grad_shard = out if out.dtype == torch.float32 else out.float()
         accumulate = self.expose_shard and self.grad_shard is not None
         if not self.shard_on_device:
-            if accumulate:
+            if accumulate or not self.keep_host_grad:
                 grad_shard = self._to_host_scratch(grad_shard)
             else:  # into the host buffer of earlier steps [Note: host buffers]
                 free = self.grad_shard is None or self.grad_shard is self._host_grad

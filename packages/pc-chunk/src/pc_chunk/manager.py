@@ -42,7 +42,9 @@ the background while backward goes on; the one before it is finished
 (waited for and added into its gradient shard) then, so one is in flight
 at a time, and the end-of-backward callback finishes the last. Under a
 device budget the previous one is finished first, so its buffer is free
-before the next is reserved.
+before the next is reserved. ``on_reduced(chunk)``, when set, runs right
+after each chunk's reduction is finished, in backward (an optimizer that
+steps chunk by chunk: [Note: stepping in backward] in pc_zero.gemini).
 
 [Note: units]
 ``units=[(module, params), ...]`` packs each unit's parameters into one
@@ -294,6 +296,7 @@ class ChunkManager:
         # [Note: releasing and prefetching]
         self._pending_release: dict[Chunk, None] = {}
         self._reducing: list[Chunk] = []  # reduce-scatters in flight, oldest first
+        self.on_reduced: Callable[[Chunk], None] | None = None  # [Note: overlapped reduction]
         self._events: tuple[list[Chunk], list[Chunk]] = ([], [])  # gathers: forward, backward
         self._cursor = [0, 0]
         self._orders_recorded = False
@@ -494,7 +497,10 @@ class ChunkManager:
 
     def _finish_reductions(self, keep: int) -> None:
         while len(self._reducing) > keep:
-            self._reducing.pop(0).finish_reduce()
+            chunk = self._reducing.pop(0)
+            chunk.finish_reduce()
+            if self.on_reduced is not None:
+                self.on_reduced(chunk)
 
     def _end_backward(self) -> None:
         self._release_workspace()

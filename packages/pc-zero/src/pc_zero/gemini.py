@@ -22,6 +22,25 @@ gradient buffer, and the non-model memory the MemoryTracer measured when
 in a :class:`~pc_chunk.DeviceBudget`, which raises rather than exceed it.
 :class:`~pc_offload.HybridAdam` steps device shards on the device and host
 shards on the host.
+
+[Note: stepping in backward]
+With ``GeminiDDP(..., step_in_backward=True)`` the :class:`GeminiOptimizer`
+steps each chunk's parameters the moment that chunk's gradients are
+reduced, inside backward, and drops the gradient shard at once; the
+``step()`` call after backward has nothing left to do. Only the one or two
+chunks whose reductions are being finished hold a gradient shard, so
+between steps a rank keeps 12 bytes per parameter of its shards (fp32
+master and two Adam moments) instead of 16: on a GPU, the host gradient
+buffers of offloaded chunks are gone and "auto" placement fits more chunks
+on the device. Each chunk is stepped by the wrapped optimizer with only its
+own parameters in the param groups, so the update is the same element-wise
+step as stepping everything after backward (same hyperparameters, same
+per-parameter state), and parity with single-process training holds.
+What needs every gradient before any update is refused: global-norm
+clipping (``max_norm``), fp16 loss scaling (an overflow found late cannot
+undo the chunks already stepped; bf16 needs no scaler) and gradient
+accumulation (a second backward before ``step()`` raises before it
+touches a parameter).
 """
 
 from __future__ import annotations
@@ -37,7 +56,9 @@ from torch.optim import Optimizer
 
 from pc_chunk import (
     BudgetExceededError,
+    Chunk,
     ChunkManager,
+    ChunkState,
     DeviceBudget,
     MemoryTracer,
     StaticPlacement,
@@ -79,6 +100,7 @@ class GeminiDDP(ShardedModule):
         comm: Communicator | None = None,
         sync_module_states: bool = False,
         prefetch: bool = True,
+        step_in_backward: bool = False,
     ) -> None:
         if placement_policy not in ("static", "auto"):
             raise ValueError(
@@ -121,7 +143,13 @@ class GeminiDDP(ShardedModule):
             assert device_budget_bytes is not None
             non_model = _non_model_peak(module, example_inputs) if example_inputs else 0
             offload_param_frac = _auto_offload_fraction(
-                order, chunk_size, world, device_budget_bytes, non_model, mixed_precision
+                order,
+                chunk_size,
+                world,
+                device_budget_bytes,
+                non_model,
+                mixed_precision,
+                step_in_backward,
             )
         self.offload_param_frac = offload_param_frac
         try:
@@ -158,6 +186,20 @@ class GeminiDDP(ShardedModule):
                 )
         mp = MixedPrecision(mixed_precision) if mixed_precision != torch.float32 else None
         super().__init__(module, manager, comm, mp)
+        self.step_in_backward = step_in_backward  # [Note: stepping in backward]
+        if step_in_backward:
+            for chunk in manager.chunks:
+                chunk.keep_host_grad = False
+            manager.on_reduced = _no_optimizer
+
+
+def _no_optimizer(chunk: Chunk) -> None:
+    raise RuntimeError(
+        "GeminiDDP(step_in_backward=True) steps each chunk in backward through its "
+        "GeminiOptimizer, and none was built: wrap the optimizer with "
+        "GeminiOptimizer(optimizer, model) before the first backward, or pass "
+        "step_in_backward=False to step a plain optimizer after backward."
+    )
 
 
 def _non_model_peak(module: nn.Module, example_inputs: tuple[Any, ...]) -> int:
@@ -182,13 +224,19 @@ def _auto_offload_fraction(
     budget: int,
     non_model: int,
     compute_dtype: torch.dtype,
+    step_in_backward: bool = False,
 ) -> float:
     """The host fraction of chunks for "auto" [Note: Gemini]: the working set
-    first, then as many chunks' shard + gradient shard + states as fit."""
+    first, then as many chunks' shard + gradient shard + states as fit.
+    Stepping in backward keeps no gradient shard per chunk, but up to two
+    in the working set [Note: stepping in backward]."""
     total = sum(p.numel() for p in order)
     chunks = max(1, math.ceil(total / chunk_size))
     working = 2 * chunk_size * compute_dtype.itemsize + chunk_size * 4 + non_model
-    per_chunk = chunk_size // world * (4 + 4 + _STATE_BYTES)
+    grad_shard = chunk_size // world * 4
+    if step_in_backward:
+        working += 2 * grad_shard
+    per_chunk = chunk_size // world * (4 + _STATE_BYTES) + (0 if step_in_backward else grad_shard)
     fit = max(0, (budget - working) // per_chunk)
     return 1.0 - min(chunks, fit) / chunks
 
@@ -197,7 +245,9 @@ class GeminiOptimizer(Optimizer):
     """Wraps a torch optimizer built over a :class:`GeminiDDP`'s parameters:
     loss scaling for fp16 (:class:`~pc_zero.LossScaleConfig`), an overflow
     check across ranks that skips the step, and global-norm clipping
-    (``max_norm``), shared with ZeRO-1/2. Call ``optimizer.backward(loss)``."""
+    (``max_norm``), shared with ZeRO-1/2. Call ``optimizer.backward(loss)``.
+    Under ``GeminiDDP(step_in_backward=True)`` it steps chunk by chunk inside
+    backward [Note: stepping in backward]."""
 
     def __init__(
         self,
@@ -231,6 +281,55 @@ class GeminiOptimizer(Optimizer):
         self.param_groups = optimizer.param_groups
         self.state = optimizer.state
         self.defaults = optimizer.defaults
+        self.step_in_backward = bool(getattr(module, "step_in_backward", False))
+        self._stepped: set[Chunk] = set()  # chunks stepped since the last step()
+        if self.step_in_backward:
+            self._check_step_in_backward(fp16)
+            module.manager.on_reduced = self._step_chunk
+
+    # -- [Note: stepping in backward] --------------------------------------------------
+
+    def _check_step_in_backward(self, fp16: bool) -> None:
+        refused = []
+        if self.max_norm > 0:
+            refused.append(f"global-norm clipping (max_norm={self.max_norm})")
+        if fp16:
+            refused.append("fp16 loss scaling (mixed_precision=torch.float16)")
+        if refused:
+            raise ValueError(
+                "GeminiDDP(step_in_backward=True) updates each chunk before the other "
+                f"chunks' gradients exist, which rules out {' and '.join(refused)}: use "
+                "step_in_backward=False for it, or bf16 instead of fp16."
+            )
+
+    def _groups_of(self, chunk: Chunk) -> list[list[torch.Tensor]]:
+        """Each param group's parameters that live in ``chunk``, in the group's order."""
+        mine = {id(slot.param) for slot in chunk.slots}
+        return [[p for p in g["params"] if id(p) in mine] for g in self.inner.param_groups]
+
+    def _step_chunk(self, chunk: Chunk) -> None:
+        if chunk in self._stepped:
+            raise RuntimeError(
+                "GeminiDDP(step_in_backward=True): a second backward before optimizer.step(). "
+                "Every backward is a step in this mode, so gradients cannot accumulate over "
+                "several; call step() after each backward, or use step_in_backward=False for "
+                "gradient accumulation."
+            )
+        if chunk.state is not ChunkState.FREE:  # the parameters would view the payload
+            raise RuntimeError(f"{chunk.name}: stepped in state {chunk.state.value}, not free.")
+        groups = self.inner.param_groups
+        everything = [g["params"] for g in groups]
+        try:
+            for group, params in zip(groups, self._groups_of(chunk), strict=True):
+                group["params"] = params
+            self.inner.step()
+        finally:
+            for group, params in zip(groups, everything, strict=True):
+                group["params"] = params
+        for slot in chunk.slots:
+            slot.param.grad = None
+        chunk.clear_grad()
+        self._stepped.add(chunk)
 
     def _reserve_states(self, module: ShardedModule) -> None:
         budget = module.manager.budget
@@ -255,6 +354,9 @@ class GeminiOptimizer(Optimizer):
 
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         loss = closure() if closure is not None else None
+        if self.step_in_backward:  # done in backward [Note: stepping in backward]
+            self._stepped.clear()
+            return loss
         grads = [c.grad_shard for c in self.module.chunks if c.grad_shard is not None]
         device = self.module.manager.device
         ok, _ = unscale_clip_and_check(grads, self.module.comm, self.scaler, self.max_norm, device)

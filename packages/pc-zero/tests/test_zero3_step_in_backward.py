@@ -1,0 +1,150 @@
+"""Gemini stepping each chunk inside backward ([Note: stepping in backward]):
+parity with single-process training, at most two gradient shards alive at
+any time, no gradient memory kept between steps, and the settings it
+refuses."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from zero3_models import batch, build, loss_of, make_optimizer, param_groups, rank_slice
+
+from pc_chunk import Chunk, ChunkState
+from pc_comm.testing import run_subtests, spawn
+from pc_offload import HybridAdam
+from pc_zero import GeminiDDP, GeminiOptimizer
+
+pytestmark = pytest.mark.timeout(400)
+
+STEPS, GLOBAL_BATCH, LR = 10, 8, 1e-3
+
+
+def _chunk_size(model: nn.Module, parts: int) -> int:
+    sizes = [p.numel() for p in model.parameters()]
+    quantum = 64 * dist.get_world_size()
+    size = max(max(sizes), sum(sizes) // parts)
+    return -(-size // quantum) * quantum
+
+
+def _named(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    return [(n.removeprefix("module."), p) for n, p in model.named_parameters()]
+
+
+def _optimizer(kind: str, named: list[tuple[str, nn.Parameter]]) -> torch.optim.Optimizer:
+    groups = param_groups(named, LR)  # two groups: decay and no decay
+    if kind == "hybrid":
+        return HybridAdam(groups, lr=LR, eps=1e-6)
+    return make_optimizer(kind, groups, LR)
+
+
+def check_parity(name: str, offload: float, checkpointing: bool, optim: str) -> None:
+    """10 steps against single-process training on the same global batch,
+    with part of the chunks' shards on the host (``offload``)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    reference, model = build(name, checkpointing), build(name, checkpointing)
+    wrapped = GeminiDDP(
+        model,
+        chunk_size=_chunk_size(model, 4),
+        offload_param_frac=offload,
+        step_in_backward=True,
+    )
+    assert len(wrapped.chunks) >= 3
+    ref_opt = _optimizer("adamw" if optim == "hybrid" else optim, _named(reference))
+    opt = GeminiOptimizer(_optimizer(optim, _named(wrapped)), wrapped)
+    # Watch every in-backward step: the chunks holding a gradient shard at
+    # that moment (as the chunk's, or as its parameters' .grad views).
+    alive: list[int] = []
+    step_chunk = opt._step_chunk
+
+    def holds_grad(c: Chunk) -> bool:
+        views = c.state is ChunkState.FREE and any(s.param.grad is not None for s in c.slots)
+        return c.grad_shard is not None or views
+
+    def watched(chunk: Chunk) -> None:
+        alive.append(sum(holds_grad(c) for c in wrapped.chunks))
+        step_chunk(chunk)
+
+    wrapped.manager.on_reduced = watched
+    for step in range(STEPS):
+        inputs = batch(name, step, GLOBAL_BATCH)
+        ref_loss = loss_of(reference, inputs)
+        ref_loss.backward()  # type: ignore[no-untyped-call]
+        ref_opt.step()
+        ref_opt.zero_grad()
+        stepped_before = len(alive)
+        loss = loss_of(wrapped, rank_slice(inputs, rank, world))
+        opt.backward(loss)
+        assert len(alive) - stepped_before == len(wrapped.chunks)  # all stepped in backward
+        opt.step()
+        opt.zero_grad()
+        assert all(c.held_grad is None for c in wrapped.chunks)  # nothing kept between steps
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        torch.testing.assert_close(mean / world, ref_loss.detach(), rtol=1e-5, atol=1e-6)
+    assert max(alive) <= 2, alive
+    assert wrapped.memory(opt).grads == 0
+    with wrapped.summon_full_params():
+        ours = dict(_named(wrapped.module))
+        for n, p in _named(reference):
+            torch.testing.assert_close(ours[n].detach(), p.detach(), rtol=1e-5, atol=1e-6)
+
+
+CASES: dict[str, list[object]] = {
+    "name": ["gpt2", "llama"],
+    "offload": [0.0, 0.5],
+    "checkpointing": [False, True],
+    "optim": ["adamw"],
+}
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_step_in_backward_parity(world_size: int) -> None:
+    cases: dict[str, list[object]] = dict(CASES)
+    if world_size == 4:
+        cases.update(name=["gpt2"], offload=[0.5])
+    run_subtests(check_parity, world_size, cases, timeout=380)
+
+
+def test_step_in_backward_other_optimizers() -> None:
+    run_subtests(
+        check_parity,
+        2,
+        {"name": ["gpt2"], "offload": [0.5], "checkpointing": [False], "optim": ["sgd", "hybrid"]},
+        timeout=200,
+    )
+
+
+def check_refusals() -> None:
+    def model(**kwargs: object) -> GeminiDDP:
+        return GeminiDDP(build("gpt2"), step_in_backward=True, **kwargs)  # type: ignore[arg-type]
+
+    wrapped = model()
+    with pytest.raises(ValueError, match=r"max_norm=1\.0.*step_in_backward=False"):
+        GeminiOptimizer(torch.optim.AdamW(wrapped.parameters()), wrapped, max_norm=1.0)
+    fp16 = model(mixed_precision=torch.float16)
+    with pytest.raises(ValueError, match="fp16 loss scaling"):
+        GeminiOptimizer(torch.optim.AdamW(fp16.parameters()), fp16)
+    # A plain optimizer cannot be stepped in backward: the first backward says so.
+    plain = model()
+    inputs = rank_slice(batch("gpt2", 0, GLOBAL_BATCH), dist.get_rank(), dist.get_world_size())
+    with pytest.raises(RuntimeError, match=r"GeminiOptimizer\(optimizer, model\)"):
+        loss_of(plain, inputs).backward()  # type: ignore[no-untyped-call]
+    # Accumulation: the second backward raises before it updates anything.
+    accum = model()
+    opt = GeminiOptimizer(torch.optim.AdamW(accum.parameters(), lr=LR), accum)
+    opt.backward(loss_of(accum, inputs))
+    shards = [c.shard.clone() for c in accum.chunks if c.shard is not None]
+    states = [v.clone() for s in opt.state.values() for v in s.values()]
+    with pytest.raises(RuntimeError, match=r"second backward before optimizer\.step"):
+        opt.backward(loss_of(accum, inputs))
+    after = [c.shard for c in accum.chunks if c.shard is not None]
+    assert len(after) == len(shards) == len(accum.chunks)
+    assert all(torch.equal(a, b) for a, b in zip(shards, after, strict=True))
+    now = [v for s in opt.state.values() for v in s.values()]
+    assert all(torch.equal(a, b) for a, b in zip(states, now, strict=True))
+
+
+def test_step_in_backward_refusals() -> None:
+    spawn(check_refusals, 2, timeout=120)
