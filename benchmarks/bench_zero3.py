@@ -7,7 +7,8 @@ DDP and ZeRO-1/2 benchmarks. Rows, sampled alternately:
 
 - single process (rank 0 alone; the others wait);
 - 2 processes, no communication (what sharing the machine costs);
-- pc FullyShardedDataParallel (a unit per GPT2Block) and pc GeminiDDP;
+- pc FullyShardedDataParallel (a unit per GPT2Block) and pc GeminiDDP,
+  also stepping each chunk in backward (``step_in_backward=True``);
 - torch FSDP2 (``fully_shard`` per block and on the root, gloo);
 - DeepSpeed ZeRO stage 3 (gloo, CPU accelerator), when deepspeed imports
   in this environment (`nox -s bench` installs it).
@@ -39,7 +40,12 @@ from _common import (
 from torch import nn
 
 from pc_comm.testing import spawn
-from pc_zero import FullyShardedDataParallel, GeminiDDP, transformer_auto_wrap_policy
+from pc_zero import (
+    FullyShardedDataParallel,
+    GeminiDDP,
+    GeminiOptimizer,
+    transformer_auto_wrap_policy,
+)
 
 RESULTS = Path(__file__).resolve().parent.parent / "bench-results"
 Step = Callable[[], None]
@@ -92,8 +98,15 @@ def _ours(kind: str, seed: int) -> tuple[Step, Callable[[], int]]:
             model, auto_wrap_policy=transformer_auto_wrap_policy({_block()})
         )
     else:
-        wrapped = GeminiDDP(model, min_chunk_size=1 << 20, search_range=1 << 21)
-    opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-4)
+        wrapped = GeminiDDP(
+            model,
+            min_chunk_size=1 << 20,
+            search_range=1 << 21,
+            step_in_backward=kind == "gemini-step-in-backward",
+        )
+    opt: torch.optim.Optimizer = torch.optim.AdamW(wrapped.parameters(), lr=1e-4)
+    if kind == "gemini-step-in-backward":
+        opt = GeminiOptimizer(opt, wrapped)
     return _loop(wrapped, opt, seed), lambda: wrapped.memory(opt).total
 
 
@@ -149,6 +162,7 @@ def _steps(iters: int, out: str) -> None:
     peers: dict[str, tuple[Step, Callable[[], int]] | None] = {
         "pc FullyShardedDataParallel": _ours("fsdp", rank),
         "pc GeminiDDP": _ours("gemini", rank),
+        "pc GeminiDDP, step in backward": _ours("gemini-step-in-backward", rank),
         "torch FSDP2 fully_shard (gloo)": _fsdp2(rank),
         "DeepSpeed ZeRO-3 (gloo)": _deepspeed(rank),
     }

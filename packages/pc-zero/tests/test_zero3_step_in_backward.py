@@ -1,4 +1,5 @@
-"""Gemini stepping each chunk inside backward ([Note: stepping in backward]):
+"""GeminiDDP and FullyShardedDataParallel stepping each chunk inside
+backward ([Note: stepping in backward]):
 parity with single-process training, at most two gradient shards alive at
 any time, no gradient memory kept between steps, and the settings it
 refuses."""
@@ -9,12 +10,26 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
-from zero3_models import batch, build, loss_of, make_optimizer, param_groups, rank_slice
+from zero3_models import (
+    batch,
+    block_classes,
+    build,
+    loss_of,
+    make_optimizer,
+    param_groups,
+    rank_slice,
+)
 
 from pc_chunk import Chunk, ChunkState
 from pc_comm.testing import run_subtests, spawn
 from pc_offload import HybridAdam
-from pc_zero import GeminiDDP, GeminiOptimizer
+from pc_zero import (
+    FullyShardedDataParallel,
+    GeminiDDP,
+    GeminiOptimizer,
+    ShardedModule,
+    transformer_auto_wrap_policy,
+)
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -39,17 +54,27 @@ def _optimizer(kind: str, named: list[tuple[str, nn.Parameter]]) -> torch.optim.
     return make_optimizer(kind, groups, LR)
 
 
-def check_parity(name: str, offload: float, checkpointing: bool, optim: str) -> None:
+def check_parity(kind: str, name: str, offload: float, checkpointing: bool, optim: str) -> None:
     """10 steps against single-process training on the same global batch,
-    with part of the chunks' shards on the host (``offload``)."""
+    with part of the chunks' shards on the host (``offload``; FSDP's
+    ``offload_params`` is all or nothing)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     reference, model = build(name, checkpointing), build(name, checkpointing)
-    wrapped = GeminiDDP(
-        model,
-        chunk_size=_chunk_size(model, 4),
-        offload_param_frac=offload,
-        step_in_backward=True,
-    )
+    wrapped: ShardedModule
+    if kind == "gemini":
+        wrapped = GeminiDDP(
+            model,
+            chunk_size=_chunk_size(model, 4),
+            offload_param_frac=offload,
+            step_in_backward=True,
+        )
+    else:
+        wrapped = FullyShardedDataParallel(
+            model,
+            auto_wrap_policy=transformer_auto_wrap_policy(block_classes(name)),
+            offload_params=offload > 0,
+            step_in_backward=True,
+        )
     assert len(wrapped.chunks) >= 3
     ref_opt = _optimizer("adamw" if optim == "hybrid" else optim, _named(reference))
     opt = GeminiOptimizer(_optimizer(optim, _named(wrapped)), wrapped)
@@ -92,6 +117,7 @@ def check_parity(name: str, offload: float, checkpointing: bool, optim: str) -> 
 
 
 CASES: dict[str, list[object]] = {
+    "kind": ["gemini", "fsdp"],
     "name": ["gpt2", "llama"],
     "offload": [0.0, 0.5],
     "checkpointing": [False, True],
@@ -103,7 +129,7 @@ CASES: dict[str, list[object]] = {
 def test_step_in_backward_parity(world_size: int) -> None:
     cases: dict[str, list[object]] = dict(CASES)
     if world_size == 4:
-        cases.update(name=["gpt2"], offload=[0.5])
+        cases.update(name=["gpt2"], offload=[0.5], checkpointing=[True])
     run_subtests(check_parity, world_size, cases, timeout=380)
 
 
@@ -111,7 +137,13 @@ def test_step_in_backward_other_optimizers() -> None:
     run_subtests(
         check_parity,
         2,
-        {"name": ["gpt2"], "offload": [0.5], "checkpointing": [False], "optim": ["sgd", "hybrid"]},
+        {
+            "kind": ["gemini"],
+            "name": ["gpt2"],
+            "offload": [0.5],
+            "checkpointing": [False],
+            "optim": ["sgd", "hybrid"],
+        },
         timeout=200,
     )
 

@@ -121,7 +121,9 @@ class FullyShardedDataParallel(ShardedModule):
     or ``sync_module_states=True`` to copy rank 0's). ``offload_params``
     keeps the shards (and so the optimizer step) on the host, gathered
     through pinned memory. Build the optimizer afterwards, over
-    ``model.parameters()``."""
+    ``model.parameters()``. ``step_in_backward`` steps each unit as soon as
+    its gradients are reduced, through a :class:`~pc_zero.GeminiOptimizer`
+    ([Note: stepping in backward] in pc_zero.gemini)."""
 
     def __init__(
         self,
@@ -136,6 +138,7 @@ class FullyShardedDataParallel(ShardedModule):
         sync_module_states: bool = False,
         forward_prefetch: bool = True,
         comm: Communicator | None = None,
+        step_in_backward: bool = False,
     ) -> None:
         comm, device, init_param = prepare_module(
             module, "FullyShardedDataParallel", comm, process_group, device, sync_module_states
@@ -156,5 +159,5 @@ class FullyShardedDataParallel(ShardedModule):
             prefetch=forward_prefetch,
             init_param=init_param,
         )
-        super().__init__(module, manager, comm, mixed_precision)
+        super().__init__(module, manager, comm, mixed_precision, step_in_backward=step_in_backward)
         self.units = [unit for unit, _ in units]

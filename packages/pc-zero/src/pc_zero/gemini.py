@@ -24,7 +24,8 @@ in a :class:`~pc_chunk.DeviceBudget`, which raises rather than exceed it.
 shards on the host.
 
 [Note: stepping in backward]
-With ``GeminiDDP(..., step_in_backward=True)`` the :class:`GeminiOptimizer`
+With ``GeminiDDP(..., step_in_backward=True)`` (or
+``FullyShardedDataParallel(..., step_in_backward=True)``) the :class:`GeminiOptimizer`
 steps each chunk's parameters the moment that chunk's gradients are
 reduced, inside backward, and drops the gradient shard at once; the
 ``step()`` call after backward has nothing left to do. Only the one or two
@@ -185,21 +186,7 @@ class GeminiDDP(ShardedModule):
                     "or use a smaller chunk_size."
                 )
         mp = MixedPrecision(mixed_precision) if mixed_precision != torch.float32 else None
-        super().__init__(module, manager, comm, mp)
-        self.step_in_backward = step_in_backward  # [Note: stepping in backward]
-        if step_in_backward:
-            for chunk in manager.chunks:
-                chunk.keep_host_grad = False
-            manager.on_reduced = _no_optimizer
-
-
-def _no_optimizer(chunk: Chunk) -> None:
-    raise RuntimeError(
-        "GeminiDDP(step_in_backward=True) steps each chunk in backward through its "
-        "GeminiOptimizer, and none was built: wrap the optimizer with "
-        "GeminiOptimizer(optimizer, model) before the first backward, or pass "
-        "step_in_backward=False to step a plain optimizer after backward."
-    )
+        super().__init__(module, manager, comm, mp, step_in_backward=step_in_backward)
 
 
 def _non_model_peak(module: nn.Module, example_inputs: tuple[Any, ...]) -> int:
@@ -281,7 +268,7 @@ class GeminiOptimizer(Optimizer):
         self.param_groups = optimizer.param_groups
         self.state = optimizer.state
         self.defaults = optimizer.defaults
-        self.step_in_backward = bool(getattr(module, "step_in_backward", False))
+        self.step_in_backward = module.step_in_backward
         self._stepped: set[Chunk] = set()  # chunks stepped since the last step()
         if self.step_in_backward:
             self._check_step_in_backward(fp16)
@@ -297,7 +284,7 @@ class GeminiOptimizer(Optimizer):
             refused.append("fp16 loss scaling (mixed_precision=torch.float16)")
         if refused:
             raise ValueError(
-                "GeminiDDP(step_in_backward=True) updates each chunk before the other "
+                "step_in_backward=True updates each chunk before the other "
                 f"chunks' gradients exist, which rules out {' and '.join(refused)}: use "
                 "step_in_backward=False for it, or bf16 instead of fp16."
             )
@@ -310,7 +297,7 @@ class GeminiOptimizer(Optimizer):
     def _step_chunk(self, chunk: Chunk) -> None:
         if chunk in self._stepped:
             raise RuntimeError(
-                "GeminiDDP(step_in_backward=True): a second backward before optimizer.step(). "
+                "step_in_backward=True: a second backward before optimizer.step(). "
                 "Every backward is a step in this mode, so gradients cannot accumulate over "
                 "several; call step() after each backward, or use step_in_backward=False for "
                 "gradient accumulation."

@@ -126,6 +126,15 @@ def prepare_module(
     return comm, target, init_param
 
 
+def _no_optimizer(chunk: Chunk) -> None:
+    raise RuntimeError(
+        "step_in_backward=True steps each chunk in backward through the model's "
+        "GeminiOptimizer, and none was built: wrap the optimizer with "
+        "GeminiOptimizer(optimizer, model) before the first backward, or pass "
+        "step_in_backward=False to step a plain optimizer after backward."
+    )
+
+
 class ShardedModule(nn.Module):
     """The module after wrapping [Note: ZeRO-3 parameters]. Subclasses
     build the :class:`~pc_chunk.ChunkManager`."""
@@ -136,6 +145,8 @@ class ShardedModule(nn.Module):
         manager: ChunkManager,
         comm: Communicator,
         mixed_precision: MixedPrecision | None,
+        *,
+        step_in_backward: bool = False,
     ) -> None:
         super().__init__()
         self.module = module
@@ -143,6 +154,13 @@ class ShardedModule(nn.Module):
         self.comm = comm
         self.mixed_precision = mixed_precision
         self._names = {p: n for n, p in module.named_parameters(remove_duplicate=False)}
+        # [Note: stepping in backward] (pc_zero.gemini): GeminiOptimizer
+        # replaces the hook; until it does, a backward says it is missing.
+        self.step_in_backward = step_in_backward
+        if step_in_backward:
+            for chunk in manager.chunks:
+                chunk.keep_host_grad = False
+            manager.on_reduced = _no_optimizer
         manager.attach()
 
     # -- running ---------------------------------------------------------------------------
