@@ -8,7 +8,7 @@ DDP and ZeRO-1/2 benchmarks. Rows, sampled alternately:
 - single process (rank 0 alone; the others wait);
 - 2 processes, no communication (what sharing the machine costs);
 - pc FullyShardedDataParallel (a unit per GPT2Block) and pc GeminiDDP,
-  also stepping each chunk in backward (``step_in_backward=True``);
+  each also stepping every chunk in backward (``step_in_backward=True``);
 - torch FSDP2 (``fully_shard`` per block and on the root, gloo);
 - DeepSpeed ZeRO stage 3 (gloo, CPU accelerator), when deepspeed imports
   in this environment (`nox -s bench` installs it).
@@ -93,19 +93,22 @@ def _block() -> type[nn.Module]:
 def _ours(kind: str, seed: int) -> tuple[Step, Callable[[], int]]:
     model = step_gpt2()
     wrapped: FullyShardedDataParallel | GeminiDDP
-    if kind == "fsdp":
+    in_backward = kind.endswith("-step-in-backward")
+    if kind.startswith("fsdp"):
         wrapped = FullyShardedDataParallel(
-            model, auto_wrap_policy=transformer_auto_wrap_policy({_block()})
+            model,
+            auto_wrap_policy=transformer_auto_wrap_policy({_block()}),
+            step_in_backward=in_backward,
         )
     else:
         wrapped = GeminiDDP(
             model,
             min_chunk_size=1 << 20,
             search_range=1 << 21,
-            step_in_backward=kind == "gemini-step-in-backward",
+            step_in_backward=in_backward,
         )
     opt: torch.optim.Optimizer = torch.optim.AdamW(wrapped.parameters(), lr=1e-4)
-    if kind == "gemini-step-in-backward":
+    if in_backward:
         opt = GeminiOptimizer(opt, wrapped)
     return _loop(wrapped, opt, seed), lambda: wrapped.memory(opt).total
 
@@ -161,6 +164,7 @@ def _steps(iters: int, out: str) -> None:
     memories: dict[str, Callable[[], int]] = {}
     peers: dict[str, tuple[Step, Callable[[], int]] | None] = {
         "pc FullyShardedDataParallel": _ours("fsdp", rank),
+        "pc FullyShardedDataParallel, step in backward": _ours("fsdp-step-in-backward", rank),
         "pc GeminiDDP": _ours("gemini", rank),
         "pc GeminiDDP, step in backward": _ours("gemini-step-in-backward", rank),
         "torch FSDP2 fully_shard (gloo)": _fsdp2(rank),
