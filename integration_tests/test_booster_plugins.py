@@ -34,6 +34,7 @@ PLUGINS: dict[str, Callable[[], Plugin]] = {
     "zero2": lambda: LowLevelZeroPlugin(stage=2, max_norm=0.05),
     "torch-fsdp": TorchFSDPPlugin,
     "gemini": GeminiPlugin,
+    "gemini-step-in-backward": lambda: GeminiPlugin(step_in_backward=True),
     "hybrid-tp2-zero1": lambda: HybridParallelPlugin(tp_size=2, zero_stage=1, max_norm=0.05),
     "hybrid-tp2-sp": lambda: HybridParallelPlugin(tp_size=2, enable_sequence_parallelism=True),
     "hybrid-pp2": lambda: HybridParallelPlugin(pp_size=2, num_microbatches=2),
@@ -117,6 +118,11 @@ def check_accumulation_dataloader_and_scheduler(plugin: str) -> None:
     ref = build("gpt2")
     copied = copy.deepcopy(ref)
     optimizer = _adamw(copied)
+    if plugin == "gemini-step-in-backward":  # every backward is a step: refused
+        model, optimizer, *_ = booster.boost(copied, optimizer)
+        with pytest.raises(ValueError, match="cannot accumulate"):
+            booster.no_sync(model, optimizer)
+        return
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
     model, optimizer, _, _, scheduler = booster.boost(copied, optimizer, lr_scheduler=scheduler)
     group = booster.plugin.dp_group

@@ -451,7 +451,11 @@ class GeminiPlugin(_Sharded, SupportsNoSync):
     ``offload_param_frac`` of the chunks on the host) or ``"auto"`` (within
     ``device_budget_bytes``). The optimizer is rebuilt over the shards with
     the same class, hyperparameters and param groups; use
-    ``pc_offload.HybridAdam`` to step host-resident shards fast."""
+    ``pc_offload.HybridAdam`` to step host-resident shards fast.
+    ``step_in_backward=True`` steps each chunk as soon as its gradients are
+    reduced (12 bytes per parameter of model states instead of 16; no
+    clipping, fp16 or accumulation: see pc_zero's [Note: stepping in
+    backward])."""
 
     def __init__(
         self,
@@ -467,6 +471,7 @@ class GeminiPlugin(_Sharded, SupportsNoSync):
         initial_scale: float = 2.0**16,
         growth_interval: int = 1000,
         hysteresis: int = 2,
+        step_in_backward: bool = False,
     ) -> None:
         super().__init__()
         self.loss_scale = _loss_scale(initial_scale, growth_interval, hysteresis)
@@ -483,6 +488,7 @@ class GeminiPlugin(_Sharded, SupportsNoSync):
             "search_range": int(search_range_m * 2**20),
             "min_chunk_size": int(min_chunk_size_m * 2**20),
             "prefetch": prefetch,
+            "step_in_backward": step_in_backward,
         }
         self.max_norm = max_norm
 
@@ -519,6 +525,12 @@ class GeminiPlugin(_Sharded, SupportsNoSync):
         # No rank holds a full gradient to accumulate locally: each backward
         # reduce-scatters into the gradient shard, where backwards add up.
         # Accumulation is correct inside or outside this context.
+        if self.options["step_in_backward"]:
+            raise ValueError(
+                "GeminiPlugin(step_in_backward=True) steps in every backward, so gradients "
+                "cannot accumulate over micro-batches: use step_in_backward=False for "
+                "accumulation, or one backward per step."
+            )
         return nullcontext()
 
 
