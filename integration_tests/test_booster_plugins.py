@@ -122,6 +122,8 @@ def check_accumulation_dataloader_and_scheduler(plugin: str) -> None:
         model, optimizer, *_ = booster.boost(copied, optimizer)
         with pytest.raises(ValueError, match="cannot accumulate"):
             booster.no_sync(model, optimizer)
+        with pytest.raises(ValueError, match=r"max_norm=1\.0 cannot clip"):
+            GeminiPlugin(step_in_backward=True, max_norm=1.0)
         return
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
     model, optimizer, _, _, scheduler = booster.boost(copied, optimizer, lr_scheduler=scheduler)

@@ -480,6 +480,12 @@ class GeminiPlugin(_Sharded, SupportsNoSync):
                 f"GeminiPlugin: placement_policy must be 'static' or 'auto', got "
                 f"{placement_policy!r}."
             )
+        if step_in_backward and max_norm > 0:
+            raise ValueError(
+                f"GeminiPlugin: step_in_backward=True steps each chunk before the others' "
+                f"gradients exist, so max_norm={max_norm} cannot clip by the global norm; "
+                "pass max_norm=0 or step_in_backward=False."
+            )
         self.options: dict[str, Any] = {
             "placement_policy": placement_policy,
             "offload_param_frac": offload_param_frac,

@@ -44,7 +44,13 @@ at a time, and the end-of-backward callback finishes the last. Under a
 device budget the previous one is finished first, so its buffer is free
 before the next is reserved. ``on_reduced(chunk)``, when set, runs right
 after each chunk's reduction is finished, in backward (an optimizer that
-steps chunk by chunk: [Note: stepping in backward] in pc_zero.gemini).
+steps chunk by chunk: [Note: stepping in backward] in pc_zero.gemini), and
+``on_backward_start()`` when a backward pass first reaches the module,
+before it touches any chunk, so a refusal raised there leaves nothing half
+done. A chunk reduced in this backward is not gathered again by a
+prefetch, and the end-of-backward callback releases rather than reduces it
+again when no new gradient arrived for it (a prefetch that a changed
+control flow sent astray).
 
 [Note: units]
 ``units=[(module, params), ...]`` packs each unit's parameters into one
@@ -297,6 +303,8 @@ class ChunkManager:
         self._pending_release: dict[Chunk, None] = {}
         self._reducing: list[Chunk] = []  # reduce-scatters in flight, oldest first
         self.on_reduced: Callable[[Chunk], None] | None = None  # [Note: overlapped reduction]
+        self.on_backward_start: Callable[[], None] | None = None
+        self._reduced: set[Chunk] = set()  # reduced in the running backward
         self._events: tuple[list[Chunk], list[Chunk]] = ([], [])  # gathers: forward, backward
         self._cursor = [0, 0]
         self._orders_recorded = False
@@ -428,6 +436,8 @@ class ChunkManager:
         if not self.prefetch or cursor >= len(events):
             return
         ahead = events[cursor]
+        if ahead in self._reduced:  # astray: its gradients are already reduced
+            return
         if ahead.state is ChunkState.FREE and (
             self.budget is None or self.budget.available_bytes >= 2 * ahead.payload_bytes
         ):
@@ -465,6 +475,8 @@ class ChunkManager:
     def _pre_backward(self, module: nn.Module) -> None:
         if module in self._in_backward:
             return
+        if not self._callback_queued and self.on_backward_start is not None:
+            self.on_backward_start()  # before any state changes: it may refuse
         self._in_backward.add(module)
         if not self._callback_queued:
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
@@ -492,6 +504,7 @@ class ChunkManager:
         chunk.reduce_scatter_grads(async_op=True)
         chunk.release()
         self._arrived.pop(chunk, None)
+        self._reduced.add(chunk)
         self._reducing.append(chunk)
         self._finish_reductions(1)
 
@@ -505,9 +518,16 @@ class ChunkManager:
     def _end_backward(self) -> None:
         self._release_workspace()
         for chunk in self.chunks:
-            if chunk in self._arrived or chunk.state is not ChunkState.FREE:
+            if chunk in self._arrived:
                 self._reduce(chunk)
+            elif chunk.state is not ChunkState.FREE:
+                stray = chunk in self._reduced and chunk.users == 0
+                if stray and chunk.state in (ChunkState.HOLD, ChunkState.HOLD_AFTER_FWD):
+                    chunk.release()  # gathered again by a prefetch gone astray
+                else:
+                    self._reduce(chunk)
         self._finish_reductions(0)
+        self._reduced.clear()
         self._arrived = {}
         self._callback_queued = False
         self._in_backward.clear()

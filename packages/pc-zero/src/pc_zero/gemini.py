@@ -272,6 +272,7 @@ class GeminiOptimizer(Optimizer):
         self._stepped: set[Chunk] = set()  # chunks stepped since the last step()
         if self.step_in_backward:
             self._check_step_in_backward(fp16)
+            module.manager.on_backward_start = self._check_stepped
             module.manager.on_reduced = self._step_chunk
 
     # -- [Note: stepping in backward] --------------------------------------------------
@@ -294,14 +295,20 @@ class GeminiOptimizer(Optimizer):
         mine = {id(slot.param) for slot in chunk.slots}
         return [[p for p in g["params"] if id(p) in mine] for g in self.inner.param_groups]
 
-    def _step_chunk(self, chunk: Chunk) -> None:
-        if chunk in self._stepped:
+    def _check_stepped(self) -> None:
+        """At the start of a backward, before it touches a chunk: refuse a
+        second one since the last ``step()``."""
+        if self._stepped:
             raise RuntimeError(
                 "step_in_backward=True: a second backward before optimizer.step(). "
                 "Every backward is a step in this mode, so gradients cannot accumulate over "
-                "several; call step() after each backward, or use step_in_backward=False for "
-                "gradient accumulation."
+                "several; call step() after each backward (this backward changed nothing), "
+                "or use step_in_backward=False for gradient accumulation."
             )
+
+    def _step_chunk(self, chunk: Chunk) -> None:
+        if chunk in self._stepped:  # a backstop: _check_stepped refuses this earlier
+            raise RuntimeError(f"{chunk.name}: stepped twice without optimizer.step().")
         if chunk.state is not ChunkState.FREE:  # the parameters would view the payload
             raise RuntimeError(f"{chunk.name}: stepped in state {chunk.state.value}, not free.")
         groups = self.inner.param_groups

@@ -126,7 +126,7 @@ def prepare_module(
     return comm, target, init_param
 
 
-def _no_optimizer(chunk: Chunk) -> None:
+def _no_optimizer() -> None:
     raise RuntimeError(
         "step_in_backward=True steps each chunk in backward through the model's "
         "GeminiOptimizer, and none was built: wrap the optimizer with "
@@ -160,7 +160,8 @@ class ShardedModule(nn.Module):
         if step_in_backward:
             for chunk in manager.chunks:
                 chunk.keep_host_grad = False
-            manager.on_reduced = _no_optimizer
+            manager.on_backward_start = _no_optimizer
+            manager.on_reduced = lambda _chunk: _no_optimizer()
         manager.attach()
 
     # -- running ---------------------------------------------------------------------------
@@ -195,6 +196,12 @@ class ShardedModule(nn.Module):
     def clip_grad_norm_(self, max_norm: float) -> float:
         """Scale the gradient shards so the global norm is at most
         ``max_norm``; returns the norm before clipping (all ranks agree)."""
+        if self.step_in_backward:
+            raise RuntimeError(
+                "clip_grad_norm_: with step_in_backward=True every chunk is already stepped "
+                "when backward returns, so there is nothing left to clip; use "
+                "step_in_backward=False to clip by the global norm."
+            )
         grads = [c.grad_shard for c in self.chunks if c.grad_shard is not None]
         device = self.manager.device
         _, norm = unscale_clip_and_check(grads, self.comm, None, float(max_norm), device)
