@@ -13,7 +13,15 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
-from zero3_models import batch, block_classes, build, loss_of, make_optimizer, rank_slice
+from zero3_models import (
+    batch,
+    block_classes,
+    build,
+    chunk_size_for,
+    loss_of,
+    make_optimizer,
+    rank_slice,
+)
 
 from pc_chunk import LazyInitContext
 from pc_comm import Handle, TorchCommunicator
@@ -48,13 +56,6 @@ class CountingComm(TorchCommunicator):
         return super().all_gather(output, input, async_op=async_op)
 
 
-def _chunk_size(model: nn.Module, parts: int) -> int:
-    sizes = [p.numel() for p in model.parameters()]
-    quantum = 64 * dist.get_world_size()
-    size = max(max(sizes), sum(sizes) // parts)
-    return -(-size // quantum) * quantum
-
-
 def check_gathers(checkpointing: bool) -> None:
     """After the first step, every chunk is all-gathered exactly once in
     forward and once in backward, with or without recomputation, prefetch
@@ -64,7 +65,7 @@ def check_gathers(checkpointing: bool) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     comm = CountingComm()
     model = build("gpt2", checkpointing)
-    wrapped = GeminiDDP(model, chunk_size=_chunk_size(model, 4), comm=comm)
+    wrapped = GeminiDDP(model, chunk_size=chunk_size_for(model, 4), comm=comm)
     chunks = wrapped.chunks
     assert len(chunks) >= 3, chunks
     opt = torch.optim.SGD(wrapped.parameters(), lr=0.01)
@@ -133,7 +134,7 @@ def check_budget(placement: str) -> None:
     reference, model = build("gpt2"), build("gpt2")
     psi = sum(p.numel() for p in model.parameters())
     states = 16 * psi // world  # shards, gradient shards, Adam states
-    chunk_size = _chunk_size(model, 6)
+    chunk_size = chunk_size_for(model, 6)
     budget = states // 2 + 6 * chunk_size * 4
     wrapped = GeminiDDP(
         model,
@@ -240,7 +241,7 @@ def _losses_after(model: nn.Module, opt: torch.optim.Optimizer, steps: range) ->
 def _wrapped(kind: str) -> nn.Module:
     model = build("gpt2")
     if kind == "gemini":
-        return GeminiDDP(model, chunk_size=_chunk_size(model, 3))
+        return GeminiDDP(model, chunk_size=chunk_size_for(model, 3))
     return FullyShardedDataParallel(
         model, auto_wrap_policy=transformer_auto_wrap_policy(block_classes("gpt2"))
     )

@@ -14,8 +14,10 @@ from zero3_models import (
     batch,
     block_classes,
     build,
+    chunk_size_for,
     loss_of,
     make_optimizer,
+    named,
     param_groups,
     rank_slice,
 )
@@ -40,15 +42,8 @@ def _wrap(kind: str, model: nn.Module, name: str) -> nn.Module:
             reshard_after_forward=False,
         )
     if kind == "gemini":  # about four chunks, so several gathers per step
-        sizes = [p.numel() for p in model.parameters()]
-        quantum = 64 * dist.get_world_size()
-        size = max(max(sizes), sum(sizes) // 4)
-        return GeminiDDP(model, chunk_size=-(-size // quantum) * quantum)
+        return GeminiDDP(model, chunk_size=chunk_size_for(model, 4))
     raise ValueError(kind)
-
-
-def _named(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    return [(n.removeprefix("module."), p) for n, p in model.named_parameters()]
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
@@ -65,8 +60,8 @@ def check_parity(kind: str, name: str, checkpointing: bool, optim: str) -> None:
     lr = (
         LR if optim == "sgd" else 1e-3
     )  # Adam turns float noise in tiny gradients into lr-sized steps
-    ref_opt = make_optimizer(optim, param_groups(_named(reference), lr), lr)
-    opt = make_optimizer(optim, param_groups(_named(model), lr), lr)
+    ref_opt = make_optimizer(optim, param_groups(named(reference), lr), lr)
+    opt = make_optimizer(optim, param_groups(named(model), lr), lr)
     for step in range(STEPS):
         inputs = batch(name, step, GLOBAL_BATCH)
         ref_loss = loss_of(reference, inputs)
@@ -81,8 +76,8 @@ def check_parity(kind: str, name: str, checkpointing: bool, optim: str) -> None:
         dist.all_reduce(mean)
         torch.testing.assert_close(mean / world, ref_loss.detach(), rtol=1e-5, atol=1e-6)
     with model.summon_full_params():  # type: ignore[operator]
-        ours = dict(_named(model))
-        for n, p in _named(reference):
+        ours = dict(named(model))
+        for n, p in named(reference):
             assert_close(ours[n].detach(), p.detach(), n)
 
 

@@ -14,8 +14,10 @@ from zero3_models import (
     batch,
     block_classes,
     build,
+    chunk_size_for,
     loss_of,
     make_optimizer,
+    named,
     param_groups,
     rank_slice,
 )
@@ -36,17 +38,6 @@ pytestmark = pytest.mark.timeout(400)
 STEPS, GLOBAL_BATCH, LR = 10, 8, 1e-3
 
 
-def _chunk_size(model: nn.Module, parts: int) -> int:
-    sizes = [p.numel() for p in model.parameters()]
-    quantum = 64 * dist.get_world_size()
-    size = max(max(sizes), sum(sizes) // parts)
-    return -(-size // quantum) * quantum
-
-
-def _named(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    return [(n.removeprefix("module."), p) for n, p in model.named_parameters()]
-
-
 def _optimizer(kind: str, named: list[tuple[str, nn.Parameter]]) -> torch.optim.Optimizer:
     groups = param_groups(named, LR)  # two groups: decay and no decay
     if kind == "hybrid":
@@ -64,7 +55,7 @@ def check_parity(kind: str, name: str, offload: float, checkpointing: bool, opti
     if kind == "gemini":
         wrapped = GeminiDDP(
             model,
-            chunk_size=_chunk_size(model, 4),
+            chunk_size=chunk_size_for(model, 4),
             offload_param_frac=offload,
             step_in_backward=True,
         )
@@ -76,8 +67,8 @@ def check_parity(kind: str, name: str, offload: float, checkpointing: bool, opti
             step_in_backward=True,
         )
     assert len(wrapped.chunks) >= 3
-    ref_opt = _optimizer("adamw" if optim == "hybrid" else optim, _named(reference))
-    opt = GeminiOptimizer(_optimizer(optim, _named(wrapped)), wrapped)
+    ref_opt = _optimizer("adamw" if optim == "hybrid" else optim, named(reference))
+    opt = GeminiOptimizer(_optimizer(optim, named(wrapped)), wrapped)
     # Watch every in-backward step: the chunks holding a finished gradient
     # shard at that moment (as the chunk's, or as its parameters' .grad
     # views): only the one being stepped. (The reduction in flight holds
@@ -113,8 +104,8 @@ def check_parity(kind: str, name: str, offload: float, checkpointing: bool, opti
     assert max(alive) == 1, alive
     assert wrapped.memory(opt).grads == 0
     with wrapped.summon_full_params():
-        ours = dict(_named(wrapped.module))
-        for n, p in _named(reference):
+        ours = dict(named(wrapped.module))
+        for n, p in named(reference):
             torch.testing.assert_close(ours[n].detach(), p.detach(), rtol=1e-5, atol=1e-6)
 
 

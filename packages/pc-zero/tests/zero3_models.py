@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -146,3 +147,17 @@ def make_optimizer(kind: str, groups: list[dict[str, Any]], lr: float) -> torch.
 
 
 OptimizerFactory = Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
+
+
+def chunk_size_for(model: nn.Module, parts: int) -> int:
+    """A Gemini chunk size that cuts ``model`` into about ``parts`` chunks
+    (never below its largest parameter), a multiple of 64 x world size."""
+    sizes = [p.numel() for p in model.parameters()]
+    quantum = 64 * dist.get_world_size()
+    size = max(max(sizes), sum(sizes) // parts)
+    return -(-size // quantum) * quantum
+
+
+def named(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """Parameter names as in the unwrapped model (a wrapper's ``module.`` dropped)."""
+    return [(n.removeprefix("module."), p) for n, p in model.named_parameters()]
