@@ -271,7 +271,7 @@ def main() -> None:
         default=["gemini", "gemini-step-in-backward", "fsdp2"],
         choices=["gemini", "gemini-step-in-backward", "fsdp2"],
     )
-    parser.add_argument("--layers", type=int, nargs="+", default=[24, 32, 40, 48, 56, 64])
+    parser.add_argument("--layers", type=int, nargs="+", default=[24, 32, 40, 48, 56, 64, 72, 80])
     parser.add_argument("--width", type=int, default=4096)
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--seq", type=int, default=1024)

@@ -238,18 +238,22 @@ def _losses_after(model: nn.Module, opt: torch.optim.Optimizer, steps: range) ->
     return losses
 
 
-def _wrapped(kind: str) -> nn.Module:
+def _wrapped(kind: str) -> tuple[nn.Module, torch.optim.Optimizer]:
     model = build("gpt2")
-    if kind == "gemini":
-        return GeminiDDP(model, chunk_size=chunk_size_for(model, 3))
-    return FullyShardedDataParallel(
+    wrapped: nn.Module
+    if kind.startswith("gemini"):
+        in_backward = kind == "gemini-step-in-backward"
+        gemini = GeminiDDP(model, chunk_size=chunk_size_for(model, 3), step_in_backward=in_backward)
+        opt = torch.optim.AdamW(gemini.parameters(), lr=1e-3, eps=1e-6)
+        return gemini, GeminiOptimizer(opt, gemini) if in_backward else opt
+    wrapped = FullyShardedDataParallel(
         model, auto_wrap_policy=transformer_auto_wrap_policy(block_classes("gpt2"))
     )
+    return wrapped, torch.optim.AdamW(wrapped.parameters(), lr=1e-3, eps=1e-6)
 
 
 def save_then_continue(directory: str, kind: str) -> None:
-    model = _wrapped(kind)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6)
+    model, opt = _wrapped(kind)
     _losses_after(model, opt, range(3))
     save_sharded_checkpoint(Path(directory) / "ckpt", model, opt)  # type: ignore[arg-type]
     losses = _losses_after(model, opt, range(3, 6))
@@ -258,15 +262,14 @@ def save_then_continue(directory: str, kind: str) -> None:
 
 
 def load_and_continue(directory: str, kind: str) -> None:
-    model = _wrapped(kind)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6)
+    model, opt = _wrapped(kind)
     load_sharded_checkpoint(Path(directory) / "ckpt", model, opt)  # type: ignore[arg-type]
     losses = _losses_after(model, opt, range(3, 6))
     expected = json.loads((Path(directory) / "expected.json").read_text())
     assert losses == pytest.approx(expected, rel=1e-5, abs=1e-6), (losses, expected)
 
 
-@pytest.mark.parametrize("kind", ["fsdp", "gemini"])
+@pytest.mark.parametrize("kind", ["fsdp", "gemini", "gemini-step-in-backward"])
 def test_sharded_checkpoint_saved_at_2_loads_at_1_and_4(kind: str, tmp_path: Path) -> None:
     spawn(save_then_continue, 2, args=(str(tmp_path), kind), timeout=120)
     spawn(load_and_continue, 1, args=(str(tmp_path), kind), timeout=120)
