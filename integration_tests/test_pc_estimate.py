@@ -29,6 +29,7 @@ CASES: dict[str, PluginOptions] = {
     "zero2": PluginOptions(PluginKind.ZERO2),
     "zero2-offload": PluginOptions(PluginKind.ZERO2, cpu_offload=True),
     "gemini": PluginOptions(PluginKind.GEMINI),
+    "gemini-step-in-backward": PluginOptions(PluginKind.GEMINI, step_in_backward=True),
     "hybrid-tp2": PluginOptions(PluginKind.HYBRID, tp=2),
     "hybrid-pp2": PluginOptions(PluginKind.HYBRID, pp=2),
 }
@@ -41,7 +42,7 @@ def _measure_case(model: str, plugin: str, precision: str) -> None:
     except ValueError:
         return  # a combination the plugin refuses (ddp in bf16): nothing to measure
     spec = resolve_model(model, 16)
-    made, _ = options.make(max_norm=0.0 if options.pp > 1 else 1.0)
+    made, _ = options.make(max_norm=0.0 if options.pp > 1 or options.step_in_backward else 1.0)
     booster = Booster(plugin=made, mixed_precision=None if precision == "fp32" else precision)
     net = build_model(spec, seed=0)
     optimizer = torch.optim.AdamW(net.parameters(), lr=1e-3)

@@ -169,6 +169,16 @@ def test_one_rank_on_all_cores_after_plugin_auto(tmp_path: Path) -> None:
         (["--global-batch-size", "3"], "does not split into 2 data-parallel rank(s)"),
         (["--steps", "0"], "steps must be an integer of at least 1, got 0"),
         (["--resume"], "no checkpoint in"),
+        (["--plugin", "zero1", "--step-in-backward"], "an option of --plugin gemini"),
+        (["--plugin", "gemini", "--step-in-backward"], "pass --clip-norm 0 with it"),
+        (
+            ["--plugin", "gemini", "--step-in-backward", "--clip-norm", "0", "--accumulation", "2"],
+            "use --accumulation 1 with it",
+        ),
+        (
+            ["--plugin", "gemini", "--step-in-backward", "--clip-norm", "0", "--precision", "fp16"],
+            "use --precision bf16 or fp32",
+        ),
     ],
 )
 def test_bad_input_is_one_clear_message(

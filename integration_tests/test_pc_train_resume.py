@@ -18,7 +18,7 @@ import torch.distributed as dist
 from pc_booster.train import NonFiniteLossError, train
 from pc_booster.train_config import TrainConfig
 from pc_comm import DistContext, DistEnv
-from pc_comm.testing import run_subtests
+from pc_comm.testing import run_subtests, spawn
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -28,6 +28,7 @@ PLUGINS: dict[str, dict[str, object]] = {
     "zero1": {"plugin": "zero1"},
     "zero2": {"plugin": "zero2"},
     "gemini": {"plugin": "gemini"},
+    "gemini-step-in-backward": {"plugin": "gemini", "step_in_backward": True, "clip_norm": 0.0},
     "hybrid-tp2": {"plugin": "hybrid", "tp": 2},
     "hybrid-pp2": {"plugin": "hybrid", "pp": 2, "clip_norm": 0.0},
 }
@@ -53,6 +54,26 @@ def _resume_case(root: str, plugin: str) -> None:
     resumed = train(TrainConfig(**{**config.to_dict(), "resume": str(saved)}), _context())
     assert len(expected) == 4
     assert resumed["loss"] == expected, (plugin, resumed["loss"], expected)
+
+
+def _in_backward_case(root: str) -> None:
+    """--step-in-backward trains exactly as Gemini stepping after backward."""
+    torch.use_deterministic_algorithms(True)
+    losses = []
+    for in_backward in (False, True):
+        config = TrainConfig(
+            model="gpt2-tiny", steps=4, global_batch_size=4, seq_len=16, corpus_bytes=20_000,
+            checkpoint_every=0, eval_every=0, log_every=2, tensorboard=False, progress=False,
+            output_dir=str(Path(root) / f"in-backward-{in_backward}"), plugin="gemini",
+            clip_norm=0.0, step_in_backward=in_backward,
+        )  # fmt: skip
+        losses.append(train(config, _context())["loss"])
+    assert len(losses[0]) == 4
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-6)
+
+
+def test_step_in_backward_trains_as_stepping_after_backward(tmp_path: Path) -> None:
+    spawn(_in_backward_case, 2, args=(str(tmp_path),), timeout=300)
 
 
 def test_resume_repeats_the_loss_curve_bitwise_for_every_plugin(tmp_path: Path) -> None:

@@ -289,6 +289,10 @@ def estimate(
         params, grads, master, states = 4 * psi / n, 4 * psi / n, 0.0, 8 * psi / n
     elif kind is PluginKind.GEMINI:
         params, grads, master, states = p * psi / n, g * psi / n, m * psi / n, 8 * psi / n
+        if options.step_in_backward:
+            # The fp32 shard is parameter and master (the compute-dtype copy
+            # exists only while gathered); no gradient shard is kept.
+            params, grads, master = 4 * psi / n, 0.0, 0.0
     elif stage == 1:  # the full gradient buffer, and (reduced in backward) its piece
         piece = g * psi / n if options.pp == 1 else 0.0  # pipelines reduce at the step
         params, grads, master, states = p * psi, g * psi + piece, m * psi / n, 8 * psi / n

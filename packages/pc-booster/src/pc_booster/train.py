@@ -160,6 +160,12 @@ def prepare(
             f"data-parallel rank(s) x {config.accumulation} accumulation step(s); use a "
             f"multiple of {dp * config.accumulation}."
         )
+    if options.step_in_backward and config.accumulation > 1:
+        raise ValueError(
+            f"--step-in-backward steps in every backward, so gradients cannot accumulate over "
+            f"--accumulation {config.accumulation} micro-steps; use --accumulation 1 with it "
+            "(or a smaller --global-batch-size per step)."
+        )
     if options.pp > 1 and config.accumulation > 1:
         raise ValueError(
             "--accumulation with --pp > 1: a pipeline already accumulates its micro-batches; "
