@@ -59,8 +59,8 @@ scratch, activation offload). With ``keep_host_grad=False`` (an optimizer
 that steps each chunk as soon as its gradients are reduced, so only one or
 two gradient shards exist at a time) the gradient shard is such a
 short-lived buffer instead, given back when it is cleared: no host
-gradient memory is kept between steps. A prefetch of a host shard by a single rank
-copies it up on the engine's side stream, so the copy overlaps the compute
+gradient memory is kept between steps. A prefetch of a host shard by a
+single rank copies it up on the engine's side stream, so the copy overlaps the compute
 before it (its device bytes reserved in the budget meanwhile); the cast to
 the compute dtype waits until the chunk is used. With several ranks the
 prefetch copies up on the current stream and starts the all-gather at once,

@@ -268,7 +268,6 @@ class GeminiOptimizer(Optimizer):
         self.param_groups = optimizer.param_groups
         self.state = optimizer.state
         self.defaults = optimizer.defaults
-        self.step_in_backward = module.step_in_backward
         self._stepped: set[Chunk] = set()  # chunks stepped since the last step()
         if self.step_in_backward:
             self._check_step_in_backward(fp16)
@@ -276,6 +275,10 @@ class GeminiOptimizer(Optimizer):
             module.manager.on_reduced = self._step_chunk
 
     # -- [Note: stepping in backward] --------------------------------------------------
+
+    @property
+    def step_in_backward(self) -> bool:
+        return self.module.step_in_backward
 
     def _check_step_in_backward(self, fp16: bool) -> None:
         refused = []
