@@ -121,3 +121,71 @@ def test_recommendation_follows_memory() -> None:
     assert 0 < offload.options.offload_frac < 1
     assert offload.estimates[-1].device_bytes <= 0.9 * 24 * 2**30
     assert offload.estimates[-2].device_bytes > 0.9 * 24 * 2**30
+
+
+def test_recommendation_steps_in_backward_only_when_allowed() -> None:
+    """Where plain Gemini does not fit, stepping in backward (12 bytes per
+    parameter instead of 16) is chosen only when the caller allows it: on a
+    device that holds the 12 but not the 16 it avoids offloading; on a
+    smaller one it offloads less. Not allowed, the reasons say what it would
+    save; fp16 never gets it."""
+    seven = model_shape(resolve_model("llama-7b", 512))
+    plain = estimate(seven, PluginOptions(PluginKind.GEMINI), 2, 1, 512, "bf16")
+    in_bwd = estimate(
+        seven, PluginOptions(PluginKind.GEMINI, step_in_backward=True), 2, 1, 512, "bf16"
+    )
+    assert in_bwd.model_state_bytes == pytest.approx(0.75 * plain.model_state_bytes)
+    # A device between the two: 0.9 x memory holds one and not the other.
+    middle = (in_bwd.device_bytes + plain.device_bytes) / 2 / 0.9
+    gpu = DeviceInfo("cuda", int(middle), 165e12, 32e9, 0.45)
+    allowed = recommend(seven, 2, 1, 512, "bf16", gpu, step_in_backward=True)
+    assert allowed.options == PluginOptions(PluginKind.GEMINI, step_in_backward=True)
+    assert allowed.estimates[-1].fits
+    assert "--clip-norm 0" in allowed.reasons[-1]
+    refused = recommend(seven, 2, 1, 512, "bf16", gpu)
+    assert not refused.options.step_in_backward
+    assert refused.options.offload_frac > 0
+    assert "would need nothing on the host" in refused.reasons[-1]
+    # 24 GiB: both offload, stepping in backward less.
+    small = DeviceInfo("cuda", 24 * 2**30, 165e12, 32e9, 0.45)
+    less = recommend(seven, 2, 1, 512, "bf16", small, step_in_backward=True)
+    more = recommend(seven, 2, 1, 512, "bf16", small)
+    assert less.options.step_in_backward
+    assert not more.options.step_in_backward
+    assert 0 < less.options.offload_frac < more.options.offload_frac
+    assert less.estimates[-1].fits
+    assert less.estimates[-1].host_bytes < more.estimates[-1].host_bytes
+    assert f"would need {less.options.offload_frac:.0%} of the chunks" in more.reasons[-1]
+    fp16 = recommend(seven, 2, 1, 512, "fp16", gpu, step_in_backward=True)
+    assert not fp16.options.step_in_backward
+    assert not any("step-in-backward" in reason for reason in fp16.reasons)
+
+
+def test_pc_train_auto_steps_in_backward_without_clipping(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``pc-train --plugin auto`` on a device too small for plain Gemini
+    picks --step-in-backward when the run neither clips nor accumulates,
+    and plain Gemini with offload (and the reason) otherwise."""
+    from pc_booster.train import prepare
+    from pc_booster.train_config import parse_args
+
+    shape = model_shape(resolve_model("gpt2-small", 64))
+    plain = estimate(shape, PluginOptions(PluginKind.GEMINI), 2, 4, 64, "fp32")
+    in_bwd = estimate(
+        shape, PluginOptions(PluginKind.GEMINI, step_in_backward=True), 2, 4, 64, "fp32"
+    )
+    middle = (in_bwd.device_bytes + plain.device_bytes) / 2 / 0.9
+    device = DeviceInfo("cpu", int(middle), 1e11, 2e9, 0.5)
+    monkeypatch.setattr(DeviceInfo, "detect", staticmethod(lambda *a, **k: device))
+    base = ["--model", "gpt2-small", "--plugin", "auto", "--seq-len", "64",
+            "--global-batch-size", "8", "--nproc", "2"]  # fmt: skip
+    config, _, reasons = prepare(parse_args([*base, "--clip-norm", "0"]), 2)
+    assert (config.plugin, config.step_in_backward, config.offload_frac) == ("gemini", True, 0.0)
+    config, _, reasons = prepare(parse_args(base), 2)  # clips by default
+    assert config.plugin == "gemini"
+    assert not config.step_in_backward
+    assert config.offload_frac > 0
+    assert any("--step-in-backward" in reason for reason in reasons)
+    accumulate = ["--clip-norm", "0", "--accumulation", "2", "--global-batch-size", "16"]
+    config, _, reasons = prepare(parse_args([*base, *accumulate]), 2)  # same micro-batch
+    assert not config.step_in_backward
+    assert config.offload_frac > 0

@@ -362,12 +362,20 @@ def recommend(
     seq_len: int,
     precision: str = "fp32",
     device: DeviceInfo | None = None,
+    step_in_backward: bool = False,
 ) -> Recommendation:
     """The plugin to train with (see the plugin-selection guide): ZeRO-2
     when its model states and activations fit the device (DDP's
     communication volume, a fraction of its memory, measured fastest here),
     then ZeRO-3 (Gemini), then Gemini with chunks offloaded to the host.
-    One process trains plainly (ddp, which then wraps nothing)."""
+    One process trains plainly (ddp, which then wraps nothing).
+
+    ``step_in_backward=True`` says the training can do without global-norm
+    clipping and gradient accumulation (and is not fp16): then, when plain
+    Gemini does not fit, Gemini stepping in backward (12 bytes per
+    parameter of model states instead of 16) is tried before offloading,
+    and offloads less when it must. Without it, the reasons say what it
+    would save."""
     shape = spec if isinstance(spec, ModelShape) else model_shape(spec)
     device = device or DeviceInfo.detect(world, precision)
     kinds = [PluginKind.ZERO2, PluginKind.GEMINI]
@@ -417,15 +425,44 @@ def recommend(
             f"the activations alone ({_gib(gemini.activation_bytes)} per rank) exceed {budget}; "
             "lower the micro-batch or the sequence length, or use --plugin hybrid with --tp > 1."
         )
-    frac = min(1.0, math.ceil(20 * (1 - spare / gemini.model_state_bytes)) / 20)
-    options = PluginOptions(PluginKind.GEMINI, offload_frac=frac)
+    needs = "it needs --clip-norm 0 and --accumulation 1 (each chunk steps before the others' "
+    needs += "gradients exist), with the same update as stepping after backward"
+    in_bwd = None
+    if precision != "fp16":  # an fp16 overflow found late could not skip the step
+        in_bwd_options = PluginOptions(PluginKind.GEMINI, step_in_backward=True)
+        in_bwd = estimate(shape, in_bwd_options, world, micro_batch, seq_len, precision, device)
+    if step_in_backward and in_bwd is not None and in_bwd.fits:
+        reasons = [
+            fits_text(in_bwd),
+            f"gemini would need {_gib(gemini.device_bytes)} per rank; stepping each chunk "
+            "inside backward keeps no gradient shard (12 bytes per parameter of model states "
+            f"instead of 16), so nothing goes to the host; {needs}.",
+        ]
+        return Recommendation(in_bwd_options, tuple(reasons), (*table, in_bwd))
+
+    def host_share(base: Estimate) -> float:
+        return min(1.0, math.ceil(20 * (1 - spare / base.model_state_bytes)) / 20)
+
+    use_in_bwd = step_in_backward and in_bwd is not None
+    base = in_bwd if use_in_bwd and in_bwd is not None else gemini
+    frac = host_share(base)
+    options = PluginOptions(PluginKind.GEMINI, offload_frac=frac, step_in_backward=use_in_bwd)
     offloaded = estimate(shape, options, world, micro_batch, seq_len, precision, device)
     reasons = [
-        f"nothing fits in {budget} on the device alone: ZeRO-3 needs "
-        f"{_gib(gemini.device_bytes)} per rank.",
+        f"nothing fits in {budget} on the device alone: {base.plugin} needs "
+        f"{_gib(base.device_bytes)} per rank.",
         f"{options.describe()}: {frac:.0%} of the chunks live on the host "
         f"({_gib(offloaded.host_bytes)} per rank), stepped there by the CPU optimizer.",
     ]
+    if use_in_bwd:
+        reasons.append(f"stepping in backward keeps 12 bytes per parameter instead of 16; {needs}.")
+    elif in_bwd is not None:  # say what the user would gain by giving up clipping
+        other = host_share(in_bwd) if not in_bwd.fits else 0.0
+        where = f"{other:.0%} of the chunks on the host" if other else "nothing on the host"
+        reasons.append(
+            f"--step-in-backward (12 bytes per parameter of model states instead of 16) would "
+            f"need {where}; {needs}."
+        )
     return Recommendation(options, tuple(reasons), (*table, offloaded))
 
 
@@ -478,6 +515,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument(
         "--gpu", choices=GPUS, default=None, help="estimate for this GPU (default: this machine)"
     )
+    parser.add_argument(
+        "--step-in-backward",
+        action="store_true",
+        help="Gemini stepping each chunk inside backward (12 bytes per parameter of model "
+        "states instead of 16; training with --clip-norm 0 --accumulation 1): with --plugin "
+        "gemini, estimate it; without --plugin, let the recommendation use it",
+    )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = parser.parse_args(argv)
     try:
@@ -495,6 +539,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             options = PluginOptions.parse(
                 args.plugin, tp=args.tp, pp=args.pp, zero_stage=args.zero_stage
             )
+            if args.step_in_backward:
+                options = replace(options, step_in_backward=True)
             options.check(args.world, args.precision, shape.layers)
             result = estimate(
                 shape, options, args.world, args.micro_batch, args.seq_len, args.precision, device
@@ -504,8 +550,19 @@ def main(argv: Sequence[str] | None = None) -> None:
             else:
                 print(_table([result]))
             return
+        if args.step_in_backward and args.precision == "fp16":
+            raise ValueError(
+                "--step-in-backward steps each chunk before the others' gradients exist, so an "
+                "fp16 overflow could not skip the step; use --precision bf16 or fp32."
+            )
         choice = recommend(
-            shape, args.world, args.micro_batch, args.seq_len, args.precision, device
+            shape,
+            args.world,
+            args.micro_batch,
+            args.seq_len,
+            args.precision,
+            device,
+            step_in_backward=args.step_in_backward,
         )
     except ValueError as error:
         print(f"pc-estimate: error: {error}", file=sys.stderr)

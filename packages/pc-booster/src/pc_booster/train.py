@@ -145,12 +145,31 @@ def prepare(
         dp_batch = config.global_batch_size // max(1, world)
         micro = max(1, dp_batch // config.accumulation)
         device = DeviceInfo.detect(config.nproc, config.precision, fork_safe=fork_safe)
+        # Stepping in backward is chosen only where it changes nothing the
+        # user asked for: no clipping, no accumulation (fp16 is excluded there).
+        in_bwd = config.step_in_backward or (config.clip_norm == 0 and config.accumulation == 1)
         choice = recommend(
-            model_shape(spec), world, micro, config.seq_len, config.precision, device
+            model_shape(spec),
+            world,
+            micro,
+            config.seq_len,
+            config.precision,
+            device,
+            step_in_backward=in_bwd,
         )
         opts = choice.options
-        config = replace(config, plugin=opts.name, offload_frac=opts.offload_frac)
         reasons = list(choice.reasons)
+        if config.step_in_backward and not opts.step_in_backward:
+            reasons.append(
+                f"--step-in-backward is not used: {opts.describe()} is recommended (--plugin "
+                "auto steps in backward only where plain gemini does not fit, and not in fp16)."
+            )
+        config = replace(
+            config,
+            plugin=opts.name,
+            offload_frac=opts.offload_frac,
+            step_in_backward=opts.step_in_backward,
+        )
     options = config.plugin_options()
     options.check(world, config.precision, layers)
     dp = options.dp_size(world)
