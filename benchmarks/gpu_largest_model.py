@@ -135,8 +135,10 @@ def _build(args: argparse.Namespace, device: torch.device) -> tuple[nn.Module, A
 
         with LazyInitContext():
             model = GPT(args.width, args.layers, args.heads, args.seq)
-        free, _ = torch.cuda.mem_get_info() if device.type == "cuda" else (args.budget_gib << 30, 0)
-        budget = int(free - args.reserve_gib * (1 << 30))
+        if device.type == "cuda":  # the rest of the GPU is left for activations
+            budget = int(torch.cuda.mem_get_info()[0] - args.reserve_gib * (1 << 30))
+        else:
+            budget = args.budget_gib << 30
         wrapped: nn.Module = GeminiDDP(
             model,
             device=device,
@@ -183,6 +185,7 @@ def trial(args: argparse.Namespace) -> dict[str, Any]:
         "params": _params(args.width, args.layers, args.seq),
         "ok": False,
     }
+    free_at_start = torch.cuda.mem_get_info()[0] if device.type == "cuda" else 0
     start = time.perf_counter()
     try:
         model, opt, extra = _build(args, device)
@@ -216,6 +219,10 @@ def trial(args: argparse.Namespace) -> dict[str, Any]:
         result["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
     if device.type == "cuda":
         result["peak_gpu_gb"] = round(torch.cuda.max_memory_allocated() / 1e9, 2)
+        # What the caching allocator never took: the room a smaller
+        # --reserve-gib could give Gemini's chunks.
+        unused = free_at_start - torch.cuda.max_memory_reserved()
+        result["gpu_never_used_gb"] = round(unused / 1e9, 2)
     result["peak_host_rss_gb"] = round(_host_rss_peak() / 1e9, 2)
     result["total_s"] = round(time.perf_counter() - start, 1)
     return result
@@ -251,13 +258,14 @@ def search(args: argparse.Namespace) -> None:
             if not row["ok"]:
                 break
     print("\n| framework | layers | parameters (B) | trains | step (s) | tokens/s | "
-          "peak GPU (GB) | peak host RSS (GB) | note |")  # fmt: skip
-    print("|---|---:|---:|---|---:|---:|---:|---:|---|")
+          "peak GPU (GB) | GPU never used (GB) | peak host RSS (GB) | note |")  # fmt: skip
+    print("|---|---:|---:|---|---:|---:|---:|---:|---:|---|")
     for r in rows:
         print(
             f"| {r['framework']} | {r['layers']} | {r['params'] / 1e9:.2f} | "
             f"{'yes' if r['ok'] else 'no'} | {r.get('step_s', '')} | {r.get('tokens_per_s', '')} | "
-            f"{r.get('peak_gpu_gb', '')} | {r.get('peak_host_rss_gb', '')} | "
+            f"{r.get('peak_gpu_gb', '')} | {r.get('gpu_never_used_gb', '')} | "
+            f"{r.get('peak_host_rss_gb', '')} | "
             f"{r.get('error', '')[:120]} {r.get('offload_param_frac', '')} |"
         )
 
