@@ -4,7 +4,10 @@ stream, HybridAdam stepping host shards on the host and device shards on
 the device, at one rank; also stepping each chunk in backward) and
 FullyShardedDataParallel with offload_params, against
 plain single-process training on the GPU. One rank, and two ranks sharing
-the one GPU a lent machine has. Runs with `nox -s gpu`; skipped without CUDA."""
+the one GPU a lent machine has. Stepping in backward is also compared with
+stepping after backward for both wrappers, fp32 and bf16, with a delay
+queued on the GPU before every reduction so a missing stream wait shows.
+Runs with `nox -s gpu`; skipped without CUDA."""
 
 from __future__ import annotations
 
@@ -13,12 +16,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from pc_chunk import Chunk
 from pc_comm.testing import run_subtests
 from pc_offload import HybridAdam
 from pc_zero import (
     FullyShardedDataParallel,
     GeminiDDP,
     GeminiOptimizer,
+    MixedPrecision,
+    ShardedModule,
     transformer_auto_wrap_policy,
 )
 
@@ -49,10 +55,10 @@ def _model() -> nn.Module:
     return nn.Sequential(nn.Linear(32, 128), *[_Block() for _ in range(6)], nn.Linear(128, 10))
 
 
-def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _batch(step: int, device: str = "cuda") -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(step)
     x = torch.randn(GLOBAL_BATCH, 32, generator=gen)
-    return x.cuda(), torch.randint(0, 10, (GLOBAL_BATCH,), generator=gen).cuda()
+    return x.to(device), torch.randint(0, 10, (GLOBAL_BATCH,), generator=gen).to(device)
 
 
 def check_offloaded_zero3_on_cuda(kind: str, prefetch: bool) -> None:
@@ -138,5 +144,90 @@ def test_offloaded_zero3_matches_single_process_on_cuda(world_size: int) -> None
         check_offloaded_zero3_on_cuda,
         world_size,
         {"kind": ["gemini", "gemini-step-in-backward", "fsdp"], "prefetch": [True, False]},
+        timeout=280,
+    )
+
+
+def _offloaded(
+    kind: str, device: str, dtype: torch.dtype, in_backward: bool, world: int
+) -> ShardedModule:
+    model = _model()
+    if kind == "gemini":
+        sizes = [p.numel() for p in model.parameters()]
+        quantum = 64 * world
+        size = -(-max(max(sizes), sum(sizes) // 6) // quantum) * quantum
+        return GeminiDDP(
+            model,
+            device=device,
+            offload_param_frac=0.5,
+            chunk_size=size,
+            mixed_precision=dtype,
+            step_in_backward=in_backward,
+        )
+    return FullyShardedDataParallel(
+        model,
+        auto_wrap_policy=transformer_auto_wrap_policy({_Block}),
+        offload_params=True,
+        device=device,
+        mixed_precision=MixedPrecision(param_dtype=dtype) if dtype != torch.float32 else None,
+        step_in_backward=in_backward,
+    )
+
+
+def check_in_backward_matches_after_backward(kind: str, dtype: torch.dtype, device: str) -> None:
+    """Stepping in backward against stepping after backward, same settings
+    (half the chunks on the host, bf16 or fp32 compute, HybridAdam): the
+    same element-wise update, so the same losses and parameters. Each
+    reduction first queues a ~30 ms spin on the GPU, so a host step that
+    read a gradient before its copy landed, or a gather that read a shard
+    before its update, shows as a difference."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if device == "cuda":
+        torch.cuda.set_device(0)
+        torch.backends.cuda.matmul.allow_tf32 = False
+    original = Chunk.reduce_scatter_grads
+
+    def delayed(self: Chunk, *args: object, **kwargs: object) -> torch.Tensor | None:
+        if device == "cuda":
+            torch.cuda._sleep(50_000_000)  # type: ignore[no-untyped-call]
+        return original(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    Chunk.reduce_scatter_grads = delayed  # type: ignore[method-assign]
+    try:
+        runs = []
+        for in_backward in (False, True):
+            wrapped = _offloaded(kind, device, dtype, in_backward, world)
+            opt = GeminiOptimizer(
+                HybridAdam(wrapped.parameters(), lr=ADAM_LR, weight_decay=0.01), wrapped
+            )
+            losses = []
+            shard = GLOBAL_BATCH // world
+            for step in range(STEPS):
+                x, y = _batch(step, device)
+                lo, hi = rank * shard, (rank + 1) * shard
+                loss = nn.functional.cross_entropy(wrapped(x[lo:hi]).float(), y[lo:hi])
+                opt.backward(loss)
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.detach().clone())
+            if in_backward:
+                assert all(c.held_grad is None for c in wrapped.manager.chunks)
+            runs.append((torch.stack(losses), wrapped.full_state_dict()))
+    finally:
+        Chunk.reduce_scatter_grads = original  # type: ignore[method-assign]
+    (after_losses, after_state), (in_losses, in_state) = runs
+    torch.testing.assert_close(in_losses, after_losses, rtol=1e-5, atol=1e-6)
+    for name, value in after_state.items():
+        torch.testing.assert_close(in_state[name], value, rtol=1e-5, atol=1e-6, msg=name)
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_step_in_backward_matches_step_after_backward_on_cuda(world_size: int) -> None:
+    run_subtests(
+        check_in_backward_matches_after_backward,
+        world_size,
+        {"kind": ["gemini", "fsdp"], "dtype": [torch.float32, torch.bfloat16], "device": ["cuda"]},
         timeout=280,
     )

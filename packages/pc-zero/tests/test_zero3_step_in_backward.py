@@ -195,6 +195,77 @@ def test_step_in_backward_when_the_order_changes() -> None:
     run_subtests(check_changing_order, 2, {"kind": ["gemini", "fsdp"]}, timeout=120)
 
 
+class _Skipping(nn.Module):
+    """``c`` runs only when ``use_c``: in a step that skips it, backward's
+    prefetch (recorded with ``c`` in the order) gathers ``c``'s chunk, which
+    then gets no gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.c = nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 64)
+        self.head = nn.Linear(64, 4)
+        self.use_c = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.tanh(self.a(x))
+        if self.use_c:
+            x = torch.tanh(self.c(x))
+        out: torch.Tensor = self.head(torch.tanh(self.b(x)))
+        return out
+
+
+def check_skipped_layer(kind: str, in_backward: bool, prefetch: bool) -> None:
+    """A layer left out of some steps gets no update in those steps (its
+    gradient is None in single-process training, so AdamW skips it), with
+    prefetch on or off and whether or not the step is taken in backward."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    reference, model = _Skipping(), _Skipping()
+    wrapped: ShardedModule
+    if kind == "gemini":
+        wrapped = GeminiDDP(
+            model, chunk_size=64 * 65, step_in_backward=in_backward, prefetch=prefetch
+        )
+    else:
+        wrapped = FullyShardedDataParallel(
+            model,
+            auto_wrap_policy=transformer_auto_wrap_policy({nn.Linear}),
+            step_in_backward=in_backward,
+            forward_prefetch=prefetch,
+        )
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR)
+    opt = GeminiOptimizer(torch.optim.AdamW(wrapped.parameters(), lr=LR), wrapped)
+    gen = torch.Generator().manual_seed(0)
+    for step in range(6):
+        reference.use_c = model.use_c = step % 2 == 0
+        x, y = torch.randn(8, 64, generator=gen), torch.randn(8, 4, generator=gen)
+        ref_loss = (reference(x) - y).square().mean()
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        mine = slice(rank * 8 // world, (rank + 1) * 8 // world)
+        loss = (wrapped(x[mine]) - y[mine]).square().mean()
+        opt.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        dist.all_reduce(mean := loss.detach().clone())
+        torch.testing.assert_close(mean / world, ref_loss.detach(), rtol=1e-5, atol=1e-6)
+        with wrapped.summon_full_params():
+            for (n, p), q in zip(reference.named_parameters(), model.parameters(), strict=True):
+                torch.testing.assert_close(
+                    q.detach(), p.detach(), rtol=1e-5, atol=1e-6, msg=f"step {step}: {n}"
+                )
+
+
+def test_a_skipped_layer_is_not_stepped() -> None:
+    run_subtests(
+        check_skipped_layer,
+        2,
+        {"kind": ["gemini", "fsdp"], "in_backward": [False, True], "prefetch": [True, False]},
+        timeout=200,
+    )
+
+
 def check_refusals() -> None:
     def model(**kwargs: object) -> GeminiDDP:
         return GeminiDDP(build("gpt2"), step_in_backward=True, **kwargs)  # type: ignore[arg-type]

@@ -48,9 +48,19 @@ steps chunk by chunk: [Note: stepping in backward] in pc_zero.gemini), and
 ``on_backward_start()`` when a backward pass first reaches the module,
 before it touches any chunk, so a refusal raised there leaves nothing half
 done. A chunk reduced in this backward is not gathered again by a
-prefetch, and the end-of-backward callback releases rather than reduces it
-again when no new gradient arrived for it (a prefetch that a changed
-control flow sent astray).
+prefetch.
+
+[Note: a chunk without gradients]
+The end-of-backward callback reduces every chunk some of whose parameters
+got a gradient. A chunk that is gathered but got none (a prefetch that a
+changed control flow sent astray, a layer skipped this step, a chunk kept
+from forward with ``reshard_after_forward=False``) is released, not
+reduced: reducing it would give its parameters zero gradients, and the
+optimizer would step them (weight decay, moments decaying), where
+single-process training leaves a parameter without a gradient alone. Its
+chunk is then skipped like one that was never gathered. The ranks must
+take the same control flow (as with DDP without ``find_unused_parameters``):
+whether a chunk is reduced is decided by each rank from its own gradients.
 
 [Note: units]
 ``units=[(module, params), ...]`` packs each unit's parameters into one
@@ -521,9 +531,12 @@ class ChunkManager:
             if chunk in self._arrived:
                 self._reduce(chunk)
             elif chunk.state is not ChunkState.FREE:
-                stray = chunk in self._reduced and chunk.users == 0
-                if stray and chunk.state in (ChunkState.HOLD, ChunkState.HOLD_AFTER_FWD):
-                    chunk.release()  # gathered again by a prefetch gone astray
+                idle = chunk.users == 0 and chunk.state in (
+                    ChunkState.HOLD,
+                    ChunkState.HOLD_AFTER_FWD,
+                )
+                if idle:  # no gradient this step [Note: a chunk without gradients]
+                    chunk.release()
                 else:
                     self._reduce(chunk)
         self._finish_reductions(0)

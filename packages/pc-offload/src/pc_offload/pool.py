@@ -234,6 +234,8 @@ class CopyEngine:
         self._pending: list[tuple[Transfer, torch.Tensor]] = []
 
     def _stream(self, device: torch.device) -> torch.cuda.Stream:
+        if str(device) == "cuda":  # "cuda" and "cuda:0" must share one side stream
+            device = torch.device(device.type, torch.cuda.current_device())
         if device not in self._streams:
             self._streams[device] = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
         return self._streams[device]

@@ -70,6 +70,9 @@ def _checked_device(wrapper: str, device: torch.device | str | int) -> torch.dev
         )
     if target.type not in ("cpu", "cuda", "meta"):
         raise ValueError(f"{wrapper}: device={device!r}: only 'cpu' and 'cuda' are supported.")
+    if str(target) == "cuda":
+        # The tensors made there say cuda:N; comparisons with a bare "cuda" fail.
+        target = torch.device("cuda", torch.cuda.current_device())
     return target
 
 
