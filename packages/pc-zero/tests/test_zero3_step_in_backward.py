@@ -196,29 +196,35 @@ def test_step_in_backward_when_the_order_changes() -> None:
 
 
 class _Skipping(nn.Module):
-    """``c`` runs only when ``use_c``: in a step that skips it, backward's
-    prefetch (recorded with ``c`` in the order) gathers ``c``'s chunk, which
-    then gets no gradient."""
+    """``c`` is used (``"use"``), left out (``"skip"``: backward's prefetch,
+    recorded with ``c`` in the order, gathers its chunk anyway) or run with
+    its output thrown away (``"discard"``: its chunk may stay gathered from
+    forward). In the last two its chunk gets no gradient."""
 
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.a, self.b, self.c = nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 64)
         self.head = nn.Linear(64, 4)
-        self.use_c = True
+        self.use_c = "use"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = torch.tanh(self.a(x))
-        if self.use_c:
+        if self.use_c == "use":
             x = torch.tanh(self.c(x))
+        elif self.use_c == "discard":
+            self.c(x)
         out: torch.Tensor = self.head(torch.tanh(self.b(x)))
         return out
 
 
-def check_skipped_layer(kind: str, in_backward: bool, prefetch: bool) -> None:
+def check_skipped_layer(kind: str, in_backward: bool, prefetch: bool, reshard: bool) -> None:
     """A layer left out of some steps gets no update in those steps (its
     gradient is None in single-process training, so AdamW skips it), with
-    prefetch on or off and whether or not the step is taken in backward."""
+    prefetch on or off, whether or not the step is taken in backward, and
+    (FSDP) with chunks kept from forward to backward (``reshard=False``)."""
+    if kind == "gemini" and not reshard:
+        return  # Gemini has no reshard_after_forward
     rank, world = dist.get_rank(), dist.get_world_size()
     reference, model = _Skipping(), _Skipping()
     wrapped: ShardedModule
@@ -232,12 +238,13 @@ def check_skipped_layer(kind: str, in_backward: bool, prefetch: bool) -> None:
             auto_wrap_policy=transformer_auto_wrap_policy({nn.Linear}),
             step_in_backward=in_backward,
             forward_prefetch=prefetch,
+            reshard_after_forward=reshard,
         )
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR)
     opt = GeminiOptimizer(torch.optim.AdamW(wrapped.parameters(), lr=LR), wrapped)
     gen = torch.Generator().manual_seed(0)
-    for step in range(6):
-        reference.use_c = model.use_c = step % 2 == 0
+    for step in range(7):
+        reference.use_c = model.use_c = ("use", "skip", "discard")[step % 3]
         x, y = torch.randn(8, 64, generator=gen), torch.randn(8, 4, generator=gen)
         ref_loss = (reference(x) - y).square().mean()
         ref_loss.backward()
@@ -261,7 +268,12 @@ def test_a_skipped_layer_is_not_stepped() -> None:
     run_subtests(
         check_skipped_layer,
         2,
-        {"kind": ["gemini", "fsdp"], "in_backward": [False, True], "prefetch": [True, False]},
+        {
+            "kind": ["gemini", "fsdp"],
+            "in_backward": [False, True],
+            "prefetch": [True, False],
+            "reshard": [True, False],
+        },
         timeout=200,
     )
 
