@@ -172,6 +172,10 @@ def test_one_rank_on_all_cores_after_plugin_auto(tmp_path: Path) -> None:
         (["--plugin", "zero1", "--step-in-backward"], "an option of --plugin gemini"),
         (["--plugin", "gemini", "--step-in-backward"], "pass --clip-norm 0 with it"),
         (
+            ["--plugin", "auto", "--step-in-backward", "--precision", "fp16"],
+            "fp16 overflow could not skip the step",
+        ),
+        (
             ["--plugin", "gemini", "--step-in-backward", "--clip-norm", "0", "--accumulation", "2"],
             "use --accumulation 1 with it",
         ),

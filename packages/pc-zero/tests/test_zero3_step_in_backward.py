@@ -195,22 +195,35 @@ def test_step_in_backward_when_the_order_changes() -> None:
     run_subtests(check_changing_order, 2, {"kind": ["gemini", "fsdp"]}, timeout=120)
 
 
+class _Gated(nn.Linear):
+    """A linear layer that, with ``bypass``, returns its input untouched:
+    it runs (its chunk is gathered, and backward's pre-hook fires on its
+    output) but its parameters get no gradient."""
+
+    bypass = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.bypass else super().forward(x)
+
+
 class _Skipping(nn.Module):
     """``c`` is used (``"use"``), left out (``"skip"``: backward's prefetch,
-    recorded with ``c`` in the order, gathers its chunk anyway) or run with
+    recorded with ``c`` in the order, gathers its chunk anyway), run with
     its output thrown away (``"discard"``: its chunk may stay gathered from
-    forward). In the last two its chunk gets no gradient."""
+    forward) or bypassed inside its own forward (``"bypass"``). In the last
+    three its parameters get no gradient."""
 
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.a, self.b, self.c = nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 64)
+        self.a, self.c, self.b = nn.Linear(64, 64), _Gated(64, 64), nn.Linear(64, 64)
         self.head = nn.Linear(64, 4)
         self.use_c = "use"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = torch.tanh(self.a(x))
-        if self.use_c == "use":
+        self.c.bypass = self.use_c == "bypass"
+        if self.use_c in ("use", "bypass"):
             x = torch.tanh(self.c(x))
         elif self.use_c == "discard":
             self.c(x)
@@ -218,24 +231,27 @@ class _Skipping(nn.Module):
         return out
 
 
-def check_skipped_layer(kind: str, in_backward: bool, prefetch: bool, reshard: bool) -> None:
+def check_skipped_layer(
+    kind: str, in_backward: bool, prefetch: bool, reshard: bool, packed: bool
+) -> None:
     """A layer left out of some steps gets no update in those steps (its
     gradient is None in single-process training, so AdamW skips it), with
-    prefetch on or off, whether or not the step is taken in backward, and
-    (FSDP) with chunks kept from forward to backward (``reshard=False``)."""
+    prefetch on or off, whether or not the step is taken in backward,
+    (FSDP) with chunks kept from forward to backward (``reshard=False``),
+    and with the layer alone in its chunk or sharing it with a layer that
+    does get gradients (``packed``)."""
     if kind == "gemini" and not reshard:
         return  # Gemini has no reshard_after_forward
     rank, world = dist.get_rank(), dist.get_world_size()
     reference, model = _Skipping(), _Skipping()
     wrapped: ShardedModule
     if kind == "gemini":
-        wrapped = GeminiDDP(
-            model, chunk_size=64 * 65, step_in_backward=in_backward, prefetch=prefetch
-        )
+        size = 64 * 65 * (2 if packed else 1)  # packed: a and c share a chunk
+        wrapped = GeminiDDP(model, chunk_size=size, step_in_backward=in_backward, prefetch=prefetch)
     else:
         wrapped = FullyShardedDataParallel(
-            model,
-            auto_wrap_policy=transformer_auto_wrap_policy({nn.Linear}),
+            model,  # packed: one flat unit for the whole model
+            auto_wrap_policy=None if packed else transformer_auto_wrap_policy({nn.Linear}),
             step_in_backward=in_backward,
             forward_prefetch=prefetch,
             reshard_after_forward=reshard,
@@ -243,8 +259,8 @@ def check_skipped_layer(kind: str, in_backward: bool, prefetch: bool, reshard: b
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR)
     opt = GeminiOptimizer(torch.optim.AdamW(wrapped.parameters(), lr=LR), wrapped)
     gen = torch.Generator().manual_seed(0)
-    for step in range(7):
-        reference.use_c = model.use_c = ("use", "skip", "discard")[step % 3]
+    for step in range(9):
+        reference.use_c = model.use_c = ("use", "skip", "discard", "bypass")[step % 4]
         x, y = torch.randn(8, 64, generator=gen), torch.randn(8, 4, generator=gen)
         ref_loss = (reference(x) - y).square().mean()
         ref_loss.backward()
@@ -273,6 +289,7 @@ def test_a_skipped_layer_is_not_stepped() -> None:
             "in_backward": [False, True],
             "prefetch": [True, False],
             "reshard": [True, False],
+            "packed": [False, True],
         },
         timeout=200,
     )

@@ -147,6 +147,11 @@ def prepare(
         device = DeviceInfo.detect(config.nproc, config.precision, fork_safe=fork_safe)
         # Stepping in backward is chosen only where it changes nothing the
         # user asked for: no clipping, no accumulation (fp16 is excluded there).
+        if config.step_in_backward and config.precision == "fp16":
+            raise ValueError(
+                "--step-in-backward steps each chunk before the others' gradients exist, so an "
+                "fp16 overflow could not skip the step; use --precision bf16 or fp32."
+            )
         in_bwd = config.step_in_backward or (config.clip_norm == 0 and config.accumulation == 1)
         choice = recommend(
             model_shape(spec),
@@ -437,9 +442,15 @@ def train(
         if bad:
             saved = max((s for s in range(start, step + 1) if _periodic(config, s)), default=0)
             where = f"the last checkpoint is at step {saved}" if saved else "no checkpoint yet"
+            when = (
+                "stopped after the step (--step-in-backward steps inside backward; the "
+                "weights in memory are not to be trusted, the checkpoints are)"
+                if options.step_in_backward
+                else "stopped before the optimizer step"
+            )
             raise NonFiniteLossError(
                 f"step {step + 1}: the loss (or gradient norm) is not finite on rank(s) "
-                f"{', '.join(map(str, bad))}; stopped before the optimizer step "
+                f"{', '.join(map(str, bad))}; {when} "
                 f"(--check-finite), {where}. Lower --lr, use bf16 rather than fp16, or "
                 "--resume from an earlier checkpoint."
             )

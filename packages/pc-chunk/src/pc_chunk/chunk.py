@@ -167,6 +167,11 @@ class Chunk:
         self._host_grad: torch.Tensor | None = None  # [Note: host buffers]
         self.keep_host_grad = True  # [Note: host buffers]
         self._grads_set_aside = False  # [Note: exposed shards]
+        # Slots whose parameter got a gradient since the last clear_grad
+        # (None: all of them); the next reduction's, until it finishes.
+        # [Note: a chunk without gradients] in pc_chunk.manager.
+        self._grad_slots: set[nn.Parameter] | None = None
+        self._incoming_slots: set[nn.Parameter] | None = None
         self._params_on_payload = True  # parameters view the payload (not the shard)
         self.gathers = 0  # all-gathers issued, for tests and statistics
         # A reduce-scatter in flight: (handle, input, output, reserved bytes).
@@ -309,7 +314,8 @@ class Chunk:
             elif self.expose_shard and self.shard is not None:
                 slot.param.data = self._shard_part(slot, self.shard)
                 if self.grad_shard is not None:
-                    slot.param.grad = self._shard_part(slot, self.grad_shard)
+                    got = self._grad_slots is None or slot.param in self._grad_slots
+                    slot.param.grad = self._shard_part(slot, self.grad_shard) if got else None
             else:
                 slot.param.data = _empty(self.dtype, self.device)
 
@@ -333,6 +339,9 @@ class Chunk:
             return
         for slot in dropped:
             self._shard_part(slot, self.grad_shard).zero_()
+        if self._grad_slots is None:
+            self._grad_slots = {slot.param for slot in self.slots}
+        self._grad_slots -= {slot.param for slot in dropped}
 
     def _shard_for_compute(self) -> torch.Tensor:
         assert self.shard is not None
@@ -426,6 +435,21 @@ class Chunk:
         self._point_params()
         self.state = ChunkState.FREE
         self._grads_set_aside = False
+
+    def note_gradients(self, params: set[nn.Parameter]) -> None:
+        """Before ``reduce_scatter_grads``: which parameters got a gradient.
+        The others' exposed ``.grad`` stays None, so an optimizer skips them
+        as it would in single-process training [Note: a chunk without
+        gradients]. Without this call every parameter counts as having one."""
+        self._incoming_slots = {slot.param for slot in self.slots if slot.param in params}
+
+    def abandon(self) -> None:
+        """End every use of a gathered chunk that produced no gradient (a
+        module that ran, or got a backward pre-hook, but no gradient for its
+        parameters): -> HOLD, so it can be released."""
+        if self.state in (ChunkState.COMPUTE, ChunkState.HOLD_AFTER_FWD):
+            self.users = 0
+            self.state = ChunkState.HOLD
 
     def access(self) -> None:
         """-> COMPUTE, gathering first if needed. Several operators may use
@@ -579,6 +603,13 @@ class Chunk:
         self._free(flat_bytes, "gradient buffer")
         grad_shard = out if out.dtype == torch.float32 else out.float()
         accumulate = self.expose_shard and self.grad_shard is not None
+        incoming, self._incoming_slots = self._incoming_slots, None
+        if not accumulate:
+            self._grad_slots = incoming
+        elif self._grad_slots is not None and incoming is not None:
+            self._grad_slots |= incoming
+        else:
+            self._grad_slots = None  # every parameter has one
         if not self.shard_on_device:
             if accumulate or not self.keep_host_grad:
                 grad_shard = self._to_host_scratch(grad_shard)
@@ -591,6 +622,8 @@ class Chunk:
             assert self.grad_shard is not None
             self.grad_shard.add_(grad_shard)
             self._drop(grad_shard)
+            if self.state is ChunkState.FREE:
+                self._point_params()  # parameters with a first gradient now
         else:
             if self.grad_shard is None and self.shard_on_device:
                 self._reserve(grad_shard.numel() * 4, "grad shard")
@@ -607,6 +640,7 @@ class Chunk:
             self._free(self.grad_shard.numel() * 4, "grad shard")
         self._drop(self.grad_shard)
         self.grad_shard = None
+        self._grad_slots = None
 
     def set_shard(self, values: torch.Tensor) -> None:
         """Write updated master values (this rank's shard) into the chunk,

@@ -51,16 +51,20 @@ done. A chunk reduced in this backward is not gathered again by a
 prefetch.
 
 [Note: a chunk without gradients]
-The end-of-backward callback reduces every chunk some of whose parameters
-got a gradient. A chunk that is gathered but got none (a prefetch that a
-changed control flow sent astray, a layer skipped this step, a chunk kept
-from forward with ``reshard_after_forward=False``) is released, not
-reduced: reducing it would give its parameters zero gradients, and the
-optimizer would step them (weight decay, moments decaying), where
-single-process training leaves a parameter without a gradient alone. Its
-chunk is then skipped like one that was never gathered. The ranks must
-take the same control flow (as with DDP without ``find_unused_parameters``):
-whether a chunk is reduced is decided by each rank from its own gradients.
+In single-process training a parameter that got no gradient in a step
+keeps ``.grad`` None and the optimizer leaves it alone. Reducing it as a
+zero gradient would not be the same: Adam would still move it (weight
+decay, and moments decaying into a non-zero update). So the end-of-backward
+callback never reduces a chunk none of whose parameters got a gradient,
+even a gathered one (a prefetch that a changed control flow sent astray, a
+module that ran or returned early without its parameters reaching the
+loss, a chunk kept from forward with ``reshard_after_forward=False``): it
+releases it, and the chunk is skipped like one never gathered. A chunk
+some of whose parameters got one is reduced, and the manager tells it
+which (``note_gradients``): the others' exposed ``.grad`` stays None, over
+accumulated micro-batches too, so the optimizer skips them. Every rank
+must take the same control flow (skip the same layers), since each rank
+decides from its own gradients.
 
 [Note: units]
 ``units=[(module, params), ...]`` packs each unit's parameters into one
@@ -304,7 +308,7 @@ class ChunkManager:
 
     def _init_driving(self) -> None:
         self._hooks: list[Any] = []
-        self._arrived: dict[Chunk, int] = {}
+        self._arrived: dict[Chunk, set[nn.Parameter]] = {}
         self._callback_queued = False
         self._in_backward: set[nn.Module] = set()
         self._module_names = {m: n for n, m in self.module.named_modules()}
@@ -500,8 +504,9 @@ class ChunkManager:
 
     def _on_grad(self, param: torch.Tensor) -> None:
         chunk = self._where[param]  # type: ignore[index]
-        self._arrived[chunk] = self._arrived.get(chunk, 0) + 1
-        if self._arrived[chunk] == len(chunk.slots):
+        arrived = self._arrived.setdefault(chunk, set())
+        arrived.add(param)  # type: ignore[arg-type]
+        if len(arrived) == len(chunk.slots):
             self._reduce(chunk)
 
     def _reduce(self, chunk: Chunk) -> None:
@@ -511,6 +516,7 @@ class ChunkManager:
         self._make_room([chunk], None, chunk.reduce_bytes)
         chunk.gather()  # a no-op unless the chunk was evicted meanwhile
         chunk.done("backward")
+        chunk.note_gradients(self._arrived.get(chunk, set()))
         chunk.reduce_scatter_grads(async_op=True)
         chunk.release()
         self._arrived.pop(chunk, None)
@@ -531,14 +537,10 @@ class ChunkManager:
             if chunk in self._arrived:
                 self._reduce(chunk)
             elif chunk.state is not ChunkState.FREE:
-                idle = chunk.users == 0 and chunk.state in (
-                    ChunkState.HOLD,
-                    ChunkState.HOLD_AFTER_FWD,
-                )
-                if idle:  # no gradient this step [Note: a chunk without gradients]
-                    chunk.release()
-                else:
-                    self._reduce(chunk)
+                # No gradient this step [Note: a chunk without gradients]:
+                # whatever used it is over (backward has ended).
+                chunk.abandon()
+                chunk.release()
         self._finish_reductions(0)
         self._reduced.clear()
         self._arrived = {}
