@@ -6,6 +6,8 @@ refuses."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -160,7 +162,6 @@ class _Swapping(nn.Module):
 
 
 def check_changing_order(kind: str) -> None:
-    rank, world = dist.get_rank(), dist.get_world_size()
     reference, model = _Swapping(), _Swapping()
     wrapped: ShardedModule
     if kind == "gemini":
@@ -170,11 +171,28 @@ def check_changing_order(kind: str) -> None:
             model, auto_wrap_policy=transformer_auto_wrap_policy({nn.Linear}), step_in_backward=True
         )
     assert len(wrapped.chunks) >= 3
+
+    def flip(step: int) -> None:
+        reference.flip = model.flip = step % 3 == 1
+
+    _train_against_reference(reference, model, wrapped, 8, flip)
+
+
+def _train_against_reference(
+    reference: nn.Module,
+    model: nn.Module,
+    wrapped: ShardedModule,
+    steps: int,
+    before_step: Callable[[int], None],
+) -> None:
+    """AdamW on both, the global batch of 8 split over the ranks; losses and
+    every parameter compared after each step."""
+    rank, world = dist.get_rank(), dist.get_world_size()
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR)
     opt = GeminiOptimizer(torch.optim.AdamW(wrapped.parameters(), lr=LR), wrapped)
     gen = torch.Generator().manual_seed(0)
-    for step in range(8):
-        reference.flip = model.flip = step % 3 == 1
+    for step in range(steps):
+        before_step(step)
         x, y = torch.randn(8, 64, generator=gen), torch.randn(8, 4, generator=gen)
         ref_loss = (reference(x) - y).square().mean()
         ref_loss.backward()
@@ -184,11 +202,14 @@ def check_changing_order(kind: str) -> None:
         loss = (wrapped(x[mine]) - y[mine]).square().mean()
         opt.backward(loss)
         opt.step()
+        opt.zero_grad()
         dist.all_reduce(mean := loss.detach().clone())
         torch.testing.assert_close(mean / world, ref_loss.detach(), rtol=1e-5, atol=1e-6)
-    with wrapped.summon_full_params():
-        for (n, p), q in zip(reference.named_parameters(), model.parameters(), strict=True):
-            torch.testing.assert_close(q.detach(), p.detach(), rtol=1e-5, atol=1e-6, msg=n)
+        with wrapped.summon_full_params():
+            for (n, p), q in zip(reference.named_parameters(), model.parameters(), strict=True):
+                torch.testing.assert_close(
+                    q.detach(), p.detach(), rtol=1e-5, atol=1e-6, msg=f"step {step}: {n}"
+                )
 
 
 def test_step_in_backward_when_the_order_changes() -> None:
@@ -242,7 +263,6 @@ def check_skipped_layer(
     does get gradients (``packed``)."""
     if kind == "gemini" and not reshard:
         return  # Gemini has no reshard_after_forward
-    rank, world = dist.get_rank(), dist.get_world_size()
     reference, model = _Skipping(), _Skipping()
     wrapped: ShardedModule
     if kind == "gemini":
@@ -256,28 +276,11 @@ def check_skipped_layer(
             forward_prefetch=prefetch,
             reshard_after_forward=reshard,
         )
-    ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR)
-    opt = GeminiOptimizer(torch.optim.AdamW(wrapped.parameters(), lr=LR), wrapped)
-    gen = torch.Generator().manual_seed(0)
-    for step in range(9):
+
+    def choose(step: int) -> None:
         reference.use_c = model.use_c = ("use", "skip", "discard", "bypass")[step % 4]
-        x, y = torch.randn(8, 64, generator=gen), torch.randn(8, 4, generator=gen)
-        ref_loss = (reference(x) - y).square().mean()
-        ref_loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        mine = slice(rank * 8 // world, (rank + 1) * 8 // world)
-        loss = (wrapped(x[mine]) - y[mine]).square().mean()
-        opt.backward(loss)
-        opt.step()
-        opt.zero_grad()
-        dist.all_reduce(mean := loss.detach().clone())
-        torch.testing.assert_close(mean / world, ref_loss.detach(), rtol=1e-5, atol=1e-6)
-        with wrapped.summon_full_params():
-            for (n, p), q in zip(reference.named_parameters(), model.parameters(), strict=True):
-                torch.testing.assert_close(
-                    q.detach(), p.detach(), rtol=1e-5, atol=1e-6, msg=f"step {step}: {n}"
-                )
+
+    _train_against_reference(reference, model, wrapped, 9, choose)
 
 
 def test_a_skipped_layer_is_not_stepped() -> None:
