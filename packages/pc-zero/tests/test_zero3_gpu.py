@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from zero3_models import chunk_size_for
 
 from pc_chunk import Chunk
 from pc_comm.testing import run_subtests
@@ -78,15 +79,12 @@ def check_offloaded_zero3_on_cuda(kind: str, prefetch: bool) -> None:
     model = _model()
     wrapped: nn.Module
     if kind.startswith("gemini"):
-        sizes = [p.numel() for p in model.parameters()]
-        quantum = 64 * world
-        size = -(-max(max(sizes), sum(sizes) // 6) // quantum) * quantum
         wrapped = GeminiDDP(
             model.cuda(),
             device="cuda",
             placement_policy="static",
             offload_param_frac=0.5,
-            chunk_size=size,
+            chunk_size=chunk_size_for(model, 6),
             prefetch=prefetch,
             step_in_backward=kind == "gemini-step-in-backward",
         )
@@ -148,19 +146,14 @@ def test_offloaded_zero3_matches_single_process_on_cuda(world_size: int) -> None
     )
 
 
-def _offloaded(
-    kind: str, device: str, dtype: torch.dtype, in_backward: bool, world: int
-) -> ShardedModule:
+def _offloaded(kind: str, device: str, dtype: torch.dtype, in_backward: bool) -> ShardedModule:
     model = _model()
     if kind == "gemini":
-        sizes = [p.numel() for p in model.parameters()]
-        quantum = 64 * world
-        size = -(-max(max(sizes), sum(sizes) // 6) // quantum) * quantum
         return GeminiDDP(
             model,
             device=device,
             offload_param_frac=0.5,
-            chunk_size=size,
+            chunk_size=chunk_size_for(model, 6),
             mixed_precision=dtype,
             step_in_backward=in_backward,
         )
@@ -196,7 +189,7 @@ def check_in_backward_matches_after_backward(kind: str, dtype: torch.dtype, devi
     try:
         runs = []
         for in_backward in (False, True):
-            wrapped = _offloaded(kind, device, dtype, in_backward, world)
+            wrapped = _offloaded(kind, device, dtype, in_backward)
             opt = GeminiOptimizer(
                 HybridAdam(wrapped.parameters(), lr=ADAM_LR, weight_decay=0.01), wrapped
             )

@@ -443,8 +443,8 @@ def recommend(
     def host_share(base: Estimate) -> float:
         return min(1.0, math.ceil(20 * (1 - spare / base.model_state_bytes)) / 20)
 
-    use_in_bwd = step_in_backward and in_bwd is not None
-    base = in_bwd if use_in_bwd and in_bwd is not None else gemini
+    base = in_bwd if step_in_backward and in_bwd is not None else gemini
+    use_in_bwd = base is in_bwd
     frac = host_share(base)
     options = PluginOptions(PluginKind.GEMINI, offload_frac=frac, step_in_backward=use_in_bwd)
     offloaded = estimate(shape, options, world, micro_batch, seq_len, precision, device)
@@ -550,10 +550,9 @@ def main(argv: Sequence[str] | None = None) -> None:
             else:
                 print(_table([result]))
             return
-        if args.step_in_backward and args.precision == "fp16":
-            raise ValueError(
-                "--step-in-backward steps each chunk before the others' gradients exist, so an "
-                "fp16 overflow could not skip the step; use --precision bf16 or fp32."
+        if args.step_in_backward:  # the plugin's own refusals (fp16)
+            PluginOptions(PluginKind.GEMINI, step_in_backward=True).check(
+                args.world, args.precision
             )
         choice = recommend(
             shape,

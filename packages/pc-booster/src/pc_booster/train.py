@@ -125,6 +125,7 @@ def prepare(
     resolve ``--plugin auto``. Raises ValueError with the fix. ``fork_safe``:
     the caller forks its workers afterwards (see :func:`_start_method`)."""
     from pc_booster.estimate import DeviceInfo, model_shape, recommend
+    from pc_booster.options import PluginKind, PluginOptions
 
     spec = resolve_model(config.model, config.seq_len)
     if config.corpus is not None and not Path(config.corpus).exists():
@@ -145,13 +146,10 @@ def prepare(
         dp_batch = config.global_batch_size // max(1, world)
         micro = max(1, dp_batch // config.accumulation)
         device = DeviceInfo.detect(config.nproc, config.precision, fork_safe=fork_safe)
+        if config.step_in_backward:  # the plugin's own refusals (fp16)
+            PluginOptions(PluginKind.GEMINI, step_in_backward=True).check(world, config.precision)
         # Stepping in backward is chosen only where it changes nothing the
-        # user asked for: no clipping, no accumulation (fp16 is excluded there).
-        if config.step_in_backward and config.precision == "fp16":
-            raise ValueError(
-                "--step-in-backward steps each chunk before the others' gradients exist, so an "
-                "fp16 overflow could not skip the step; use --precision bf16 or fp32."
-            )
+        # user asked for: no clipping, no accumulation (recommend excludes fp16).
         in_bwd = config.step_in_backward or (config.clip_norm == 0 and config.accumulation == 1)
         choice = recommend(
             model_shape(spec),

@@ -167,11 +167,11 @@ class Chunk:
         self._host_grad: torch.Tensor | None = None  # [Note: host buffers]
         self.keep_host_grad = True  # [Note: host buffers]
         self._grads_set_aside = False  # [Note: exposed shards]
-        # Slots whose parameter got a gradient since the last clear_grad
+        # The parameters that got a gradient since the last clear_grad
         # (None: all of them); the next reduction's, until it finishes.
         # [Note: a chunk without gradients] in pc_chunk.manager.
-        self._grad_slots: set[nn.Parameter] | None = None
-        self._incoming_slots: set[nn.Parameter] | None = None
+        self._grad_params: set[nn.Parameter] | None = None
+        self._incoming_params: set[nn.Parameter] | None = None
         self._params_on_payload = True  # parameters view the payload (not the shard)
         self.gathers = 0  # all-gathers issued, for tests and statistics
         # A reduce-scatter in flight: (handle, input, output, reserved bytes).
@@ -314,7 +314,7 @@ class Chunk:
             elif self.expose_shard and self.shard is not None:
                 slot.param.data = self._shard_part(slot, self.shard)
                 if self.grad_shard is not None:
-                    got = self._grad_slots is None or slot.param in self._grad_slots
+                    got = self._grad_params is None or slot.param in self._grad_params
                     slot.param.grad = self._shard_part(slot, self.grad_shard) if got else None
             else:
                 slot.param.data = _empty(self.dtype, self.device)
@@ -339,9 +339,9 @@ class Chunk:
             return
         for slot in dropped:
             self._shard_part(slot, self.grad_shard).zero_()
-        if self._grad_slots is None:
-            self._grad_slots = {slot.param for slot in self.slots}
-        self._grad_slots -= {slot.param for slot in dropped}
+        if self._grad_params is None:
+            self._grad_params = {slot.param for slot in self.slots}
+        self._grad_params -= {slot.param for slot in dropped}
 
     def _shard_for_compute(self) -> torch.Tensor:
         assert self.shard is not None
@@ -441,7 +441,7 @@ class Chunk:
         The others' exposed ``.grad`` stays None, so an optimizer skips them
         as it would in single-process training [Note: a chunk without
         gradients]. Without this call every parameter counts as having one."""
-        self._incoming_slots = {slot.param for slot in self.slots if slot.param in params}
+        self._incoming_params = set(params)
 
     def abandon(self) -> None:
         """End every use of a gathered chunk that produced no gradient (a
@@ -603,13 +603,13 @@ class Chunk:
         self._free(flat_bytes, "gradient buffer")
         grad_shard = out if out.dtype == torch.float32 else out.float()
         accumulate = self.expose_shard and self.grad_shard is not None
-        incoming, self._incoming_slots = self._incoming_slots, None
+        incoming, self._incoming_params = self._incoming_params, None
         if not accumulate:
-            self._grad_slots = incoming
-        elif self._grad_slots is not None and incoming is not None:
-            self._grad_slots |= incoming
+            self._grad_params = incoming
+        elif self._grad_params is not None and incoming is not None:
+            self._grad_params |= incoming
         else:
-            self._grad_slots = None  # every parameter has one
+            self._grad_params = None  # every parameter has one
         if not self.shard_on_device:
             if accumulate or not self.keep_host_grad:
                 grad_shard = self._to_host_scratch(grad_shard)
@@ -640,7 +640,7 @@ class Chunk:
             self._free(self.grad_shard.numel() * 4, "grad shard")
         self._drop(self.grad_shard)
         self.grad_shard = None
-        self._grad_slots = None
+        self._grad_params = None
 
     def set_shard(self, values: torch.Tensor) -> None:
         """Write updated master values (this rank's shard) into the chunk,
