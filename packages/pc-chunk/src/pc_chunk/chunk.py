@@ -441,7 +441,8 @@ class Chunk:
         The others' exposed ``.grad`` stays None, so an optimizer skips them
         as it would in single-process training [Note: a chunk without
         gradients]. Without this call every parameter counts as having one."""
-        self._incoming_params = set(params)
+        # All of them (the usual case) is None, as in _grad_params.
+        self._incoming_params = None if len(params) == len(self.slots) else set(params)
 
     def abandon(self) -> None:
         """End every use of a gathered chunk that produced no gradient (a
