@@ -8,10 +8,17 @@ PC_CONSTRAINTS=<file> to use other pins, or PC_CONSTRAINTS= (empty) for none.
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
+import sys
 from pathlib import Path
 
 import nox
+import nox.command
+import nox.project
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 ROOT = Path(__file__).parent
 # Bottom layer first: the order tests run and packages install in.
@@ -70,6 +77,10 @@ def tests(session: nox.Session) -> None:
     """Run the tests of every package and the integration tests, or of the
     packages named after `--` (e.g. `nox -s tests -- pc-comm`)."""
     targets, pytest_args = _split_targets(session)
+    # Queued now, so it runs after this session even when a test fails.
+    packages = [target for target in targets if target != INTEGRATION]
+    if packages:
+        session.notify("install_alone", posargs=packages)
     _install_workspace(session, *TEST_DEPS)
     for target in targets:
         path = "integration_tests" if target == INTEGRATION else f"packages/{target}/tests"
@@ -81,6 +92,166 @@ def tests(session: nox.Session) -> None:
             "python", "-m", "pytest", path, "-m", "not gpu", "--durations=8", *pytest_args,
             success_codes=[0, 5],
         )  # fmt: skip
+
+
+# Run by each fresh environment of `install_alone` (written to a file there):
+# import the package and read every name of its __all__. Arguments:
+# distribution, module.
+_IMPORT_PUBLIC_NAMES = r"""
+import importlib, sys, traceback
+distribution, module_name = sys.argv[1:]
+alone = f"{distribution}, installed alone with the pc packages it declares"
+fix = f"declare what it imports in packages/{distribution}/pyproject.toml, or stop importing it"
+try:
+    module = importlib.import_module(module_name)
+except Exception as error:
+    traceback.print_exc()
+    sys.exit(f"{alone}: `import {module_name}` fails with {error!r}. Fix: {fix}.")
+if not module.__file__.startswith(sys.prefix):
+    sys.exit(f"{alone}: {module_name} comes from {module.__file__}, not the fresh environment.")
+failed = []
+for name in module.__all__:
+    try:
+        getattr(module, name)
+    except Exception as error:
+        traceback.print_exc()
+        failed.append(f"{module_name}.{name}: {error!r}")
+if failed:
+    listed = "\n  ".join(failed)
+    sys.exit(f"{alone}: names of __all__ fail (if an import, {fix}):\n  {listed}")
+print(f"{alone}: all {len(module.__all__)} names of {module_name}.__all__ import.")
+"""
+
+
+def _declared(package: str) -> list[Requirement]:
+    """The `[project] dependencies` of packages/<package>/pyproject.toml."""
+    pyproject = nox.project.load_toml(ROOT / "packages" / package / "pyproject.toml")
+    return [Requirement(line) for line in pyproject["project"].get("dependencies", [])]
+
+
+def _with_pc_dependencies(session: nox.Session, package: str) -> list[str]:
+    """``package`` and the pc packages it declares, transitively, in PACKAGES order."""
+    found: set[str] = set()
+    pending = [package]
+    while pending:
+        name = pending.pop()
+        if name in found:
+            continue
+        found.add(name)
+        for requirement in _declared(name):
+            dependency = canonicalize_name(requirement.name)
+            if not dependency.startswith("pc-"):
+                continue
+            if dependency not in PACKAGES:
+                session.error(
+                    f"{name} declares {requirement}, but {dependency} is not a package "
+                    f"of this repository; expected one of {PACKAGES}"
+                )
+            pending.append(dependency)
+    return [name for name in PACKAGES if name in found]
+
+
+def _third_party_site(session: nox.Session) -> Path:
+    """One directory holding the third-party requirements of every package
+    (torch, pinned by the constraints, and what torch needs), installed once
+    and reused while the requirements, pins and Python stay the same."""
+    requirements = sorted(
+        {str(r) for p in PACKAGES for r in _declared(p) if not r.name.startswith("pc-")}
+    )
+    constraints = _constraints(session)
+    stamp = json.dumps(
+        {
+            "requirements": requirements,
+            "constraints": Path(constraints[1]).read_text() if constraints else "",
+            "python": sys.version,
+        }
+    )
+    site = (session.cache_dir / "install-alone-site").resolve()
+    stamp_file = site / "pc-install-alone.json"
+    if stamp_file.is_file() and stamp_file.read_text() == stamp:
+        session.log(f"third-party requirements {requirements} already in {site}")
+        return site
+    # Installed beside the old one and swapped in, so that `-R` (which skips
+    # installs) keeps the old directory rather than none.
+    fresh = site.with_name(site.name + ".new")
+    shutil.rmtree(fresh, ignore_errors=True)
+    installed = session.run_install(
+        "python", "-m", "pip", "install", "--quiet", "--target", str(fresh),
+        *constraints, *requirements,
+    )  # fmt: skip
+    if installed is None:
+        session.warn(f"{site} is out of date and -R/--no-install skipped its install")
+        return site
+    shutil.rmtree(site, ignore_errors=True)
+    fresh.rename(site)
+    stamp_file.write_text(stamp)
+    return site
+
+
+@nox.session
+def install_alone(session: nox.Session) -> None:
+    """Install each package alone, with only the pc packages it declares
+    (transitively), into a fresh environment, and import every name of its
+    `__all__`: an undeclared or missing internal dependency fails here. Run
+    by `tests`; `nox -s install_alone -- pc-zero` checks one package.
+
+    Fast by design: the pc packages are built into wheels once and installed
+    with `--no-index`, so pip finds no pc package but those passed to it, and
+    torch is installed once into a shared directory that each environment
+    sees through a .pth file (not in 7 copies, ~20 s each)."""
+    targets, _ = _split_targets(session)
+    packages = [target for target in targets if target != INTEGRATION]
+    closures = {package: _with_pc_dependencies(session, package) for package in packages}
+    needed = [p for p in PACKAGES if any(p in closure for closure in closures.values())]
+    session.install("hatchling>=1.24")
+    site = _third_party_site(session)
+    tmp = Path(session.create_tmp()).resolve()
+    wheelhouse = tmp / "wheels"
+    shutil.rmtree(wheelhouse, ignore_errors=True)
+    built = session.run(
+        "python", "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
+        "--wheel-dir", str(wheelhouse), *(str(ROOT / "packages" / p) for p in needed),
+    )  # fmt: skip
+    if built is None:  # --install-only: the rest is the check, not an install
+        return
+    wheels = {p: next(wheelhouse.glob(p.replace("-", "_") + "-*.whl")) for p in needed}
+    check = tmp / "import_public_names.py"
+    check.write_text(_IMPORT_PUBLIC_NAMES)
+    failed: list[str] = []
+    for package, installed in closures.items():
+        session.log(f"--- {package} alone, with {installed[:-1] or 'no pc package'}")
+        env = tmp / "envs" / package
+        shutil.rmtree(env, ignore_errors=True)
+        session.run("python", "-m", "venv", "--without-pip", str(env))
+        python = str(env / ("Scripts" if os.name == "nt" else "bin") / "python")
+        purelib = session.run(
+            python, "-I", "-c", "import sysconfig; print(sysconfig.get_path('purelib'))",
+            silent=True, external=True,
+        )  # fmt: skip
+        if not isinstance(purelib, str):
+            raise AssertionError(f"expected the site-packages path of {python}, got {purelib!r}")
+        # torch and its requirements, shared by every environment of this check.
+        (Path(purelib.strip()) / "_pc_third_party.pth").write_text(f"{site}\n")
+        try:
+            # --no-index: pip may take pc packages only from the wheels named
+            # here, so a declared pc dependency that is missing, or out of its
+            # range, fails the install.
+            session.run(
+                "python", "-m", "pip", "--python", python, "install", "--no-index",
+                *(str(wheels[name]) for name in installed),
+            )  # fmt: skip
+            session.run(
+                python, "-I", "-W", "ignore:Failed to initialize NumPy",
+                str(check), package, package.replace("-", "_"),
+                external=True,
+            )  # fmt: skip
+        except nox.command.CommandFailed:
+            failed.append(package)
+    if failed:
+        session.error(
+            f"{failed} fail when installed alone with the pc packages they declare; "
+            "see each one's log above."
+        )
 
 
 @nox.session

@@ -82,11 +82,46 @@ def test_gather_release_reduce_scatter_match_torch(world_size: int) -> None:
 
 def test_misuse_is_refused() -> None:
     chunk = Chunk(8, torch.float32)
-    with pytest.raises(ValueError, match=r"holds torch\.float32"):
-        chunk.append(nn.Parameter(torch.ones(2, dtype=torch.bfloat16)))
+    with pytest.raises(ValueError, match=r"holds torch\.float32; the parameter is torch\.float64"):
+        chunk.append(nn.Parameter(torch.ones(2, dtype=torch.float64)))  # would be rounded
+    with pytest.raises(ValueError, match=r"holds torch\.bfloat16; the parameter is torch\.float16"):
+        Chunk(8, torch.bfloat16).append(nn.Parameter(torch.ones(2, dtype=torch.float16)))
+    with pytest.raises(ValueError, match="an exposed shard is an fp32 master"):
+        Chunk(8, torch.bfloat16, shard_dtype=torch.bfloat16, expose_shard=True)
     with pytest.raises(ValueError, match="has 8 free elements; the parameter needs 9"):
         chunk.append(nn.Parameter(torch.ones(9)))
     with pytest.raises(ChunkStateError, match=r"gather\(\) before close"):
         chunk.gather()
     with pytest.raises(ValueError, match="multiple of the world size"):
         Chunk(0, torch.float32)
+
+
+def test_exposed_shards_are_fp32_masters_of_a_bf16_built_parameter() -> None:
+    """[Note: exposed shards]: a bf16 (or fp16) parameter is upcast exactly
+    into the fp32 master shard; the payload is in the compute dtype, and the
+    exposed gradient matches the master's dtype."""
+    built = [p.detach().clone() for p in _params(torch.bfloat16, seed=0)]
+    half = nn.Parameter(torch.randn(5, generator=torch.Generator().manual_seed(1)).half())
+    params = [nn.Parameter(b.clone()) for b in built] + [half]
+    expected = [b.float() for b in built] + [half.detach().float()]
+    chunk = Chunk(40, torch.bfloat16, expose_shard=True, name="c")
+    assert chunk.shard_dtype == torch.float32
+    for p in params:
+        chunk.append(p)
+    chunk.close(release=True)
+    assert chunk.shard is not None
+    assert chunk.shard.dtype == torch.float32
+    for p, want in zip(params, expected, strict=True):  # released: each views its master
+        assert p.dtype == torch.float32
+        assert torch.equal(p.detach(), want.reshape(-1))
+    chunk.access()
+    assert chunk.payload is not None
+    assert chunk.payload.dtype == torch.bfloat16
+    for p in params:
+        p.grad = torch.ones_like(p)
+    chunk.done("backward")
+    chunk.reduce_scatter_grads()
+    chunk.release()
+    for p in params:
+        assert p.grad is not None
+        assert p.grad.dtype == p.dtype == torch.float32

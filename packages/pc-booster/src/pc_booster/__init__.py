@@ -12,13 +12,21 @@ from pc_booster.data import load_byte_corpus
 from pc_booster.estimate import estimate, recommend
 from pc_booster.plugin import Plugin, SupportsNoSync, SupportsPipeline
 from pc_booster.plugins import (
+    DDPOptions,
     DDPPlugin,
+    GeminiOptions,
     GeminiPlugin,
+    HybridParallelOptions,
     HybridParallelPlugin,
+    LowLevelZeroOptions,
     LowLevelZeroPlugin,
+    ParallelLayout,
+    TorchDDPOptions,
     TorchDDPPlugin,
+    TorchFSDPOptions,
     TorchFSDPPlugin,
 )
+from pc_booster.rules import PluginConfig, RunSetting, TrainPrecision
 from pc_booster.train_config import TrainConfig
 
 
@@ -34,16 +42,26 @@ def __getattr__(name: str) -> object:
 
 __all__ = [
     "Booster",
+    "DDPOptions",
     "DDPPlugin",
+    "GeminiOptions",
     "GeminiPlugin",
+    "HybridParallelOptions",
     "HybridParallelPlugin",
+    "LowLevelZeroOptions",
     "LowLevelZeroPlugin",
+    "ParallelLayout",
     "Plugin",
+    "PluginConfig",
+    "RunSetting",
     "SupportsNoSync",
     "SupportsPipeline",
+    "TorchDDPOptions",
     "TorchDDPPlugin",
+    "TorchFSDPOptions",
     "TorchFSDPPlugin",
     "TrainConfig",
+    "TrainPrecision",
     "estimate",
     "load_byte_corpus",
     "recommend",

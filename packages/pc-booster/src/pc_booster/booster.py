@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pc_booster.plugin import Plugin, Precision, SupportsNoSync, SupportsPipeline
+from pc_booster.rules import TrainPrecision
 
 __all__ = ["Booster"]
 
@@ -96,15 +97,17 @@ class Booster:
     The default plugin is :class:`~pc_booster.TorchDDPPlugin`.
     ``mixed_precision`` is implemented by the plugin: ZeRO and Gemini keep
     fp32 masters (fp16 with a dynamic loss scale), FSDP casts parameters in
-    forward; a plugin that cannot do the asked precision says so.
+    forward; a plugin that cannot do the asked precision refuses it here.
+    Left None, a run trains in the dtype its model was built in
+    (``pc_booster.rules``' [Note: model dtype]).
     """
 
     def __init__(
         self, plugin: Plugin | None = None, mixed_precision: Precision | str = None
     ) -> None:
-        if mixed_precision not in (None, "fp16", "bf16"):
+        if mixed_precision not in (None, "fp32", "fp16", "bf16"):
             raise ValueError(
-                f"mixed_precision must be 'fp16', 'bf16' or None, got {mixed_precision!r}."
+                f"mixed_precision must be 'fp16', 'bf16', 'fp32' or None, got {mixed_precision!r}."
             )
         if plugin is None:
             from pc_booster.plugins import TorchDDPPlugin
@@ -112,8 +115,10 @@ class Booster:
             plugin = TorchDDPPlugin()
         if not isinstance(plugin, Plugin):
             raise TypeError(f"plugin must be a pc_booster Plugin, got {type(plugin).__name__}.")
+        if mixed_precision is not None:  # the plugin's rules, at construction
+            plugin.validate_later(precision=TrainPrecision.parse(mixed_precision))
         self.plugin = plugin
-        self.mixed_precision: Precision = mixed_precision
+        self.mixed_precision: Precision | str = mixed_precision
 
     # -- training --------------------------------------------------------------
 

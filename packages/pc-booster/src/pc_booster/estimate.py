@@ -43,6 +43,7 @@ from torch import nn
 
 from pc_booster.models import MODEL_PRESETS, ModelSpec, build_model, resolve_model
 from pc_booster.options import PRECISIONS, PluginKind, PluginOptions
+from pc_booster.rules import TrainPrecision
 
 __all__ = [
     "DeviceInfo",
@@ -278,40 +279,21 @@ def estimate(
     device = device or DeviceInfo.detect(world, precision)
     psi = shape.per_rank(options)
     n = options.dp_size(world)
-    mixed = precision != "fp32"
-    p = 2 if mixed else 4
-    kind = options.kind
-    stage = {PluginKind.ZERO1: 1, PluginKind.ZERO2: 2}.get(kind, 0)
-    if kind is PluginKind.HYBRID:
-        stage = options.zero_stage
-    g, m = p, 4 if mixed or options.cpu_offload else 0
-    if kind is PluginKind.FSDP:
-        params, grads, master, states = 4 * psi / n, 4 * psi / n, 0.0, 8 * psi / n
-    elif kind is PluginKind.GEMINI:
-        params, grads, master, states = p * psi / n, g * psi / n, m * psi / n, 8 * psi / n
-        if options.step_in_backward:
-            # The fp32 shard is parameter and master (the compute-dtype copy
-            # exists only while gathered); no gradient shard is kept.
-            params, grads, master = 4 * psi / n, 0.0, 0.0
-    elif stage == 1:  # the full gradient buffer, and (reduced in backward) its piece
-        piece = g * psi / n if options.pp == 1 else 0.0  # pipelines reduce at the step
-        params, grads, master, states = p * psi, g * psi + piece, m * psi / n, 8 * psi / n
-    elif stage == 2:
-        params, grads, master, states = p * psi, g * psi / n, m * psi / n, 8 * psi / n
-    else:
-        params, grads, master, states = p * psi, g * psi, m * psi, 8.0 * psi
-    host = 0.0
-    if kind is PluginKind.GEMINI and options.offload_frac:
-        host = options.offload_frac * (params + grads + master + states)
-    if options.cpu_offload:
-        host = master + states
+    p = 2 if precision != "fp32" else 4
+    g = p
+    plugin = options.config()
+    # The plugin states its own memory model.
+    states = plugin.model_states(psi, n, TrainPrecision.parse(precision))
+    params, grads = states.parameters, states.gradients
+    master, host = states.masters, states.host
+    states_bytes = states.optimizer
     activations = _activation_bytes(shape, options, micro_batch, seq_len, precision)
     pipeline_batches = options.microbatches or options.pp if options.pp > 1 else 1
     tokens = micro_batch * seq_len * n * pipeline_batches
     flops = (6 * shape.params + 12 * shape.layers * shape.hidden * seq_len) * tokens
     compute = flops / world / (device.peak_flops * device.efficiency)
     comm_bytes = 2 * (n - 1) / n * psi * g
-    if kind in (PluginKind.FSDP, PluginKind.GEMINI):
+    if plugin.gathers_parameters:  # all-gather in forward and backward, reduce-scatter
         comm_bytes = 3 * (n - 1) / n * psi * p
     tp_bytes = 0.0
     if options.tp > 1:
@@ -323,7 +305,7 @@ def estimate(
     if options.pp > 1:
         chunks = options.microbatches or options.pp
         seconds *= 1 + (options.pp - 1) / chunks  # 1F1B's bubble
-    device_bytes = params + grads + master + states - host + activations
+    device_bytes = params + grads + master + states_bytes - host + activations
     return Estimate(
         plugin=options.describe(),
         world=world,
@@ -332,7 +314,7 @@ def estimate(
         parameter_bytes=int(params),
         gradient_bytes=int(grads),
         master_bytes=int(master),
-        optimizer_bytes=int(states),
+        optimizer_bytes=int(states_bytes),
         host_bytes=int(host),
         activation_bytes=activations,
         flops_per_step=float(flops),
@@ -541,7 +523,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             )
             if args.step_in_backward:
                 options = replace(options, step_in_backward=True)
-            options.check(args.world, args.precision, shape.layers)
+            options.check(args.world, args.precision, shape.layers, heads=shape.heads)
             result = estimate(
                 shape, options, args.world, args.micro_batch, args.seq_len, args.precision, device
             )

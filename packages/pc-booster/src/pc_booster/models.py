@@ -72,6 +72,11 @@ class ModelSpec:
     def layers(self) -> int:
         return int(getattr(self.config, "num_hidden_layers", getattr(self.config, "n_layer", 0)))
 
+    @property
+    def heads(self) -> int | None:
+        value = getattr(self.config, "num_attention_heads", getattr(self.config, "n_head", None))
+        return int(value) if value is not None else None
+
 
 def _transformers() -> Any:
     try:

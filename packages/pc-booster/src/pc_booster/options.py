@@ -1,6 +1,8 @@
-"""The plugin choice of ``pc-train`` and ``pc-estimate``: a name and its
-options, validated against a world size before any process starts, and
-turned into a :class:`~pc_booster.Plugin`."""
+"""The plugin choice of ``pc-train`` and ``pc-estimate``: a name and the
+command-line options, mapped onto one plugin's options dataclass
+(:meth:`PluginOptions.config`), whose rules decide what is accepted
+[Note: one place for every rule]. What this module checks itself is only
+which flags belong to which plugin."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ from enum import Enum
 from typing import Any
 
 from pc_booster.plugin import Plugin
+from pc_booster.rules import PluginConfig, RunSetting, TrainPrecision
 
 __all__ = ["PLUGIN_NAMES", "PluginKind", "PluginOptions"]
 
@@ -23,17 +26,7 @@ class PluginKind(Enum):
 
 
 PLUGIN_NAMES = ("auto", *(kind.value for kind in PluginKind))
-PRECISIONS = ("fp32", "bf16", "fp16")
-
-# What each plugin accepts: (plugin, precision) pairs the plugins refuse.
-_PRECISIONS: dict[PluginKind, tuple[str, ...]] = {
-    PluginKind.DDP: ("fp32",),
-    PluginKind.FSDP: ("fp32", "bf16"),
-    PluginKind.ZERO1: PRECISIONS,
-    PluginKind.ZERO2: PRECISIONS,
-    PluginKind.GEMINI: PRECISIONS,
-    PluginKind.HYBRID: PRECISIONS,  # with zero_stage >= 1; fp32 only with 0
-}
+PRECISIONS = tuple(p.value for p in TrainPrecision)
 
 
 @dataclass(frozen=True)
@@ -94,8 +87,40 @@ class PluginOptions:
     def dp_size(self, world: int) -> int:
         return world // self.model_parallel
 
-    def check(self, world: int, precision: str, layers: int | None = None) -> None:
-        """Raise ValueError for options that do not fit ``world`` ranks."""
+    def config(self, max_norm: float = 0.0, timeout: float = 300.0) -> PluginConfig:
+        """The plugin's own options dataclass for these flags.
+        ``max_norm``: clipping (every plugin clips itself); ``timeout``:
+        seconds a pipeline stage waits for its neighbour."""
+        from pc_booster import plugins
+
+        kind = self.kind
+        if kind is PluginKind.DDP:
+            return plugins.DDPOptions(max_norm=max_norm)
+        if kind is PluginKind.FSDP:
+            return plugins.TorchFSDPOptions(max_norm=max_norm)
+        if kind in (PluginKind.ZERO1, PluginKind.ZERO2):
+            stage = 1 if kind is PluginKind.ZERO1 else 2
+            return plugins.LowLevelZeroOptions(
+                stage=stage, cpu_offload=self.cpu_offload, max_norm=max_norm
+            )
+        if kind is PluginKind.GEMINI:
+            return plugins.GeminiOptions(
+                offload_param_frac=self.offload_frac,
+                max_norm=max_norm,
+                step_in_backward=self.step_in_backward,
+            )
+        return plugins.HybridParallelOptions(
+            tp_size=self.tp,
+            pp_size=self.pp,
+            zero_stage=self.zero_stage,
+            num_microbatches=self.microbatches,
+            enable_sequence_parallelism=self.sequence_parallel,
+            max_norm=max_norm,
+            pp_timeout=timeout,
+        )
+
+    def check_flags(self) -> None:
+        """Raise ValueError for a flag of another plugin than the one chosen."""
         for name in ("tp", "pp"):
             value = getattr(self, name)
             if value < 1:
@@ -105,36 +130,6 @@ class PluginOptions:
                 f"--tp {self.tp} / --pp {self.pp} need --plugin hybrid; {self.name} is data "
                 "parallel only."
             )
-        if world % self.model_parallel:
-            raise ValueError(
-                f"tp ({self.tp}) x pp ({self.pp}) = {self.model_parallel} does not divide the "
-                f"world size ({world}); choose sizes whose product divides the number of "
-                "processes (--nproc, or torchrun's)."
-            )
-        if precision not in PRECISIONS:
-            raise ValueError(f"--precision must be one of {PRECISIONS}, got {precision!r}.")
-        allowed = _PRECISIONS[self.kind]
-        if self.kind is PluginKind.HYBRID and self.zero_stage == 0:
-            allowed = ("fp32",)
-        if precision not in allowed:
-            raise ValueError(
-                f"{self.describe()} trains in {' / '.join(allowed)}, not {precision}; use "
-                "--precision fp32, or a ZeRO plugin (zero1, zero2, gemini) for mixed precision."
-            )
-        if self.zero_stage not in (0, 1, 2):
-            raise ValueError(f"--zero-stage must be 0, 1 or 2, got {self.zero_stage}.")
-        if self.kind is PluginKind.HYBRID and self.pp > 1:
-            if self.zero_stage == 2:
-                raise ValueError("--pp > 1 works with --zero-stage 0 or 1, not 2.")
-            if self.sequence_parallel:
-                raise ValueError("--sequence-parallel needs --pp 1.")
-            if layers is not None and layers % self.pp:
-                raise ValueError(
-                    f"the model's {layers} layers do not split into --pp {self.pp} stages; "
-                    "choose a pp that divides the number of layers."
-                )
-        if self.sequence_parallel and self.tp == 1:
-            raise ValueError("--sequence-parallel needs --tp > 1.")
         if not 0.0 <= self.offload_frac <= 1.0:
             raise ValueError(f"--offload-frac must be in [0, 1], got {self.offload_frac}.")
         if self.offload_frac and self.kind is not PluginKind.GEMINI:
@@ -143,62 +138,37 @@ class PluginOptions:
             raise ValueError("--cpu-offload is an option of --plugin zero1 / zero2.")
         if self.step_in_backward and self.kind is not PluginKind.GEMINI:
             raise ValueError("--step-in-backward is an option of --plugin gemini.")
-        if self.step_in_backward and precision == "fp16":
-            raise ValueError(
-                "--step-in-backward steps each chunk before the others' gradients exist, so an "
-                "fp16 overflow could not skip the step; use --precision bf16 or fp32."
-            )
 
-    def make(self, max_norm: float, timeout: float = 300.0) -> tuple[Plugin, float]:
-        """The plugin, and the clipping norm the training loop must apply
-        itself (plugins that clip inside their optimizer get ``max_norm``).
-        ``timeout``: seconds a pipeline stage waits for its neighbour."""
-        from pc_booster import plugins
-
-        kind = self.kind
-        if kind is PluginKind.DDP:
-            return plugins.DDPPlugin(), max_norm
-        if kind is PluginKind.FSDP:
-            return plugins.TorchFSDPPlugin(), max_norm
-        if kind in (PluginKind.ZERO1, PluginKind.ZERO2):
-            stage = 1 if kind is PluginKind.ZERO1 else 2
-            zero = plugins.LowLevelZeroPlugin(
-                stage, cpu_offload=self.cpu_offload, max_norm=max_norm
-            )
-            return zero, 0.0
-        if kind is PluginKind.GEMINI:
-            if self.step_in_backward and max_norm:
-                raise ValueError(
-                    f"--step-in-backward steps each chunk before the others' gradients exist, "
-                    f"so it cannot clip by the global norm (--clip-norm {max_norm:g}); pass "
-                    "--clip-norm 0 with it."
-                )
-            gemini = plugins.GeminiPlugin(
-                offload_param_frac=self.offload_frac,
-                max_norm=max_norm,
-                step_in_backward=self.step_in_backward,
-            )
-            return gemini, 0.0
-        if max_norm and (self.tp > 1 or self.pp > 1) and self.zero_stage == 0:
-            raise ValueError(
-                "clipping across tensor or pipeline shards is done by the ZeRO optimizer; use "
-                "--zero-stage 1 with --plugin hybrid, or --clip-norm 0."
-            )
-        if max_norm and self.pp > 1:
-            raise ValueError(
-                "gradient clipping with pipeline stages is not supported yet (each stage "
-                "would clip by its own norm); use --clip-norm 0 with --pp > 1."
-            )
-        hybrid = plugins.HybridParallelPlugin(
-            tp_size=self.tp,
-            pp_size=self.pp,
-            zero_stage=self.zero_stage,
-            num_microbatches=self.microbatches,
-            enable_sequence_parallelism=self.sequence_parallel,
-            max_norm=max_norm if self.zero_stage else 0.0,
-            pp_timeout=timeout,
+    def check(
+        self,
+        world: int,
+        precision: str,
+        layers: int | None = None,
+        *,
+        max_norm: float = 0.0,
+        accumulation: int | None = None,
+        heads: int | None = None,
+    ) -> None:
+        """Raise ValueError for options that the plugin refuses for this run
+        (the plugin's own rules) or flags that belong to another plugin."""
+        if precision not in PRECISIONS:
+            raise ValueError(f"--precision must be one of {PRECISIONS}, got {precision!r}.")
+        self.check_flags()
+        setting = RunSetting(
+            world=world,
+            precision=TrainPrecision.parse(precision),
+            accumulation=accumulation,
+            layers=layers,
+            heads=heads,
         )
-        return hybrid, 0.0 if self.zero_stage else max_norm
+        message = self.config(max_norm).refusal(setting)
+        if message is not None:
+            raise ValueError(f"{self.describe()}: {message}")
+
+    def make(self, max_norm: float, timeout: float = 300.0) -> Plugin:
+        """The plugin (which clips by ``max_norm`` itself)."""
+        self.check_flags()
+        return self.config(max_norm, timeout).build()
 
     @staticmethod
     def parse(name: str, **options: Any) -> PluginOptions:

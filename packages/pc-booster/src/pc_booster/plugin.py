@@ -20,13 +20,18 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+from pc_booster.rules import RunSetting, TrainPrecision
+
+if TYPE_CHECKING:
+    from pc_booster.rules import PluginConfig
 
 __all__ = [
     "Boosted",
@@ -56,15 +61,51 @@ class Boosted:
     module: nn.Module
 
 
+def _model_dtype(model: nn.Module) -> torch.dtype | None:
+    """The floating dtype the model's trainable parameters were built in."""
+    for param in model.parameters():
+        if param.requires_grad and param.is_floating_point():
+            return param.dtype
+    return None
+
+
+def _model_facts(model: nn.Module) -> dict[str, int]:
+    """Transformer blocks and attention heads, from a transformers config."""
+    config = getattr(model, "config", None)
+    facts = {}
+    for key, names in (
+        ("layers", ("num_hidden_layers", "n_layer")),
+        ("heads", ("num_attention_heads", "n_head")),
+    ):
+        for name in names:
+            value = getattr(config, name, None)
+            if isinstance(value, int):
+                facts[key] = value
+                break
+    return facts
+
+
 class Plugin(ABC):
-    """Base of every plugin. Subclasses implement :meth:`configure` and the
-    four canonical state conversions."""
+    """Base of every plugin: built over its frozen options, which own its
+    rules [Note: one place for every rule]. Subclasses implement
+    :meth:`configure` and the four canonical state conversions."""
 
-    #: mixed-precision settings this plugin implements
-    supported_precisions: tuple[Precision, ...] = (None, "fp16", "bf16")
+    options: PluginConfig
 
-    def __init__(self) -> None:
+    def __init__(self, options: PluginConfig) -> None:
+        # The plugin's settings; every rule is theirs.
+        self.options = options
+        # What is known of the run so far, checked against the rules each
+        # time more is known (construction, Booster, boost, no_sync).
+        self.setting = RunSetting(world=dist.get_world_size() if dist.is_initialized() else None)
+        options.validate(self.setting)
         self._boosted: dict[int, Boosted] = {}
+
+    def validate_later(self, **known: Any) -> None:
+        """Check the rules again now that ``known`` (fields of
+        :class:`RunSetting`) is known; ValueError if one refuses."""
+        self.setting = self.setting.with_(**known)
+        self.options.validate(self.setting)
 
     # -- groups ----------------------------------------------------------------
 
@@ -85,7 +126,7 @@ class Plugin(ABC):
         criterion: Any,
         dataloader: Any,
         lr_scheduler: Any,
-        precision: Precision,
+        precision: TrainPrecision,
     ) -> Boosted: ...
 
     def boost(
@@ -95,14 +136,23 @@ class Plugin(ABC):
         criterion: Any,
         dataloader: Any,
         lr_scheduler: Any,
-        precision: Precision,
+        precision: Precision | str,
     ) -> Boosted:
-        if precision not in self.supported_precisions:
-            raise ValueError(
-                f"{type(self).__name__} does not support mixed_precision={precision!r}; it "
-                f"supports {list(self.supported_precisions)}. Use another plugin or "
-                "another precision."
-            )
+        """Check the rules against the model and precision, then wrap
+        [Note: model dtype]: the run trains in ``precision`` when given,
+        else in the dtype the model was built in."""
+        dtype = _model_dtype(model)
+        effective = (
+            TrainPrecision.parse(precision)
+            if precision is not None
+            else TrainPrecision.of_model(dtype) or TrainPrecision.FP32
+        )
+        self.validate_later(
+            world=dist.get_world_size() if dist.is_initialized() else None,
+            precision=effective,
+            model_dtype=dtype,
+            **_model_facts(model),
+        )
         if optimizer is not None:
             own = {id(p) for p in model.parameters()}
             if any(id(p) not in own for g in optimizer.param_groups for p in g["params"]):
@@ -110,7 +160,7 @@ class Plugin(ABC):
                     "the optimizer holds parameters that are not the model's: build it over "
                     "the model you pass to boost() (model.parameters(), or param groups of it)."
                 )
-        boosted = self.configure(model, optimizer, criterion, dataloader, lr_scheduler, precision)
+        boosted = self.configure(model, optimizer, criterion, dataloader, lr_scheduler, effective)
         self._boosted[id(boosted.model)] = boosted
         if boosted.optimizer is not None:
             self._boosted[id(boosted.optimizer)] = boosted

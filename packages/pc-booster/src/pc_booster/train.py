@@ -147,7 +147,9 @@ def prepare(
         micro = max(1, dp_batch // config.accumulation)
         device = DeviceInfo.detect(config.nproc, config.precision, fork_safe=fork_safe)
         if config.step_in_backward:  # the plugin's own refusals (fp16)
-            PluginOptions(PluginKind.GEMINI, step_in_backward=True).check(world, config.precision)
+            PluginOptions(PluginKind.GEMINI, step_in_backward=True).check(
+                world, config.precision, max_norm=config.clip_norm, accumulation=config.accumulation
+            )
         # Stepping in backward is chosen only where it changes nothing the
         # user asked for: no clipping, no accumulation (recommend excludes fp16).
         in_bwd = config.step_in_backward or (config.clip_norm == 0 and config.accumulation == 1)
@@ -174,7 +176,15 @@ def prepare(
             step_in_backward=opts.step_in_backward,
         )
     options = config.plugin_options()
-    options.check(world, config.precision, layers)
+    # The plugin's own rules, the same ones its constructor and boost apply.
+    options.check(
+        world,
+        config.precision,
+        layers,
+        max_norm=config.clip_norm,
+        accumulation=config.accumulation,
+        heads=spec.heads,
+    )
     dp = options.dp_size(world)
     if config.global_batch_size % (dp * config.accumulation):
         raise ValueError(
@@ -182,18 +192,6 @@ def prepare(
             f"data-parallel rank(s) x {config.accumulation} accumulation step(s); use a "
             f"multiple of {dp * config.accumulation}."
         )
-    if options.step_in_backward and config.accumulation > 1:
-        raise ValueError(
-            f"--step-in-backward steps in every backward, so gradients cannot accumulate over "
-            f"--accumulation {config.accumulation} micro-steps; use --accumulation 1 with it "
-            "(or a smaller --global-batch-size per step)."
-        )
-    if options.pp > 1 and config.accumulation > 1:
-        raise ValueError(
-            "--accumulation with --pp > 1: a pipeline already accumulates its micro-batches; "
-            "use --microbatches instead."
-        )
-    options.make(config.clip_norm)  # the plugin's own checks, before any process starts
     if config.resume == "auto":  # restarts of one command line: resume when there is one
         config = replace(config, resume="latest" if has_checkpoint(config.checkpoint_dir) else None)
     if config.resume is not None:
@@ -303,7 +301,7 @@ def train(
     rank0 = env.rank == 0
     spec = resolve_model(config.model, config.seq_len)
     options = config.plugin_options()
-    plugin, loop_clip = options.make(config.clip_norm, config.timeout)
+    plugin = options.make(config.clip_norm, config.timeout)
     booster = Booster(
         plugin=plugin, mixed_precision=None if config.precision == "fp32" else config.precision
     )
@@ -433,9 +431,6 @@ def train(
         phases.enter("step", step + 1)
         fault.at("step", step + 1)
         finite = bool(torch.isfinite(total)) or not config.check_finite
-        if loop_clip:
-            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), loop_clip)
-            finite = finite and (bool(torch.isfinite(norm)) or not config.check_finite)
         interrupted, bad = stop.agree(finite)
         if bad:
             saved = max((s for s in range(start, step + 1) if _periodic(config, s)), default=0)

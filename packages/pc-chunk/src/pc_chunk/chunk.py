@@ -34,9 +34,13 @@ With ``expose_shard=True`` (what ZeRO-3 wrappers use) a released chunk
 does not leave its parameters empty: each parameter views the part of this
 rank's shard that falls inside it, flattened (possibly zero elements), and
 its ``.grad`` views the same part of the gradient shard. Any torch
-optimizer built over the parameters then steps the shard in place. The
-shard may be kept in a wider ``shard_dtype`` than the payload (fp32 masters
-under a bf16/fp16 compute dtype); ``gather`` casts it. Gradients are
+optimizer built over the parameters then steps the shard in place, with
+its fp32 gradient shard: so an exposed shard is an fp32 master
+(``shard_dtype`` fp32, the default with ``expose_shard``), whatever dtype
+the parameters were built in. A bf16 or fp16 parameter is upcast exactly
+as it is packed (``append``): its built values only initialise the master.
+The payload's dtype (the compute dtype) is separate; ``gather`` casts the
+shard to it. Gradients are
 *added* into the gradient shard, so several backward passes accumulate.
 While a chunk is gathered its parameters' ``.grad`` are set aside (None,
 so autograd can accumulate full-shape gradients); a parameter whose
@@ -146,7 +150,14 @@ class Chunk:
         self.budget = budget
         self.reduce_dtype = reduce_dtype
         self.name = name
-        self.shard_dtype = shard_dtype if shard_dtype is not None else dtype
+        if shard_dtype is None:  # [Note: exposed shards]: fp32 masters
+            shard_dtype = torch.float32 if expose_shard else dtype
+        if expose_shard and shard_dtype != torch.float32:
+            raise ValueError(
+                f"{name}: an exposed shard is an fp32 master, stepped with its fp32 gradient "
+                f"shard; shard_dtype must be torch.float32, got {shard_dtype}."
+            )
+        self.shard_dtype = shard_dtype
         self.expose_shard = expose_shard  # [Note: exposed shards]
         self.slots: list[_Slot] = []
         self.used = 0
@@ -226,12 +237,20 @@ class Chunk:
         return not self.closed and self.used + param.numel() <= self.size
 
     def append(self, param: nn.Parameter) -> None:
-        """Move ``param`` into the chunk: its data becomes a view of the payload."""
+        """Move ``param`` into the chunk: its data becomes a view of the
+        payload, in the shard dtype. A parameter built in a narrower floating
+        dtype (bf16 or fp16 into fp32 masters) is upcast exactly; one the
+        shard dtype cannot hold exactly is refused."""
         if self.closed:
             raise ChunkStateError(f"{self.name} is closed; parameters go in before close().")
-        if param.dtype != self.shard_dtype:
+        exact = param.is_floating_point() and (
+            torch.promote_types(param.dtype, self.shard_dtype) == self.shard_dtype
+        )
+        if not exact:
             raise ValueError(
-                f"{self.name} holds {self.shard_dtype}; the parameter is {param.dtype}."
+                f"{self.name} holds {self.shard_dtype}; the parameter is {param.dtype}, which "
+                f"{self.shard_dtype} cannot hold exactly. Cast the model to {self.shard_dtype} "
+                "(or a narrower floating dtype) first."
             )
         numel = param.numel()
         if self.used + numel > self.size:

@@ -189,7 +189,11 @@ class ChunkManager:
     parameter. ``chunk_size=None`` searches for the size with the least
     padding (see :func:`~pc_chunk.search.search_chunk_size`). With an
     ``engine`` (pc-offload's :class:`~pc_offload.CopyEngine`), shards moved
-    to the host live in its pinned pool."""
+    to the host live in its pinned pool. With ``expose_shards`` each
+    parameter is its fp32 master shard between steps, whatever dtype the
+    model was built in (bf16/fp16 values are upcast exactly: [Note: exposed
+    shards] in pc_chunk.chunk); ``compute_dtype`` is the dtype chunks are
+    gathered and computed in (default: the shard dtype)."""
 
     def __init__(
         self,
@@ -232,7 +236,12 @@ class ChunkManager:
             "engine": engine,
             "expose_shard": expose_shards,
         }
-        self.compute_dtype = compute_dtype  # payload dtype; shards keep the parameters' own
+        # The shards: fp32 masters when exposed ([Note: exposed shards] in
+        # pc_chunk.chunk), whatever dtype the model was built in; otherwise
+        # each parameter's own dtype.
+        self.expose_shards = expose_shards
+        # The payload (compute) dtype; None computes in the shard dtype.
+        self.compute_dtype = compute_dtype
         self.chunks: list[Chunk] = []
         self._index: dict[Chunk, int] = {}  # position in execution order
         self._where: dict[nn.Parameter, Chunk] = {}
@@ -246,14 +255,14 @@ class ChunkManager:
                 mine = [p for p in params if p.requires_grad]
                 if not mine:
                     continue
-                dtypes = {p.dtype for p in mine}
+                dtypes = {self._shard_dtype(p) for p in mine}
                 if len(dtypes) > 1:
                     raise ValueError(
                         f"a unit's parameters must share one dtype; {type(unit).__name__} has "
                         f"{sorted(str(d) for d in dtypes)}. Cast the module first."
                     )
                 numel = sum(p.numel() for p in mine)
-                chunk = self._new_chunk(-(-numel // world) * world, mine[0].dtype)
+                chunk = self._new_chunk(-(-numel // world) * world, dtypes.pop())
                 for param in mine:
                     self._init_param(param)
                     chunk.append(param)
@@ -283,12 +292,13 @@ class ChunkManager:
         self._expected_chunks = -(-sum(p.numel() for p in self.order) // chunk_size)
         open_chunks: dict[torch.dtype, Chunk] = {}
         for param in self.order:
-            current = open_chunks.get(param.dtype)
+            dtype = self._shard_dtype(param)
+            current = open_chunks.get(dtype)
             if current is None or not current.can_fit(param):
                 if current is not None:
                     self._finish(current)
-                current = self._new_chunk(chunk_size, param.dtype)
-                open_chunks[param.dtype] = current
+                current = self._new_chunk(chunk_size, dtype)
+                open_chunks[dtype] = current
             self._init_param(param)
             current.append(param)
             self._where[param] = current
@@ -301,6 +311,9 @@ class ChunkManager:
                     found.setdefault(self._where[param], None)
             if found:
                 self._hooked[mod] = list(found)
+
+    def _shard_dtype(self, param: nn.Parameter) -> torch.dtype:
+        return torch.float32 if self.expose_shards else param.dtype
 
     def _materialize(self, param: nn.Parameter) -> None:
         if is_lazy(param):

@@ -24,19 +24,77 @@ State entries are named as torch's (``step``, ``exp_avg``, ``exp_avg_sq``,
 ``max_exp_avg_sq``), plus ``master`` where the parameter is not its own
 master, so a state dict of fp32 host parameters loads into
 ``torch.optim.AdamW`` and back.
+
+[Note: DTensor parameters]
+Parameters sharded by torch's FSDP2 (``fully_shard``) or tensor parallelism
+are DTensors, and so are their gradients. Adam is element-wise, so each
+rank steps only its local shard: the kernel gets the local tensors (the
+same storage: the DTensor sees the update), never a mix of DTensors and
+plain tensors, which DTensor dispatch refuses. The master and the moments
+are kept as DTensors laid out as the parameter (their local tensors on
+the step device), as torch's optimizers keep them, so
+``torch.distributed.checkpoint``'s state dicts gather and reshard them
+like the parameter. ``step`` stays a plain scalar, as in torch.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.optim import Optimizer
 
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
+else:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch 2.4 keeps it private
+        from torch.distributed._tensor import DTensor
+
 __all__ = ["CPUAdam", "CPUAdamW", "HybridAdam"]
 
 _HOST = torch.device("cpu")
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (its storage: in-place updates reach the
+    DTensor); any other tensor itself [Note: DTensor parameters]. Called
+    without grad, so no autograd node is made."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _like(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """A state tensor for ``param`` from its local values: a DTensor laid
+    out as ``param`` when it is one [Note: DTensor parameters]."""
+    if not isinstance(param, DTensor):
+        return local
+    return DTensor.from_local(
+        local,
+        param.device_mesh,
+        param.placements,
+        run_check=False,
+        shape=param.shape,
+        stride=param.stride(),
+    )
+
+
+def _local_grad(param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """The part of ``grad`` that matches ``param``'s local shard."""
+    if isinstance(param, DTensor) != isinstance(grad, DTensor):
+        raise TypeError(
+            "CPUAdam/HybridAdam: a parameter and its gradient must both be DTensors or both "
+            f"plain tensors; got a {type(param).__name__} parameter with a "
+            f"{type(grad).__name__} gradient."
+        )
+    if (
+        isinstance(param, DTensor)
+        and isinstance(grad, DTensor)
+        and grad.placements != param.placements
+    ):
+        grad = grad.redistribute(param.device_mesh, param.placements)
+    return _local(grad)
 
 
 class _MasterAdam(Optimizer):
@@ -77,29 +135,39 @@ class _MasterAdam(Optimizer):
     def _step_device(self, param: torch.Tensor) -> torch.device:
         return _HOST if self._on_host else param.device
 
+    def _own_master(self, param: torch.Tensor) -> bool:
+        """An fp32 parameter on the step device is stepped in place."""
+        return param.dtype == torch.float32 and param.device == self._step_device(param)
+
     def _init_state(self, param: torch.Tensor, amsgrad: bool) -> dict[str, Any]:
+        """``param``'s state, created at its first step. With a DTensor
+        parameter every tensor but ``step`` is a DTensor laid out as it
+        [Note: DTensor parameters]."""
         state: dict[str, Any] = self.state[param]
         if state:
             if amsgrad and "max_exp_avg_sq" not in state:
-                state["max_exp_avg_sq"] = torch.zeros_like(state["exp_avg"])
+                zeros = torch.zeros_like(_local(state["exp_avg"]))
+                state["max_exp_avg_sq"] = _like(param, zeros)
             return state
         device = self._step_device(param)
-        own_master = param.dtype == torch.float32 and param.device == device
-        master = param.detach() if own_master else self._master_of(param, device)
-        if not own_master:
-            state["master"] = master
+        local = _local(param).detach()
+        if self._own_master(param):
+            master = local
+        else:
+            master = self._master_of(local, device)
+            state["master"] = _like(param, master)
         state["step"] = torch.zeros((), dtype=torch.float32, device=device)
-        state["exp_avg"] = torch.zeros_like(master, memory_format=torch.preserve_format)
-        state["exp_avg_sq"] = torch.zeros_like(master, memory_format=torch.preserve_format)
-        if amsgrad:
-            state["max_exp_avg_sq"] = torch.zeros_like(master)
+        for key in ("exp_avg", "exp_avg_sq", *(("max_exp_avg_sq",) if amsgrad else ())):
+            zeros = torch.zeros_like(master, memory_format=torch.preserve_format)
+            state[key] = _like(param, zeros)
         return state
 
     @staticmethod
-    def _master_of(param: torch.Tensor, device: torch.device) -> torch.Tensor:
-        pin = device.type == "cpu" and param.is_cuda
-        master = torch.empty(param.shape, dtype=torch.float32, device=device, pin_memory=pin)
-        master.copy_(param.detach())
+    def _master_of(local: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """An fp32 copy of a (local) parameter on the step device."""
+        pin = device.type == "cpu" and local.is_cuda
+        master = torch.empty(local.shape, dtype=torch.float32, device=device, pin_memory=pin)
+        master.copy_(local.detach())
         return master
 
     @torch.no_grad()
@@ -123,21 +191,23 @@ class _MasterAdam(Optimizer):
             if param.grad.is_sparse:
                 raise RuntimeError("CPUAdam/HybridAdam do not support sparse gradients.")
             state = self._init_state(param, amsgrad)
-            master = state.get("master", param)
-            grad = param.grad
+            # The kernel sees local shards only [Note: DTensor parameters].
+            local = _local(param)
+            master = _local(state["master"]) if "master" in state else local
+            grad = _local_grad(param, param.grad)
             if grad.dtype != torch.float32 or grad.device != master.device:
                 grad = grad.to(device=master.device, dtype=torch.float32, non_blocking=True)
             lists = by_device.setdefault(master.device, [[], [], [], [], [], []])
             lists[0].append(master)
             lists[1].append(grad)
-            lists[2].append(state["exp_avg"])
-            lists[3].append(state["exp_avg_sq"])
+            lists[2].append(_local(state["exp_avg"]))
+            lists[3].append(_local(state["exp_avg_sq"]))
             if amsgrad:
-                lists[4].append(state["max_exp_avg_sq"])
+                lists[4].append(_local(state["max_exp_avg_sq"]))
             lists[5].append(state["step"])
-            if master is not param:
-                refresh.append((param, master))
-                crosses = crosses or (param.is_cuda and not master.is_cuda)
+            if master is not local:
+                refresh.append((local, master))
+                crosses = crosses or (local.is_cuda and not master.is_cuda)
         if crosses:
             # The host kernel must not start before this step's asynchronous
             # device-to-host gradient copies have landed, nor overwrite a
@@ -164,30 +234,49 @@ class _MasterAdam(Optimizer):
                 grad_scale=None,
                 found_inf=None,
             )
-        for param, master in refresh:
-            param.copy_(master, non_blocking=True)
+        for local, master in refresh:
+            local.copy_(master, non_blocking=True)
 
+    @torch.no_grad()
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """As torch's, but moment and master tensors keep fp32 on the step
         device (torch would cast them to each parameter's dtype, which for a
-        bf16 parameter throws away the bits the master exists to keep)."""
+        bf16 parameter throws away the bits the master exists to keep), laid
+        out as the parameter when it is a DTensor [Note: DTensor parameters].
+        Saved parameters are matched to ours by position, as torch does
+        (their keys are indices, or names in ``torch.distributed.checkpoint``'s
+        state dicts)."""
         saved = state_dict["state"]
+        saved_keys = [k for g in state_dict["param_groups"] for k in g["params"]]
         super().load_state_dict(state_dict)
-        index = 0
-        for group in self.param_groups:
-            for param in group["params"]:
-                if index in saved:
-                    device = self._step_device(param)
-                    state = self.state[param]
-                    for key, value in saved[index].items():
-                        if isinstance(value, torch.Tensor):
-                            state[key] = value.detach().to(device=device, dtype=torch.float32)
-                            state[key] = state[key].clone()
-                    if "master" not in state and not (
-                        param.dtype == torch.float32 and param.device == device
-                    ):
-                        state["master"] = self._master_of(param, device)
-                index += 1
+        params = [p for g in self.param_groups for p in g["params"]]
+        for saved_key, param in zip(saved_keys, params, strict=True):
+            if saved_key not in saved:
+                continue
+            state = self.state[param]
+            for key, value in saved[saved_key].items():
+                if isinstance(value, torch.Tensor):
+                    state[key] = self._loaded(param, key, value)
+            if "master" not in state and not self._own_master(param):
+                master = self._master_of(_local(param), self._step_device(param))
+                state["master"] = _like(param, master)
+
+    def _loaded(self, param: torch.Tensor, key: str, value: torch.Tensor) -> torch.Tensor:
+        """A saved state tensor as this optimizer keeps it: fp32, on the step
+        device, a DTensor like ``param`` when it is one (``step`` a plain
+        scalar)."""
+        local = _local(value).detach().to(device=self._step_device(param), dtype=torch.float32)
+        local = local.clone()
+        if key == "step" or not isinstance(param, DTensor):
+            return local
+        if local.shape != _local(param).shape:
+            raise ValueError(
+                f"CPUAdam/HybridAdam: saved state {key!r} has shape {tuple(local.shape)}, but "
+                f"this rank's shard of the DTensor parameter is {tuple(_local(param).shape)}. "
+                "Load sharded state through torch.distributed.checkpoint.state_dict."
+                "set_optimizer_state_dict, which lays it out as the parameters."
+            )
+        return _like(param, local)
 
 
 class CPUAdam(_MasterAdam):

@@ -15,8 +15,9 @@ from pc_pipeline.builders import gpipe, interleaved_1f1b, one_f_one_b, zero_bubb
 from pc_pipeline.draw import draw_png, draw_text
 from pc_pipeline.partition import Sequential, balanced_split, measure_costs, partition
 from pc_pipeline.pipe import GPipe, Interleaved1F1B, PipeDream, Pipeline, ZeroBubble
-from pc_pipeline.schedule import Schedule, ScheduleError, format_grid, validate, with_communication
+from pc_pipeline.schedule import Schedule, ScheduleError, format_grid, with_communication
 from pc_pipeline.simulate import Costs, Simulation, Span, simulate
+from pc_pipeline.validation import validate
 
 __version__ = "0.1.0"
 

@@ -8,7 +8,8 @@ sends and receives in place.
 from __future__ import annotations
 
 from pc_pipeline.actions import Action, ActionKind
-from pc_pipeline.schedule import Schedule, validate, with_communication
+from pc_pipeline.schedule import Schedule, with_communication
+from pc_pipeline.validation import validate
 
 __all__ = ["gpipe", "interleaved_1f1b", "one_f_one_b", "zero_bubble_h1"]
 

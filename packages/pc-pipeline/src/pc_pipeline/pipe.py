@@ -23,8 +23,9 @@ from pc_comm import Communicator, ShmCommunicator, TorchCommunicator, on_one_hos
 from pc_pipeline.actions import Action
 from pc_pipeline.builders import gpipe, interleaved_1f1b, one_f_one_b, zero_bubble_h1
 from pc_pipeline.executor import StepInputs, run_schedule
-from pc_pipeline.schedule import Schedule, validate
+from pc_pipeline.schedule import Schedule
 from pc_pipeline.shapes import TensorMeta, infer_boundary_metas
+from pc_pipeline.validation import validate
 
 __all__ = ["GPipe", "Interleaved1F1B", "PipeDream", "Pipeline", "ZeroBubble"]
 

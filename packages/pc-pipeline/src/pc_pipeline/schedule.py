@@ -19,7 +19,15 @@ from dataclasses import dataclass
 
 from pc_pipeline.actions import Action, ActionKind
 
-__all__ = ["Schedule", "ScheduleError", "format_grid", "validate", "with_communication"]
+__all__ = [
+    "Schedule",
+    "ScheduleError",
+    "check_structure",
+    "format_grid",
+    "local_prerequisites",
+    "schedule_error",
+    "with_communication",
+]
 
 F, B, I, W = (  # noqa: E741 (I is the schedule letter for an input gradient)
     ActionKind.FORWARD,
@@ -278,18 +286,16 @@ def _check_fifo(schedule: Schedule) -> None:
                 )
 
 
-def validate(schedule: Schedule) -> None:
-    """Raise :class:`ScheduleError` (with the grid) unless the schedule can
-    run: stages on their ranks, each forward and backward exactly once, each
-    backward after its forward, sends matching receives in order, and no
-    deadlock."""
-    from pc_pipeline.simulate import Costs, simulate  # simulation reports deadlocks
-
+def check_structure(schedule: Schedule) -> None:
+    """Raise :class:`ScheduleError` (with the grid) unless stages run on
+    their ranks, each forward and backward appears exactly once, each
+    backward after its forward, and sends match receives in order. Whether
+    the schedule deadlocks needs a simulation: :func:`pc_pipeline.validate`
+    checks both."""
     _check_ownership(schedule)
     _check_counts(schedule)
     _check_order(schedule)
     _check_fifo(schedule)
-    simulate(schedule, Costs(), validate_first=False)
 
 
 def with_communication(schedule: Schedule) -> Schedule:

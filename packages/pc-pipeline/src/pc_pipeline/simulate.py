@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from pc_pipeline.actions import Action, ActionKind
-from pc_pipeline.schedule import Schedule, local_prerequisites, schedule_error, validate
+from pc_pipeline.schedule import Schedule, check_structure, local_prerequisites, schedule_error
 
 __all__ = ["Costs", "Simulation", "Span", "simulate"]
 
@@ -114,10 +114,14 @@ def simulate(
     schedule: Schedule, costs: Costs | None = None, *, validate_first: bool = True
 ) -> Simulation:
     """Timeline, bubble and peak activations of ``schedule`` under ``costs``
-    (default: forward 1, backward 2, split backward 1 + 1, no latency)."""
+    (default: forward 1, backward 2, split backward 1 + 1, no latency).
+
+    ``validate_first``: check the structure first (:func:`check_structure`);
+    a deadlock is found by the simulation itself, under any costs, since
+    whether a rank can move depends only on which sends have happened."""
     costs = costs or Costs()
     if validate_first:
-        validate(schedule)
+        check_structure(schedule)
     ranks = schedule.num_ranks
     pos = [0] * ranks
     clock = [0.0] * ranks

@@ -11,9 +11,15 @@ from pc_zero.fsdp import (
 )
 from pc_zero.gemini import GeminiDDP, GeminiOptimizer
 from pc_zero.layout import Bucket, Slot, plan_buckets
-from pc_zero.loss_scale import DynamicLossScaler, LossScaleConfig, unscale_clip_and_check
+from pc_zero.loss_scale import (
+    DynamicLossScaler,
+    LossScaleConfig,
+    counts_under_tensor_parallel,
+    unscale_clip_and_check,
+)
 from pc_zero.low_level_zero import LowLevelZeroOptimizer
 from pc_zero.memory import ModelStateMemory, zero_paper_bytes
+from pc_zero.protocols import ShardedOptimizer
 from pc_zero.sharded import MixedPrecision, ShardedModule
 from pc_zero.state import merge_sharded_state_dicts
 
@@ -31,8 +37,10 @@ __all__ = [
     "ModelStateMemory",
     "ModuleSizePolicy",
     "ShardedModule",
+    "ShardedOptimizer",
     "Slot",
     "TransformerBlockPolicy",
+    "counts_under_tensor_parallel",
     "load_sharded_checkpoint",
     "merge_sharded_state_dicts",
     "plan_buckets",

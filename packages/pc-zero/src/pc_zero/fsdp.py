@@ -140,11 +140,20 @@ class FullyShardedDataParallel(ShardedModule):
         comm: Communicator | None = None,
         step_in_backward: bool = False,
     ) -> None:
+        mp = mixed_precision
+        # [Note: build dtype] in pc_zero.sharded: without a param_dtype the
+        # compute dtype is the masters' (fp32), whatever the model was built in.
+        compute = mp.param_dtype if mp is not None and mp.param_dtype is not None else torch.float32
         comm, device, init_param = prepare_module(
-            module, "FullyShardedDataParallel", comm, process_group, device, sync_module_states
+            module,
+            "FullyShardedDataParallel",
+            comm,
+            process_group,
+            device,
+            sync_module_states,
+            compute,
         )
         units = find_units(module, auto_wrap_policy)
-        mp = mixed_precision
         manager = ChunkManager(
             module,
             units=units,
@@ -153,7 +162,7 @@ class FullyShardedDataParallel(ShardedModule):
             placement=StaticPlacement(0.0 if offload_params else 1.0),
             reduce_dtype=mp.reduce_dtype if mp is not None else torch.float32,
             engine=CopyEngine(PinnedPool()) if offload_params and device.type == "cuda" else None,
-            compute_dtype=mp.param_dtype if mp is not None else None,
+            compute_dtype=compute,
             expose_shards=True,
             reshard_after_forward=reshard_after_forward,
             prefetch=forward_prefetch,

@@ -80,7 +80,8 @@ _STATE_BYTES = 8
 
 class GeminiDDP(ShardedModule):
     """ZeRO-3 over chunks [Note: Gemini]. ``mixed_precision`` is the compute
-    dtype (fp32 masters stay in the shards); fp16 needs
+    dtype (fp32 masters stay in the shards, whatever dtype the model was
+    built in: [Note: build dtype] in pc_zero.sharded); fp16 needs
     :class:`GeminiOptimizer` for loss scaling. Build the optimizer after
     wrapping, over ``model.parameters()``."""
 
@@ -120,7 +121,7 @@ class GeminiDDP(ShardedModule):
                                       or value < 1):  # fmt: skip
                 raise ValueError(f"{name} must be a positive int or None, got {value!r}.")
         comm, device, init_param = prepare_module(
-            module, "GeminiDDP", comm, process_group, device, sync_module_states
+            module, "GeminiDDP", comm, process_group, device, sync_module_states, mixed_precision
         )
         world = comm.world_size
         order = [p for p in execution_order(module, *example_inputs) if p.requires_grad]

@@ -9,11 +9,27 @@ overflows, the scale is multiplied by ``backoff_factor`` (never below
 ``min_scale``). After ``growth_interval`` clean steps in a row it is
 multiplied by ``growth_factor`` (never above ``max_scale``). The names and
 defaults are Colossal-AI's; ``hysteresis=1`` gives torch's GradScaler rule.
+
+[Note: global norm across groups]
+Clipping and the overflow decision must be the same on every rank that
+trains one model, or the replicas drift apart. The global norm is the
+square root of the sum, over every element of every parameter of the whole
+model, of its gradient squared. Each rank sums the squares of what it holds
+and the sums are all-reduced: over the data-parallel communicator when the
+ranks hold disjoint shards of the same gradients (ZeRO), then over each
+model-parallel group, whose ranks hold different parameters (tensor-parallel
+shards, pipeline stages). An element that several model-parallel ranks
+hold (a replicated parameter under tensor parallelism, a weight tied between
+the first and last pipeline stage) must count on exactly one of them:
+``count_ranges`` says which elements count here. The others still join the
+overflow check as ``0 * square``, which is 0 when finite and NaN when not, so
+an inf that only one holder sees still stops every rank.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +38,15 @@ import torch.distributed as dist
 
 from pc_comm import Communicator, ReduceOp
 
-__all__ = ["DynamicLossScaler", "LossScaleConfig", "unscale_clip_and_check"]
+__all__ = [
+    "DynamicLossScaler",
+    "LossScaleConfig",
+    "counts_under_tensor_parallel",
+    "norm_groups",
+    "unscale_clip_and_check",
+]
+
+_NORM_DTYPE = {torch.float16: torch.float32, torch.bfloat16: torch.float32}
 
 
 @dataclass(frozen=True)
@@ -54,42 +78,48 @@ class LossScaleConfig:
 
 
 def unscale_clip_and_check(
-    grads: list[torch.Tensor],
-    comm: Communicator,
+    grads: Sequence[torch.Tensor],
+    comm: Communicator | None,
     scaler: DynamicLossScaler | None,
     max_norm: float,
     device: torch.device,
     *,
-    count_ranges: list[list[tuple[int, int]]] | None = None,
+    count_ranges: Sequence[Sequence[tuple[int, int]]] | None = None,
+    model_parallel_groups: Sequence[dist.ProcessGroup] = (),
     tp_group: dist.ProcessGroup | None = None,
 ) -> tuple[bool, float]:
     """Unscaling, the overflow check (any rank) and global-norm clipping of
-    this rank's fp32 gradient shards, shared by every ZeRO stage: one norm
-    per tensor, one all-reduce of the sum of squares (on ``device``), then
-    one multiply per tensor. A non-finite gradient anywhere makes that sum
-    inf or NaN (squares of fp32 values cannot overflow fp64), so it is also
-    the overflow flag; on overflow the scaler backs off and nothing is
-    changed. Returns (step may proceed, unscaled global norm).
+    this rank's fp32 gradients, shared by every ZeRO stage and by plain
+    optimizers under model parallelism [Note: global norm across groups]:
+    one norm per tensor, one all-reduce of the sum of squares per group (on
+    ``device``), then one multiply per tensor. A non-finite gradient
+    anywhere makes that sum inf or NaN (squares of fp32 values cannot
+    overflow fp64), so it is also the overflow flag; on overflow the scaler
+    backs off and nothing is changed. Returns (step may proceed, unscaled
+    global norm).
 
-    Under tensor parallelism, ``count_ranges[i]`` lists the ranges of
-    ``grads[i]`` that count (each parameter once across the group) and the
-    sum of squares is also reduced over ``tp_group``."""
+    ``comm``: the data-parallel ranks that each hold a shard of the same
+    gradients (their sums add up), or None where this rank's gradients are
+    whole (a plain optimizer after DDP's all-reduce: every data-parallel
+    rank already holds the same sum). fp16/bf16 gradients are normed in
+    fp32. ``model_parallel_groups``: the groups over
+    which the parameters themselves differ (tensor-parallel shards,
+    pipeline stages); the sum is all-reduced over each in turn, after
+    ``comm``. ``tp_group`` is the older spelling of one such group (added to
+    them). ``count_ranges[i]``: the ranges of ``grads[i]``'s flattened
+    elements that count towards the norm on this rank, so that a parameter
+    held by several model-parallel ranks (replicated under tensor
+    parallelism, tied across pipeline stages) counts once: ``[(0,
+    g.numel())]`` for a whole tensor, ``[]`` for none. The elements left out
+    still take part in the overflow check."""
+    groups = norm_groups(model_parallel_groups, tp_group)
     if scaler is None and max_norm == 0:
         return True, math.nan
-    if count_ranges is not None:
-        parts = [
-            g[lo:hi] for g, ranges in zip(grads, count_ranges, strict=True) for lo, hi in ranges
-        ]
-    else:
-        parts = list(grads)
-    if parts:
-        norms = torch.stack([torch.linalg.vector_norm(g).to(device) for g in parts])
-        squares = norms.double().square().sum().reshape(1)
-    else:
-        squares = torch.zeros(1, dtype=torch.float64, device=device)
-    comm.all_reduce(squares, ReduceOp.SUM)
-    if tp_group is not None:
-        dist.all_reduce(squares, group=tp_group)
+    squares = _local_squares(grads, count_ranges, device, check_all=scaler is not None)
+    if comm is not None:
+        comm.all_reduce(squares, ReduceOp.SUM)
+    for group in groups:
+        dist.all_reduce(squares, group=group)
     total = float(squares)
     if scaler is not None and not math.isfinite(total):
         scaler.update(True)
@@ -105,6 +135,91 @@ def unscale_clip_and_check(
         for grad in grads:
             grad.mul_(factor)
     return True, norm
+
+
+def norm_groups(
+    model_parallel_groups: Sequence[dist.ProcessGroup], tp_group: dist.ProcessGroup | None
+) -> list[dist.ProcessGroup]:
+    """The groups the squared norm is all-reduced over after the
+    data-parallel ranks: ``model_parallel_groups`` (each once, or
+    ``ValueError``), then ``tp_group`` unless already among them."""
+    groups = list(model_parallel_groups)
+    for k, group in enumerate(groups):
+        if any(group is other for other in groups[:k]):
+            raise ValueError(
+                "model_parallel_groups lists one process group twice; the squared norm "
+                "would be summed over it twice. Pass each group once."
+            )
+    if tp_group is not None and not any(tp_group is g for g in groups):
+        groups.append(tp_group)
+    return groups
+
+
+def counts_under_tensor_parallel(tp_group: dist.ProcessGroup) -> Callable[[torch.Tensor], bool]:
+    """Whether this rank counts a parameter towards the global norm under
+    tensor parallelism [Note: global norm across groups]: one sharded over
+    ``tp_group`` (marked ``tensor_model_parallel`` by pc_tensor) on every
+    rank of it, a replicated one (the same on every rank) on its rank 0
+    only."""
+    first = dist.get_rank(tp_group) == 0
+
+    def counts(param: torch.Tensor) -> bool:
+        return first or bool(getattr(param, "tensor_model_parallel", False))
+
+    return counts
+
+
+def _local_squares(
+    grads: Sequence[torch.Tensor],
+    count_ranges: Sequence[Sequence[tuple[int, int]]] | None,
+    device: torch.device,
+    *,
+    check_all: bool,
+) -> torch.Tensor:
+    """This rank's sum of squares (fp64, shape (1,), on ``device``) over the
+    counted elements. With ``check_all``, the uncounted elements add
+    ``0 * their squares``: nothing when finite, NaN when not, so an
+    overflow there is seen too [Note: global norm across groups]."""
+    other: list[torch.Tensor] = []
+    if count_ranges is None:
+        counted = list(grads)
+    else:
+        counted, other = _split_ranges(grads, count_ranges)
+    squares = _sum_of_squares(counted, device)
+    if check_all and other:
+        squares += _sum_of_squares(other, device) * 0.0
+    return squares
+
+
+def _split_ranges(
+    grads: Sequence[torch.Tensor], count_ranges: Sequence[Sequence[tuple[int, int]]]
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The counted ranges of each gradient's flattened elements, and the
+    rest."""
+    counted: list[torch.Tensor] = []
+    other: list[torch.Tensor] = []
+    for grad, ranges in zip(grads, count_ranges, strict=True):
+        flat = grad.reshape(-1)
+        at = 0
+        for lo, hi in sorted(ranges):
+            if at < lo:
+                other.append(flat[at:lo])
+            counted.append(flat[lo:hi])
+            at = max(at, hi)
+        if at < flat.numel():
+            other.append(flat[at:])
+    return counted, other
+
+
+def _sum_of_squares(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    if not tensors:
+        return torch.zeros(1, dtype=torch.float64, device=device)
+    # fp16/bf16 gradients (plain optimizers) are normed in fp32: their own
+    # range overflows at a norm of 65504 (fp16) where the gradients do not.
+    norms = torch.stack(
+        [torch.linalg.vector_norm(t, dtype=_NORM_DTYPE.get(t.dtype)).to(device) for t in tensors]
+    )
+    return norms.double().square().sum().reshape(1)
 
 
 class DynamicLossScaler:

@@ -35,7 +35,7 @@ stages: the gradients live in the optimizer's buffers.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any
@@ -47,8 +47,15 @@ from torch.optim import Optimizer
 from pc_comm import Communicator, Handle, ReduceOp, SymmetricAllocator, default_communicator
 from pc_offload import CPUAdam, CPUAdamW
 from pc_zero.layout import Bucket, Slot, plan_buckets
-from pc_zero.loss_scale import DynamicLossScaler, LossScaleConfig, unscale_clip_and_check
+from pc_zero.loss_scale import (
+    DynamicLossScaler,
+    LossScaleConfig,
+    counts_under_tensor_parallel,
+    norm_groups,
+    unscale_clip_and_check,
+)
 from pc_zero.memory import ModelStateMemory
+from pc_zero.state import full_state_dict, plan_load, sharded_state_dict
 
 __all__ = ["LowLevelZeroOptimizer"]
 
@@ -71,10 +78,23 @@ class LowLevelZeroOptimizer(Optimizer):
     ``loss_scale``: the dynamic scale for fp16 parameters (on by default for
     fp16, unused otherwise). ``cpu_offload``: masters, optimizer states and
     the step on the host (Adam/AdamW step through pc-offload's fused CPU
-    optimizers). ``tp_process_group``: the tensor-parallel group the model
-    is sharded over (pc_tensor): the global norm for clipping then sums the
-    parameters marked ``tensor_model_parallel`` over it and counts the
-    others, which every tensor-parallel rank holds whole, once.
+    optimizers).
+
+    The global norm (clipping, and the fp16 overflow check) spans the whole
+    model [Note: global norm across groups]: ``model_parallel_groups`` are
+    the groups, besides the data-parallel ranks, over which the parameters
+    differ (pipeline stages, tensor-parallel shards), and
+    ``counts_toward_norm(param)`` says whether this rank counts an original
+    parameter (so a parameter held by several of those ranks counts once;
+    default: every parameter). ``tp_process_group``: the tensor-parallel
+    group the model is sharded over (pc_tensor); it joins
+    ``model_parallel_groups``, and the default rule becomes
+    :func:`pc_zero.counts_under_tensor_parallel`: the parameters marked
+    ``tensor_model_parallel`` count on every tensor-parallel rank, the
+    others, which every tensor-parallel rank holds whole, on tensor-parallel
+    rank 0 only. A ``counts_toward_norm`` given replaces the default rule:
+    under tensor and pipeline parallelism together, combine that rule with
+    the pipeline's (e.g. a tied weight counts on the first stage only).
     """
 
     def __init__(
@@ -91,6 +111,8 @@ class LowLevelZeroOptimizer(Optimizer):
         cpu_offload: bool = False,
         partition_grad: bool | None = None,
         tp_process_group: dist.ProcessGroup | None = None,
+        model_parallel_groups: Sequence[dist.ProcessGroup] = (),
+        counts_toward_norm: Callable[[torch.Tensor], bool] | None = None,
     ) -> None:
         if partition_grad is not None:
             stage = 2 if partition_grad else 1
@@ -136,7 +158,16 @@ class LowLevelZeroOptimizer(Optimizer):
 
         self._build_layout(optimizer, reduce_bucket_size)
         self.tp_group = tp_process_group
-        self._norm_ranges = self._plan_norm_ranges() if tp_process_group is not None else None
+        # Every group the squared norm is summed over after the data-parallel
+        # ranks [Note: global norm across groups].
+        self._norm_groups = tuple(norm_groups(model_parallel_groups, tp_process_group))
+        if counts_toward_norm is None and tp_process_group is not None:
+            counts_toward_norm = counts_under_tensor_parallel(tp_process_group)
+        # Per bucket, the ranges of this rank's piece that count towards the
+        # global norm; None: all of them.
+        self._norm_ranges = (
+            self._plan_norm_ranges(counts_toward_norm) if counts_toward_norm is not None else None
+        )
         self.inner = self._make_inner(optimizer)
         # Optimizer machinery (hooks, LR schedulers) works on this object;
         # param_groups and state are the inner optimizer's own.
@@ -166,6 +197,43 @@ class LowLevelZeroOptimizer(Optimizer):
             p.register_post_accumulate_grad_hook(self._on_grad)  # type: ignore[no-untyped-call]
             for p in self._where
         ]
+
+    # -- public view [Note: sharded optimizer interface] ------------------------------
+
+    @property
+    def params(self) -> tuple[torch.Tensor, ...]:
+        """The model's parameters in the original optimizer's param-group
+        order, frozen ones included: index ``i`` is the parameter of
+        state-dict index ``i``. (The param groups of this optimizer hold the
+        fp32 masters instead.)"""
+        return tuple(self._params)
+
+    @property
+    def group_indices(self) -> tuple[tuple[int, ...], ...]:
+        """Per param group, the indices (into :attr:`params`) of its
+        parameters, in the group's order."""
+        return tuple(tuple(indices) for indices in self._group_indices)
+
+    @property
+    def masters_are_params(self) -> bool:
+        """True when the fp32 masters are this rank's pieces of the working
+        parameters themselves (fp32 parameters, no ``cpu_offload``): no
+        separate full-precision copy exists, and :meth:`full_params` equals
+        the model's parameters."""
+        return self._alias_master
+
+    @property
+    def masters(self) -> tuple[torch.Tensor, ...]:
+        """This rank's fp32 master pieces, one per bucket in :attr:`buckets`
+        order: the tensors the wrapped optimizer steps (and keys its state
+        by)."""
+        return tuple(self._masters)
+
+    @property
+    def model_parallel_groups(self) -> tuple[dist.ProcessGroup, ...]:
+        """The groups the squared gradient norm is summed over after the
+        data-parallel ranks (``tp_process_group`` included)."""
+        return self._norm_groups
 
     # -- construction -------------------------------------------------------------
 
@@ -468,24 +536,21 @@ class LowLevelZeroOptimizer(Optimizer):
             self.clip_grad_norm,
             self.device,
             count_ranges=self._norm_ranges,
-            tp_group=self.tp_group,
+            model_parallel_groups=self._norm_groups,
         )
         return ok
 
-    def _plan_norm_ranges(self) -> list[list[tuple[int, int]]]:
-        """Per bucket, the ranges of this rank's piece that count towards
-        the global norm under tensor parallelism: a sharded parameter's
-        elements on every tensor-parallel rank, a replicated one's on
-        tensor-parallel rank 0 only (it is the same on every rank)."""
-        assert self.tp_group is not None
-        first = dist.get_rank(self.tp_group) == 0
+    def _plan_norm_ranges(
+        self, counts: Callable[[torch.Tensor], bool]
+    ) -> list[list[tuple[int, int]]]:
+        """Per bucket, the ranges of this rank's piece holding parameters
+        that ``counts`` says count here towards the global norm."""
         ranges: list[list[tuple[int, int]]] = []
         for b in self.buckets:
             lo, hi = b.piece_range(self.rank)
             mine: list[tuple[int, int]] = []
             for slot in b.slots:
-                param = self._params[slot.index]
-                if not (first or getattr(param, "tensor_model_parallel", False)):
+                if not counts(self._params[slot.index]):
                     continue
                 start, end = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
                 if start < end:
@@ -550,23 +615,30 @@ class LowLevelZeroOptimizer(Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """The full optimizer state in torch's per-parameter format (a
         collective: every rank calls it and gets the whole dict)."""
-        from pc_zero.state import full_state_dict
-
+        self._wait()
         return full_state_dict(self)
 
     def sharded_state_dict(self) -> dict[str, Any]:
         """This rank's part of the state, per parameter; merge every rank's
         with :func:`pc_zero.merge_sharded_state_dicts`."""
-        from pc_zero.state import sharded_state_dict
-
+        self._wait()
         return sharded_state_dict(self)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a full state dict (from ``state_dict()``, from merged shards
         saved at any world size, or from a torch Adam/AdamW)."""
-        from pc_zero.state import load_full_state_dict
-
-        load_full_state_dict(self, state_dict)
+        plan = plan_load(self, state_dict)
+        self._wait()
+        if not self._alias_master:  # masters follow the (already loaded) model...
+            for master, b in zip(self._masters, self.buckets, strict=True):
+                master.copy_(self._working_piece(b))
+        for k, master in plan.masters.items():  # ...unless the state holds them
+            self._masters[k].copy_(master)
+        self.inner.load_state_dict(plan.inner)
+        if plan.masters:
+            self._gather_params()
+        if plan.loss_scaler is not None and self.scaler is not None:
+            self.scaler.load_state_dict(plan.loss_scaler)
         # torch's load_state_dict swaps in new group and state objects; an
         # LR scheduler holding this optimizer must see them.
         self.param_groups = self.inner.param_groups
@@ -608,7 +680,7 @@ class LowLevelZeroOptimizer(Optimizer):
                 out[slot.index] = value.view(slot.shape).cpu().clone()
         return out
 
-    def load_full_params(self, values: dict[int, torch.Tensor]) -> None:
+    def load_full_params(self, values: Mapping[int, torch.Tensor]) -> None:
         """Set parameters from full values (index in the original order ->
         tensor; every rank passes the same): the masters take them at full
         precision and the model's parameters their rounding. Use it to load

@@ -14,6 +14,17 @@ optimizers (SGD, Adam, AdamW, ...) give exactly single-process results;
 ones that need a whole tensor (LAMB's per-tensor trust ratio, Shampoo) do
 not, as with torch FSDP's flat parameters. ``clip_grad_norm_`` all-reduces
 the norm. ``summon_full_params()`` shows the full fp32 values.
+
+[Note: build dtype]
+The wrapper's mixed precision decides the compute dtype, and the masters
+are fp32; the dtype the model was built in only carries its initial values.
+Trainable parameters become fp32 master shards (pc-chunk upcasts bf16/fp16
+values exactly as it packs them), so a model built in bf16 trains under
+fp32 compute exactly as ``model.float()`` would, and under bf16 compute as
+an fp32 model cast to bf16 with masters taken from the bf16 values.
+Buffers and frozen parameters stay whole on every rank; those built
+narrower than the compute dtype are upcast to it (exactly, as
+``model.float()`` would), and none is rounded down.
 """
 
 from __future__ import annotations
@@ -39,7 +50,8 @@ __all__ = ["MixedPrecision", "ShardedModule"]
 @dataclass(frozen=True)
 class MixedPrecision:
     """``param_dtype``: the dtype parameters are gathered in and compute
-    runs in (the fp32 shard stays the master); ``reduce_dtype``: the dtype
+    runs in (the fp32 shard stays the master; None: fp32, whatever dtype
+    the model was built in [Note: build dtype]); ``reduce_dtype``: the dtype
     gradients are averaged in; ``cast_forward_inputs``: floating-point
     inputs of the root forward are cast to ``param_dtype``."""
 
@@ -83,13 +95,16 @@ def prepare_module(
     process_group: dist.ProcessGroup | None,
     device: torch.device | str | None,
     sync_module_states: bool,
+    compute_dtype: torch.dtype = torch.float32,
 ) -> tuple[Communicator, torch.device, Callable[[nn.Parameter], None]]:
     """What both wrappers do first: pick the communicator, move the module
     to ``device`` (default: where its parameters are; lazy ones report where
     eager construction would have put them) and, with ``sync_module_states``,
     copy rank 0's parameters and buffers to every rank. Lazy parameters
     [Note: lazy parameters] are left for the chunk manager; returned is how
-    it materialises each one (and broadcasts it under ``sync_module_states``)."""
+    it materialises each one (and broadcasts it under ``sync_module_states``).
+    Buffers and frozen parameters built narrower than ``compute_dtype`` are
+    upcast to it [Note: build dtype]."""
     comm = comm if comm is not None else default_communicator(process_group)
     params = list(module.parameters())
     if not params:
@@ -119,6 +134,7 @@ def prepare_module(
             for tensor in [*module.parameters(), *module.buffers()]:
                 if not is_lazy(tensor):
                     comm.broadcast(tensor.data, 0)
+    _upcast_whole_tensors(module, compute_dtype)
 
     def init_param(param: nn.Parameter) -> None:
         if is_lazy(param):
@@ -127,6 +143,17 @@ def prepare_module(
                 comm.broadcast(param.data, 0)
 
     return comm, target, init_param
+
+
+def _upcast_whole_tensors(module: nn.Module, compute_dtype: torch.dtype) -> None:
+    """[Note: build dtype]: buffers and frozen parameters, which are not
+    sharded, in at least the compute dtype (never rounded down)."""
+    frozen = [p for p in module.parameters() if not p.requires_grad]
+    for tensor in [*module.buffers(), *frozen]:
+        if tensor.is_floating_point():
+            wider = torch.promote_types(tensor.dtype, compute_dtype)
+            if wider != tensor.dtype:
+                tensor.data = tensor.data.to(wider)
 
 
 def _no_optimizer() -> None:

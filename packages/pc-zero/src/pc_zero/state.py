@@ -17,27 +17,83 @@ per rank; to load at any world size, read them all and pass
 ``merge_sharded_state_dicts(dicts)`` to ``load_state_dict``. Everything is
 plain tensors, numbers, lists and dicts, so ``torch.load(weights_only=True)``
 reads it.
+
+This module only converts: it reads an optimizer through the public names
+of :class:`BucketedShards` and never changes it; the optimizer applies what
+:func:`plan_load` returns.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
+from torch.optim import Optimizer
 
-if TYPE_CHECKING:
-    from pc_zero.low_level_zero import LowLevelZeroOptimizer
+from pc_comm import Communicator
+from pc_zero.layout import Bucket
+from pc_zero.loss_scale import DynamicLossScaler
 
-__all__ = ["merge_sharded_state_dicts"]
+__all__ = [
+    "BucketedShards",
+    "LoadPlan",
+    "full_state_dict",
+    "merge_sharded_state_dicts",
+    "plan_load",
+    "sharded_state_dict",
+]
 
 _SHARDED = "pc-zero-sharded/1"
 _PIECES = "__pieces__"
 
 
-def _entries(opt: LowLevelZeroOptimizer, k: int) -> dict[str, Any]:
+class BucketedShards(Protocol):
+    """A ZeRO-1/2 optimizer as its checkpoints read it: parameters laid out
+    in ``buckets``, each cut into one piece per rank, with this rank's fp32
+    master piece of bucket ``k`` at ``masters[k]``, stepped by ``inner``.
+    :class:`pc_zero.LowLevelZeroOptimizer` is one."""
+
+    @property
+    def params(self) -> Sequence[torch.Tensor]: ...
+    @property
+    def group_indices(self) -> Sequence[Sequence[int]]: ...
+    @property
+    def masters(self) -> Sequence[torch.Tensor]: ...
+    @property
+    def buckets(self) -> Sequence[Bucket]: ...
+    @property
+    def inner(self) -> Optimizer: ...
+    @property
+    def comm(self) -> Communicator: ...
+    @property
+    def scaler(self) -> DynamicLossScaler | None: ...
+    @property
+    def dtype(self) -> torch.dtype: ...
+    @property
+    def device(self) -> torch.device: ...
+    @property
+    def rank(self) -> int: ...
+    @property
+    def world_size(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class LoadPlan:
+    """What loading a full state dict changes, for the optimizer to apply:
+    ``inner`` for its wrapped optimizer's ``load_state_dict``, ``masters``
+    (bucket -> this rank's saved fp32 master piece; empty when the state
+    holds none) and the ``loss_scaler`` state (or None)."""
+
+    inner: dict[str, Any]
+    masters: dict[int, torch.Tensor]
+    loss_scaler: dict[str, Any] | None
+
+
+def _entries(opt: BucketedShards, k: int) -> dict[str, Any]:
     """Bucket ``k``'s optimizer state on this rank, master included."""
-    master = opt._masters[k]
+    master = opt.masters[k]
     entries = dict(opt.inner.state.get(master, {}))
     if entries and opt.dtype != torch.float32:
         entries["master"] = master
@@ -48,21 +104,22 @@ def _is_elementwise(value: Any, numel: int) -> bool:
     return isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() == numel
 
 
-def _groups(opt: LowLevelZeroOptimizer) -> list[dict[str, Any]]:
+def _groups(opt: BucketedShards) -> list[dict[str, Any]]:
     groups = []
-    for group, indices in zip(opt.inner.param_groups, opt._group_indices, strict=True):
+    for group, indices in zip(opt.inner.param_groups, opt.group_indices, strict=True):
         saved = {key: value for key, value in group.items() if key != "params"}
         saved["params"] = list(indices)
         groups.append(saved)
     return groups
 
 
-def _scaler(opt: LowLevelZeroOptimizer) -> dict[str, Any] | None:
+def _scaler(opt: BucketedShards) -> dict[str, Any] | None:
     return opt.scaler.state_dict() if opt.scaler is not None else None
 
 
-def full_state_dict(opt: LowLevelZeroOptimizer) -> dict[str, Any]:
-    opt._wait()
+def full_state_dict(opt: BucketedShards) -> dict[str, Any]:
+    """The full state dict [Note: checkpoint format] (collective). The
+    optimizer's reductions must have finished."""
     state: dict[int, dict[str, Any]] = {}
     for k, b in enumerate(opt.buckets):
         entries = _entries(opt, k)
@@ -82,8 +139,9 @@ def full_state_dict(opt: LowLevelZeroOptimizer) -> dict[str, Any]:
     return {"state": state, "param_groups": _groups(opt), "loss_scaler": _scaler(opt)}
 
 
-def sharded_state_dict(opt: LowLevelZeroOptimizer) -> dict[str, Any]:
-    opt._wait()
+def sharded_state_dict(opt: BucketedShards) -> dict[str, Any]:
+    """This rank's part [Note: checkpoint format]. The optimizer's
+    reductions must have finished."""
     state: dict[int, dict[str, Any]] = {}
     for k, b in enumerate(opt.buckets):
         lo, hi = b.piece_range(opt.rank)
@@ -99,7 +157,7 @@ def sharded_state_dict(opt: LowLevelZeroOptimizer) -> dict[str, Any]:
                     mine[key] = {_PIECES: [[start - slot.offset, piece]]}
                 else:
                     mine[key] = value.detach().clone() if isinstance(value, torch.Tensor) else value
-    shapes = {i: list(p.shape) for i, p in enumerate(opt._params)}
+    shapes = {i: list(p.shape) for i, p in enumerate(opt.params)}
     return {
         "format": _SHARDED,
         "world_size": opt.world_size,
@@ -159,14 +217,16 @@ def merge_sharded_state_dicts(shards: Sequence[dict[str, Any]]) -> dict[str, Any
     }
 
 
-def load_full_state_dict(opt: LowLevelZeroOptimizer, state_dict: dict[str, Any]) -> None:
+def plan_load(opt: BucketedShards, state_dict: dict[str, Any]) -> LoadPlan:
+    """A full state dict [Note: checkpoint format], cut to this rank's
+    pieces; raises ``ValueError`` if it does not fit the optimizer."""
     if state_dict.get("format") == _SHARDED:
         raise ValueError(
             "load_state_dict got one rank's sharded state dict; read every rank's file and "
             "pass merge_sharded_state_dicts(dicts) instead."
         )
     saved_groups = state_dict["param_groups"]
-    ours = opt._group_indices
+    ours = opt.group_indices
     if [len(g["params"]) for g in saved_groups] != [len(g) for g in ours]:
         raise ValueError(
             "load_state_dict: the saved param groups have "
@@ -180,16 +240,13 @@ def load_full_state_dict(opt: LowLevelZeroOptimizer, state_dict: dict[str, Any])
         for s, o in zip(g["params"], mine, strict=True)
     }
     saved = {to_ours[int(i)]: v for i, v in state_dict["state"].items()}
-    opt._wait()
     positions = {
         id(m): n for n, m in enumerate(p for g in opt.inner.param_groups for p in g["params"])
     }
     inner_state: dict[int, dict[str, Any]] = {}
-    masters_loaded = False
+    masters: dict[int, torch.Tensor] = {}
     for k, b in enumerate(opt.buckets):
         with_state = [s for s in b.slots if s.index in saved]
-        if not opt._alias_master:  # masters follow the (already loaded) model
-            opt._masters[k].copy_(opt._working_piece(b))
         if not with_state:
             continue
         lo, hi = b.piece_range(opt.rank)
@@ -213,17 +270,13 @@ def load_full_state_dict(opt: LowLevelZeroOptimizer, state_dict: dict[str, Any])
                 entries[key] = sample
         master = entries.pop("master", None)
         if master is not None:
-            opt._masters[k].copy_(master)
-            masters_loaded = True
-        inner_state[positions[id(opt._masters[k])]] = entries
+            masters[k] = master
+        inner_state[positions[id(opt.masters[k])]] = entries
     groups = []
     for group, saved_group in zip(opt.inner.param_groups, saved_groups, strict=True):
         loaded = {key: value for key, value in saved_group.items() if key != "params"}
         loaded["params"] = [positions[id(p)] for p in group["params"]]
         groups.append(loaded)
-    opt.inner.load_state_dict({"state": inner_state, "param_groups": groups})
-    if masters_loaded:
-        opt._gather_params()
-    scaler = state_dict.get("loss_scaler")
-    if scaler is not None and opt.scaler is not None:
-        opt.scaler.load_state_dict(scaler)
+    return LoadPlan(
+        {"state": inner_state, "param_groups": groups}, masters, state_dict.get("loss_scaler")
+    )

@@ -1,0 +1,180 @@
+"""Helpers every plugin module uses: the device, start-up (lazy models
+materialised, rank 0's values broadcast), state copies, clipping for the
+optimizers that are the user's own, and the fp16 loss scale's settings."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.optim import Optimizer
+
+from pc_booster.plugin import (
+    CanonicalOptimizerState,
+    canonical_to_torch,
+    names_by_id,
+    optimizer_names,
+    torch_groups,
+    torch_to_canonical,
+    without,
+)
+from pc_chunk import is_lazy, materialize_
+from pc_zero import LossScaleConfig
+
+__all__ = [
+    "broadcast_module",
+    "clip_hook",
+    "clone_state",
+    "device",
+    "has_lazy",
+    "load_cast",
+    "loss_scale_config",
+    "materialize_lazy",
+    "require_initialized",
+    "torch_load_optimizer",
+    "torch_optimizer_state",
+]
+
+
+def device() -> torch.device:
+    """Where a plugin puts the model: this rank's GPU under NCCL, else the CPU."""
+    if torch.cuda.is_available() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def require_initialized(plugin: str) -> None:
+    if not dist.is_initialized():
+        raise RuntimeError(
+            f"{plugin} needs torch.distributed initialised first: run under torchrun and call "
+            "pc_comm.init_distributed() (or dist.init_process_group) before building it."
+        )
+
+
+def loss_scale_config(
+    initial_scale: float, growth_interval: int, hysteresis: int
+) -> LossScaleConfig:
+    """The fp16 dynamic loss scale's settings (unused for fp32 and bf16)."""
+    return LossScaleConfig(
+        initial_scale=initial_scale, growth_interval=growth_interval, hysteresis=hysteresis
+    )
+
+
+# -- start-up ------------------------------------------------------------------------
+
+
+def _tensors(modules: Iterable[nn.Module]) -> list[torch.Tensor]:
+    seen: set[int] = set()
+    out = []
+    for module in modules:
+        for tensor in [*module.parameters(), *module.buffers()]:
+            if id(tensor) not in seen:
+                seen.add(id(tensor))
+                out.append(tensor)
+    return out
+
+
+def has_lazy(module: nn.Module) -> bool:
+    """Whether ``module`` was built (partly) under ``LazyInitContext``."""
+    return any(is_lazy(t) for t in _tensors([module]))
+
+
+def check_not_meta(module: nn.Module, plugin: str) -> None:
+    """A model on the meta device has no values to train from: refused."""
+    meta = next(
+        (
+            n
+            for n, t in [*module.named_parameters(), *module.named_buffers()]
+            if t.is_meta and not is_lazy(t)
+        ),
+        None,
+    )
+    if meta is not None:
+        raise ValueError(
+            f"{plugin}: {meta} is on the meta device, which holds no values to train from. "
+            "Build the model under pc_chunk.LazyInitContext instead (boost materialises each "
+            "rank's share with the values eager construction gives), or load real weights "
+            "into it before boost."
+        )
+
+
+def materialize_lazy(modules: Iterable[nn.Module], to: torch.device) -> None:
+    """Materialise the lazy parameters and buffers of ``modules`` (only
+    those: a pipeline stage materialises its own layers) on ``to``, with the
+    values eager construction gives."""
+    for tensor in _tensors(modules):
+        if is_lazy(tensor):
+            materialize_(tensor, to)
+
+
+def broadcast_module(module: nn.Module, group: dist.ProcessGroup | None = None) -> None:
+    """Every rank of ``group`` starts from its first rank's parameters and buffers."""
+    src = 0 if group is None else dist.get_global_rank(group, 0)
+    with torch.no_grad():
+        for tensor in _tensors([module]):
+            dist.broadcast(tensor.data, src, group=group)
+
+
+def cast_floating(module: nn.Module, dtype: torch.dtype) -> None:
+    """Floating parameters and buffers to ``dtype`` (integer buffers stay)."""
+    for tensor in _tensors([module]):
+        if tensor.is_floating_point() and tensor.dtype != dtype:
+            tensor.data = tensor.data.to(dtype)
+
+
+# -- state -------------------------------------------------------------------------------
+
+
+def clone_state(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().float().cpu().clone() for k, v in module.state_dict().items()}
+
+
+def load_cast(module: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """``load_state_dict`` that keeps each tensor's dtype and device."""
+    own = module.state_dict()
+    module.load_state_dict({k: v.to(own[k].dtype) if k in own else v for k, v in state.items()})
+
+
+def torch_optimizer_state(optimizer: Optimizer, module: nn.Module) -> CanonicalOptimizerState:
+    """A plain torch optimizer's state, canonical."""
+    names = optimizer_names(optimizer, names_by_id(module))
+    return torch_to_canonical(optimizer.state_dict(), names)
+
+
+def torch_load_optimizer(
+    optimizer: Optimizer, module: nn.Module, state: CanonicalOptimizerState
+) -> None:
+    """Canonical state into a plain torch optimizer (no masters kept)."""
+    names = optimizer_names(optimizer, names_by_id(module))
+    optimizer.load_state_dict(
+        canonical_to_torch(without(state, "master"), names, torch_groups(optimizer))
+    )
+
+
+# -- clipping of the user's own optimizer -----------------------------------------------
+
+
+def clip_hook(
+    max_norm: float, clip: Callable[[Sequence[torch.Tensor], float], float]
+) -> Callable[[Optimizer, Any, Any], None]:
+    """An optimizer step pre-hook that clips the gradients of the
+    optimizer's parameters (those that have one) by their global norm
+    (``clip(params, max_norm)`` computes it over every group that holds a
+    piece of them) before each step."""
+
+    def hook(optimizer: Optimizer, args: Any, kwargs: Any) -> None:
+        params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        clip(params, max_norm)
+
+    return hook
+
+
+def clip_replicated(params: Sequence[torch.Tensor], max_norm: float) -> float:
+    """Clip gradients every rank holds whole (after DDP's all-reduce), or
+    FSDP2's DTensor gradients, whose norm torch reduces over the shards."""
+    norm = torch.nn.utils.clip_grad_norm_(list(params), max_norm)
+    full = getattr(norm, "full_tensor", None)
+    return float(full() if full is not None else norm)

@@ -1,0 +1,211 @@
+"""The data-parallel plugins: torch's ``DistributedDataParallel``
+(:class:`TorchDDPPlugin`) and pc-comm's hfreduce-style one
+(:class:`DDPPlugin`). Every rank holds the whole model and the user's own
+optimizer over it, so both state conversions go by parameter name."""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+from pc_booster.plugin import Boosted, CanonicalOptimizerState, Plugin, SupportsNoSync
+from pc_booster.plugins.common import (
+    cast_floating,
+    clip_hook,
+    clip_replicated,
+    clone_state,
+    device,
+    load_cast,
+    materialize_lazy,
+    require_initialized,
+    torch_load_optimizer,
+    torch_optimizer_state,
+)
+from pc_booster.rules import PluginConfig, Rule, RunSetting, StateBytes, TrainPrecision
+
+__all__ = ["DDPOptions", "DDPPlugin", "TorchDDPOptions", "TorchDDPPlugin"]
+
+
+def _fp32_only(options: Any, setting: RunSetting) -> str | None:
+    if setting.precision in (None, TrainPrecision.FP32):
+        return None
+    source = (
+        "the model was built in it"
+        if setting.model_dtype == setting.precision.dtype
+        else "mixed_precision asks for it"
+    )
+    return (
+        f"trains in fp32 only (every rank steps the user's optimizer on the model itself, "
+        f"with no fp32 masters), got {setting.precision.value} ({source}). Use "
+        "LowLevelZeroPlugin(stage=1) for the same memory per rank with fp32 masters and "
+        f"{setting.precision.value} compute, or build the model in fp32 (model.float())."
+    )
+
+
+DATA_PARALLEL_RULES = (Rule("mixed precision (bf16, fp16, or a model built in them)", _fp32_only),)
+
+
+def _replicated_states(psi: float, precision: TrainPrecision) -> StateBytes:
+    return StateBytes(parameters=4 * psi, gradients=4 * psi, masters=0.0, optimizer=8 * psi)
+
+
+@dataclass(frozen=True)
+class TorchDDPOptions(PluginConfig):
+    """torch ``DistributedDataParallel``'s own options, plus ``max_norm``
+    (clipping by the global norm before each step, 0 for none)."""
+
+    name: ClassVar[str] = "torch-ddp"
+    RULES: ClassVar[tuple[Rule, ...]] = DATA_PARALLEL_RULES
+
+    broadcast_buffers: bool = True
+    bucket_cap_mb: int = 25
+    find_unused_parameters: bool = False
+    gradient_as_bucket_view: bool = False
+    static_graph: bool = False
+    max_norm: float = 0.0
+
+    def model_states(self, psi: float, dp: int, precision: TrainPrecision) -> StateBytes:
+        return _replicated_states(psi, precision)
+
+    def build(self) -> TorchDDPPlugin:
+        return TorchDDPPlugin(**self.as_dict())
+
+
+@dataclass(frozen=True)
+class DDPOptions(PluginConfig):
+    """pc-comm ``DistributedDataParallel``'s options, plus ``max_norm``."""
+
+    name: ClassVar[str] = "ddp"
+    RULES: ClassVar[tuple[Rule, ...]] = DATA_PARALLEL_RULES
+
+    bucket_cap_mb: float = 25.0
+    find_unused_parameters: bool = False
+    broadcast_buffers: bool = True
+    max_norm: float = 0.0
+
+    def model_states(self, psi: float, dp: int, precision: TrainPrecision) -> StateBytes:
+        return _replicated_states(psi, precision)
+
+    def build(self) -> DDPPlugin:
+        return DDPPlugin(**self.as_dict())
+
+
+class _DataParallel(Plugin, SupportsNoSync):
+    options: TorchDDPOptions | DDPOptions
+
+    def _wrap(self, model: nn.Module) -> nn.Module:
+        raise NotImplementedError
+
+    def configure(
+        self,
+        model: nn.Module,
+        optimizer: Optimizer | None,
+        criterion: Any,
+        dataloader: Any,
+        lr_scheduler: Any,
+        precision: TrainPrecision,
+    ) -> Boosted:
+        require_initialized(type(self).__name__)
+        materialize_lazy([model], device())
+        # The wrapper broadcasts rank 0's parameters and buffers itself.
+        model = model.to(device())
+        cast_floating(model, precision.dtype)  # a bf16-built model trained in fp32
+        wrapped = self._wrap(model)
+        if optimizer is not None and self.options.max_norm > 0:
+            optimizer.register_step_pre_hook(clip_hook(self.options.max_norm, clip_replicated))
+        return Boosted(wrapped, optimizer, criterion, dataloader, lr_scheduler, module=model)
+
+    def no_sync(self, model: nn.Module, optimizer: Any) -> AbstractContextManager[None]:
+        context: AbstractContextManager[None] = model.no_sync()  # type: ignore[operator]
+        return context
+
+    def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        return clone_state(self.boosted(model).module)
+
+    def load_model_state_dict(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+        load_cast(self.boosted(model).module, state)
+
+    def optimizer_state_dict(self, optimizer: Any) -> CanonicalOptimizerState:
+        return torch_optimizer_state(optimizer, self.boosted(optimizer).module)
+
+    def load_optimizer_state_dict(self, optimizer: Any, state: CanonicalOptimizerState) -> None:
+        torch_load_optimizer(optimizer, self.boosted(optimizer).module, state)
+
+
+class TorchDDPPlugin(_DataParallel):
+    """torch's ``DistributedDataParallel``; the options are its own
+    (:class:`TorchDDPOptions`)."""
+
+    def __init__(
+        self,
+        broadcast_buffers: bool = True,
+        bucket_cap_mb: int = 25,
+        find_unused_parameters: bool = False,
+        gradient_as_bucket_view: bool = False,
+        static_graph: bool = False,
+        max_norm: float = 0.0,
+    ) -> None:
+        super().__init__(
+            TorchDDPOptions(
+                broadcast_buffers=broadcast_buffers,
+                bucket_cap_mb=bucket_cap_mb,
+                find_unused_parameters=find_unused_parameters,
+                gradient_as_bucket_view=gradient_as_bucket_view,
+                static_graph=static_graph,
+                max_norm=max_norm,
+            )
+        )
+
+    def _wrap(self, model: nn.Module) -> nn.Module:
+        o = self.options
+        assert isinstance(o, TorchDDPOptions)
+        first = next(model.parameters(), None)
+        ids = [first.device.index] if first is not None and first.device.type == "cuda" else None
+        return nn.parallel.DistributedDataParallel(
+            model,
+            device_ids=ids,
+            broadcast_buffers=o.broadcast_buffers,
+            bucket_cap_mb=o.bucket_cap_mb,
+            find_unused_parameters=o.find_unused_parameters,
+            gradient_as_bucket_view=o.gradient_as_bucket_view,
+            static_graph=o.static_graph,
+        )
+
+
+class DDPPlugin(_DataParallel):
+    """pc-comm's hfreduce-style ``DistributedDataParallel``: gradients
+    reduced through host shared memory within a node, bucketed and
+    overlapped with backward (:class:`DDPOptions`)."""
+
+    def __init__(
+        self,
+        bucket_cap_mb: float = 25.0,
+        find_unused_parameters: bool = False,
+        broadcast_buffers: bool = True,
+        max_norm: float = 0.0,
+    ) -> None:
+        super().__init__(
+            DDPOptions(
+                bucket_cap_mb=bucket_cap_mb,
+                find_unused_parameters=find_unused_parameters,
+                broadcast_buffers=broadcast_buffers,
+                max_norm=max_norm,
+            )
+        )
+
+    def _wrap(self, model: nn.Module) -> nn.Module:
+        from pc_comm import DistributedDataParallel
+
+        o = self.options
+        assert isinstance(o, DDPOptions)
+        return DistributedDataParallel(
+            model,
+            bucket_cap_mb=o.bucket_cap_mb,
+            find_unused_parameters=o.find_unused_parameters,
+            broadcast_buffers=o.broadcast_buffers,
+        )

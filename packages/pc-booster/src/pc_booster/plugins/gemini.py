@@ -1,0 +1,313 @@
+"""Chunk-based ZeRO-3 (:class:`GeminiPlugin`) through ``pc_zero.GeminiDDP``
+and ``GeminiOptimizer``; the canonical optimizer state is assembled per
+parameter from each rank's part of its chunks."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.optim import Optimizer
+
+from pc_booster.plugin import (
+    Boosted,
+    CanonicalOptimizerState,
+    Plugin,
+    SupportsNoSync,
+    canonical_to_torch,
+    names_by_id,
+    optimizer_names,
+    rebuild_optimizer,
+    torch_groups,
+    torch_to_canonical,
+)
+from pc_booster.plugins.common import device, loss_scale_config, require_initialized
+from pc_booster.rules import PluginConfig, Rule, RunSetting, StateBytes, TrainPrecision
+
+__all__ = ["GeminiOptions", "GeminiPlugin"]
+
+
+def _placement(options: GeminiOptions, setting: RunSetting) -> str | None:
+    if options.placement_policy not in ("static", "auto"):
+        return f"placement_policy must be 'static' or 'auto', got {options.placement_policy!r}."
+    return None
+
+
+def _offload_fraction(options: GeminiOptions, setting: RunSetting) -> str | None:
+    frac = options.offload_param_frac
+    if not (isinstance(frac, int | float) and math.isfinite(frac) and 0.0 <= frac <= 1.0):
+        return f"offload_param_frac is the share of chunks on the host, in [0, 1]; got {frac!r}."
+    return None
+
+
+def _in_backward_clipping(options: GeminiOptions, setting: RunSetting) -> str | None:
+    if options.step_in_backward and options.max_norm > 0:
+        return (
+            f"step_in_backward=True steps each chunk before the others' gradients exist, so "
+            f"max_norm={options.max_norm} cannot clip by the global norm; pass max_norm=0 or "
+            "step_in_backward=False."
+        )
+    return None
+
+
+def _in_backward_fp16(options: GeminiOptions, setting: RunSetting) -> str | None:
+    if options.step_in_backward and setting.precision is TrainPrecision.FP16:
+        return (
+            "step_in_backward=True steps each chunk before the others' gradients exist, so an "
+            "fp16 overflow could not skip the step; use bf16 or fp32, or step_in_backward=False."
+        )
+    return None
+
+
+def _in_backward_accumulation(options: GeminiOptions, setting: RunSetting) -> str | None:
+    if options.step_in_backward and (setting.accumulation or 1) > 1:
+        return (
+            f"step_in_backward=True steps in every backward, so gradients cannot accumulate "
+            f"over {setting.accumulation} micro-batches; use step_in_backward=False for "
+            "accumulation, or one backward per step."
+        )
+    return None
+
+
+@dataclass(frozen=True)
+class GeminiOptions(PluginConfig):
+    """``placement_policy`` ``"static"`` (``offload_param_frac`` of the
+    chunks on the host) or ``"auto"`` (within ``device_budget_bytes``);
+    chunk size searched in ``search_range_m`` MiB from ``min_chunk_size_m``
+    unless ``chunk_size`` is given; ``step_in_backward``: each chunk
+    stepped as soon as its gradients are reduced (12 bytes per parameter of
+    model states instead of 16)."""
+
+    name: ClassVar[str] = "gemini"
+    gathers_parameters: ClassVar[bool] = True
+    RULES: ClassVar[tuple[Rule, ...]] = (
+        Rule("placement_policy other than 'static' or 'auto'", _placement),
+        Rule("offload_param_frac outside [0, 1]", _offload_fraction),
+        Rule("step_in_backward with clipping (max_norm > 0)", _in_backward_clipping),
+        Rule("step_in_backward with fp16", _in_backward_fp16),
+        Rule("step_in_backward with gradient accumulation", _in_backward_accumulation),
+    )
+
+    placement_policy: str = "static"
+    offload_param_frac: float = 0.0
+    device_budget_bytes: int | None = None
+    chunk_size: int | None = None
+    search_range_m: float = 32.0
+    min_chunk_size_m: float = 32.0
+    max_norm: float = 0.0
+    prefetch: bool = True
+    initial_scale: float = 2.0**16
+    growth_interval: int = 1000
+    hysteresis: int = 2
+    step_in_backward: bool = False
+
+    def describe(self) -> str:
+        extra = f" offload {self.offload_param_frac:g}" if self.offload_param_frac else ""
+        return f"gemini{extra}" + (" step-in-backward" if self.step_in_backward else "")
+
+    def model_states(self, psi: float, dp: int, precision: TrainPrecision) -> StateBytes:
+        p = precision.bytes
+        m = 0 if precision is TrainPrecision.FP32 else 4
+        if self.step_in_backward:
+            # The fp32 shard is parameter and master (the compute-dtype copy
+            # exists only while gathered); no gradient shard is kept.
+            states = StateBytes(4 * psi / dp, 0.0, 0.0, 8 * psi / dp)
+        else:
+            states = StateBytes(p * psi / dp, p * psi / dp, m * psi / dp, 8 * psi / dp)
+        host = self.offload_param_frac * states.total
+        return StateBytes(
+            states.parameters, states.gradients, states.masters, states.optimizer, host
+        )
+
+    def build(self) -> GeminiPlugin:
+        return GeminiPlugin(**self.as_dict())
+
+
+class GeminiPlugin(Plugin, SupportsNoSync):
+    """Chunk-based ZeRO-3 (``pc_zero.GeminiDDP`` + ``GeminiOptimizer``):
+    parameters packed into chunks in execution order, each chunk gathered
+    once for every parameter in it (:class:`GeminiOptions`). A model built
+    under ``LazyInitContext`` is materialised chunk by chunk, each rank
+    keeping its shard. The optimizer is rebuilt over the shards with the
+    same class, hyperparameters and param groups; use
+    ``pc_offload.HybridAdam`` to step host-resident shards fast."""
+
+    options: GeminiOptions
+
+    def __init__(
+        self,
+        placement_policy: str = "static",
+        *,
+        offload_param_frac: float = 0.0,
+        device_budget_bytes: int | None = None,
+        chunk_size: int | None = None,
+        search_range_m: float = 32.0,
+        min_chunk_size_m: float = 32.0,
+        max_norm: float = 0.0,
+        prefetch: bool = True,
+        initial_scale: float = 2.0**16,
+        growth_interval: int = 1000,
+        hysteresis: int = 2,
+        step_in_backward: bool = False,
+    ) -> None:
+        super().__init__(
+            GeminiOptions(
+                placement_policy=placement_policy,
+                offload_param_frac=offload_param_frac,
+                device_budget_bytes=device_budget_bytes,
+                chunk_size=chunk_size,
+                search_range_m=search_range_m,
+                min_chunk_size_m=min_chunk_size_m,
+                max_norm=max_norm,
+                prefetch=prefetch,
+                initial_scale=initial_scale,
+                growth_interval=growth_interval,
+                hysteresis=hysteresis,
+                step_in_backward=step_in_backward,
+            )
+        )
+
+    def configure(
+        self,
+        model: nn.Module,
+        optimizer: Optimizer | None,
+        criterion: Any,
+        dataloader: Any,
+        lr_scheduler: Any,
+        precision: TrainPrecision,
+    ) -> Boosted:
+        from pc_zero import GeminiDDP, GeminiOptimizer
+
+        require_initialized("GeminiPlugin")
+        if optimizer is None:
+            raise ValueError("GeminiPlugin shards an optimizer: pass one to boost().")
+        o = self.options
+        names = names_by_id(model)
+        dtype = precision.dtype
+        with torch.no_grad():  # frozen parameters stay whole on every rank, in the compute dtype
+            for param in model.parameters():
+                if not param.requires_grad and param.is_floating_point():
+                    param.data = param.data.to(dtype)
+        wrapped = GeminiDDP(
+            model,
+            device=device(),
+            mixed_precision=dtype,
+            sync_module_states=True,
+            placement_policy="auto" if o.placement_policy == "auto" else "static",
+            offload_param_frac=o.offload_param_frac,
+            device_budget_bytes=o.device_budget_bytes,
+            chunk_size=o.chunk_size,
+            search_range=int(o.search_range_m * 2**20),
+            min_chunk_size=int(o.min_chunk_size_m * 2**20),
+            prefetch=o.prefetch,
+            step_in_backward=o.step_in_backward,
+        )
+        # Chunks hold trainable parameters only; frozen ones leave the optimizer.
+        trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+        inner = rebuild_optimizer(optimizer, names, trainable, skip_missing=True)
+        scale = loss_scale_config(o.initial_scale, o.growth_interval, o.hysteresis)
+        zero = GeminiOptimizer(inner, wrapped, max_norm=o.max_norm, loss_scale=scale)
+        return Boosted(wrapped, zero, criterion, dataloader, lr_scheduler, module=model)
+
+    def no_sync(self, model: nn.Module, optimizer: Any) -> AbstractContextManager[None]:
+        # No rank holds a full gradient to accumulate locally: each backward
+        # reduce-scatters into the gradient shard, where backwards add up.
+        # Accumulation is correct inside or outside this context.
+        self.validate_later(accumulation=2)
+        return nullcontext()
+
+    # -- canonical state: the model through summon, the optimizer per parameter ---------
+
+    def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        return {k: v.float().cpu() for k, v in model.full_state_dict().items()}  # type: ignore[operator]
+
+    def load_model_state_dict(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+        model.load_full_state_dict(state)  # type: ignore[operator]
+
+    def _parts(self, optimizer: Any) -> Iterator[tuple[str, nn.Parameter, int, int, torch.Size]]:
+        boosted = self.boosted(optimizer)
+        names = names_by_id(boosted.module)
+        wrapper: Any = boosted.model
+        for chunk in wrapper.chunks:
+            for slot, (param, start, part) in zip(chunk.slots, chunk.shard_parts(), strict=True):
+                yield names[id(param)], param, start, part.numel(), slot.shape
+
+    def optimizer_state_dict(self, optimizer: Any) -> CanonicalOptimizerState:
+        inner = optimizer.inner
+        names = names_by_id(self.boosted(optimizer).module)
+        groups = {"state": {}, "param_groups": inner.state_dict()["param_groups"]}
+        saved = torch_to_canonical(groups, optimizer_names(inner, names))  # groups by name
+        parts = list(self._parts(optimizer))
+        wrapper: Any = self.boosted(optimizer).model
+        # Which keys each parameter has, and its scalars ("step"), agreed
+        # first: a rank whose part is empty may hold no state at all, and
+        # every rank must make the same collectives.
+        mine = {
+            name: {
+                k: "tensor" if isinstance(v, torch.Tensor) and v.dim() > 0 else v
+                for k, v in inner.state.get(param, {}).items()
+            }
+            for name, param, *_ in parts
+        }
+        everyone: list[Any] = [None] * dist.get_world_size(self.dp_group)
+        dist.all_gather_object(everyone, mine, group=self.dp_group)
+        state: dict[str, dict[str, Any]] = {}
+        for name, param, start, numel, shape in parts:
+            keys: dict[str, Any] = {}
+            for other in everyone:
+                for k, v in other[name].items():
+                    keys.setdefault(k, v)
+            entry = inner.state.get(param, {})
+            full_entry: dict[str, Any] = {}
+            for key in sorted(keys):
+                if keys[key] != "tensor":
+                    value = keys[key]
+                    full_entry[key] = value.clone() if isinstance(value, torch.Tensor) else value
+                    continue
+                full = torch.zeros(shape.numel(), dtype=torch.float32, device=param.device)
+                if key in entry:
+                    full[start : start + numel] = entry[key].float()
+                wrapper.comm.all_reduce(full)
+                full_entry[key] = full.view(shape).cpu()
+            state[name] = full_entry
+        scaler = optimizer.scaler
+        return {
+            "state": state,
+            "param_groups": saved["param_groups"],
+            "loss_scaler": scaler.state_dict() if scaler is not None else None,
+        }
+
+    def load_optimizer_state_dict(self, optimizer: Any, state: CanonicalOptimizerState) -> None:
+        inner = optimizer.inner
+        names = names_by_id(self.boosted(optimizer).module)
+        converted = canonical_to_torch(
+            {"state": {}, "param_groups": state["param_groups"]},
+            optimizer_names(inner, names),
+            torch_groups(inner),
+        )
+        inner.load_state_dict(converted)  # hyperparameters
+        scaler = optimizer.scaler
+        if scaler is not None and state.get("loss_scaler") is not None:
+            scaler.load_state_dict(state["loss_scaler"])
+        # torch swapped the group objects: re-alias them on the wrapper.
+        optimizer.param_groups, optimizer.state = inner.param_groups, inner.state
+        for name, param, start, numel, _ in self._parts(optimizer):
+            entry = state["state"].get(name)
+            if entry is None:
+                continue
+            local: dict[str, Any] = {}
+            for key, value in entry.items():
+                if key == "master":
+                    continue
+                if isinstance(value, torch.Tensor) and value.dim() > 0:
+                    part = value.reshape(-1)[start : start + numel]
+                    local[key] = part.to(param.device, torch.float32).clone()
+                else:
+                    local[key] = value.clone() if isinstance(value, torch.Tensor) else value
+            inner.state[param] = local

@@ -1,0 +1,450 @@
+"""Tensor x pipeline x data parallelism (:class:`HybridParallelPlugin`):
+pc-tensor's ``shard_model`` over the tensor-parallel ranks, pc-pipeline's
+stages over the pipeline ranks (:mod:`.hybrid_pipeline`), and pc-comm's DDP
+or ZeRO-1/2 over the data-parallel ranks; its state conversions are in
+:mod:`.hybrid_state`. Ranks are laid out tp innermost
+(``pc_comm.make_subgroups``)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.optim import Optimizer
+
+from pc_booster.plugin import (
+    Boosted,
+    CanonicalOptimizerState,
+    Plugin,
+    SupportsNoSync,
+    SupportsPipeline,
+    names_by_id,
+    rebuild_optimizer,
+)
+from pc_booster.plugins import hybrid_pipeline, hybrid_state
+from pc_booster.plugins.common import (
+    broadcast_module,
+    cast_floating,
+    clip_hook,
+    device,
+    loss_scale_config,
+    materialize_lazy,
+    require_initialized,
+)
+from pc_booster.plugins.layout import ParallelLayout
+from pc_booster.plugins.low_level_zero import zero_states
+from pc_booster.rules import PluginConfig, Rule, RunSetting, StateBytes, TrainPrecision
+
+__all__ = ["HybridParallelOptions", "HybridParallelPlugin"]
+
+PP_STYLES = ("1f1b", "interleaved", "zbv")
+
+
+def _sizes(o: HybridParallelOptions, setting: RunSetting) -> str | None:
+    for name in ("tp_size", "pp_size"):
+        value = getattr(o, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            return f"{name} must be an int >= 1, got {value!r}."
+    if o.num_microbatches is not None and (
+        isinstance(o.num_microbatches, bool)
+        or not isinstance(o.num_microbatches, int)
+        or o.num_microbatches < 1
+    ):
+        return f"num_microbatches must be an int >= 1, got {o.num_microbatches!r}."
+    if not o.pp_timeout > 0:
+        return f"pp_timeout must be positive seconds, got {o.pp_timeout!r}."
+    return None
+
+
+def _zero_stage(o: HybridParallelOptions, setting: RunSetting) -> str | None:
+    if o.zero_stage not in (0, 1, 2):
+        return f"zero_stage must be 0, 1 or 2, got {o.zero_stage!r}."
+    return None
+
+
+def _pp_style(o: HybridParallelOptions, setting: RunSetting) -> str | None:
+    if o.pp_style not in PP_STYLES:
+        return f"pp_style must be one of {', '.join(map(repr, PP_STYLES))}, got {o.pp_style!r}."
+    return None
+
+
+def _world(o: HybridParallelOptions, setting: RunSetting) -> str | None:
+    mp = o.tp_size * o.pp_size
+    if setting.world is not None and setting.world % mp:
+        return (
+            f"tp_size ({o.tp_size}) x pp_size ({o.pp_size}) = {mp} does not divide the world "
+            f"size ({setting.world}); the data-parallel size would be {setting.world / mp:.3g}. "
+            "Choose sizes whose product divides the number of processes."
+        )
+    return None
+
+
+def _zero2_pipeline(o: HybridParallelOptions, setting: RunSetting) -> str | None:
+    if o.zero_stage == 2 and o.pp_size > 1:
+        return (
+            "ZeRO-2 shards gradients, which every micro-batch's backward of a pipeline would "
+            f"have to reduce; use zero_stage=1 with pp_size={o.pp_size}."
+        )
+    return None
+
+
+def _sp_needs_tp(o: HybridParallelOptions, setting: RunSetting) -> str | None:
+    if o.enable_sequence_parallelism and o.tp_size == 1:
+        return (
+            "sequence parallelism splits the sequence over the tensor-parallel ranks; set "
+            "tp_size > 1 or enable_sequence_parallelism=False."
+        )
+    return None
+
+
+def _sp_pipeline(o: HybridParallelOptions, setting: RunSetting) -> str | None:
+    if o.enable_sequence_parallelism and o.pp_size > 1:
+        return (
+            "sequence parallelism with pipelines is not supported yet (the stages would pass "
+            "sequence slices); set one of them off."
+        )
+    return None
+
+
+def _mixed_needs_zero(o: HybridParallelOptions, setting: RunSetting) -> str | None:
+    p = setting.precision
+    if o.zero_stage == 0 and p is not None and p is not TrainPrecision.FP32:
+        return (
+            f"{p.value} keeps fp32 masters in the ZeRO optimizer, and zero_stage=0 has none; "
+            "set zero_stage=1 (or build the model in fp32 and train without mixed precision)."
+        )
+    return None
+
+
+def _layers_split(o: HybridParallelOptions, setting: RunSetting) -> str | None:
+    stages = o.pp_size * o.chunks_per_rank()
+    if o.pp_size > 1 and setting.layers is not None and setting.layers % stages:
+        return (
+            f"the model's {setting.layers} transformer blocks do not split evenly into "
+            f"{stages} pipeline stages (pp_size={o.pp_size}"
+            f"{f', {o.chunks_per_rank()} chunks per rank' if o.chunks_per_rank() > 1 else ''}); "
+            "choose a pp_size that divides the number of layers."
+        )
+    return None
+
+
+def _heads_split(o: HybridParallelOptions, setting: RunSetting) -> str | None:
+    if o.tp_size > 1 and setting.heads is not None and setting.heads % o.tp_size:
+        return (
+            f"the model's {setting.heads} attention heads do not split over tp_size="
+            f"{o.tp_size}; choose a tp_size that divides the number of heads."
+        )
+    return None
+
+
+def _pipeline_accumulation(o: HybridParallelOptions, setting: RunSetting) -> str | None:
+    if o.pp_size > 1 and (setting.accumulation or 1) > 1:
+        return (
+            "a pipeline step already accumulates its micro-batches: raise num_microbatches "
+            f"instead of accumulating {setting.accumulation} steps (no_sync) with pp_size > 1."
+        )
+    return None
+
+
+@dataclass(frozen=True)
+class HybridParallelOptions(PluginConfig):
+    """``tp_size`` x ``pp_size`` ranks per model replica, the rest data
+    parallel; ``zero_stage`` 0 (pc-comm DDP), 1 or 2 (ZeRO over the
+    data-parallel ranks); ``num_microbatches`` per pipeline step (default
+    ``pp_size``); ``pp_style`` ``"1f1b"``, ``"interleaved"`` (two model
+    chunks per rank) or ``"zbv"`` (zero-bubble, split backward);
+    ``max_norm``: clipping by the norm over every rank's gradients."""
+
+    name: ClassVar[str] = "hybrid"
+    RULES: ClassVar[tuple[Rule, ...]] = (
+        Rule("tp_size, pp_size, num_microbatches or pp_timeout out of range", _sizes),
+        Rule("zero_stage other than 0, 1, 2", _zero_stage),
+        Rule("unknown pp_style", _pp_style),
+        Rule("tp_size x pp_size not dividing the world size", _world),
+        Rule("zero_stage=2 with pipelines", _zero2_pipeline),
+        Rule("sequence parallelism without tensor parallelism", _sp_needs_tp),
+        Rule("sequence parallelism with pipelines", _sp_pipeline),
+        Rule(
+            "mixed precision (or a model built in bf16/fp16) with zero_stage=0", _mixed_needs_zero
+        ),
+        Rule("pipeline stages not dividing the transformer blocks", _layers_split),
+        Rule("tp_size not dividing the attention heads", _heads_split),
+        Rule("gradient accumulation (no_sync) with pipelines", _pipeline_accumulation),
+    )
+
+    tp_size: int = 1
+    pp_size: int = 1
+    zero_stage: int = 0
+    num_microbatches: int | None = None
+    pp_style: str = "1f1b"
+    enable_sequence_parallelism: bool = False
+    max_norm: float = 0.0
+    initial_scale: float = 2.0**16
+    growth_interval: int = 1000
+    hysteresis: int = 2
+    pp_timeout: float = 300.0
+
+    def chunks_per_rank(self) -> int:
+        return 2 if self.pp_style == "interleaved" else 1
+
+    def model_parallel(self) -> int:
+        return self.tp_size * self.pp_size
+
+    def microbatches(self) -> int:
+        return self.num_microbatches or self.pp_size
+
+    def describe(self) -> str:
+        sp = " sp" if self.enable_sequence_parallelism else ""
+        return f"hybrid tp{self.tp_size} pp{self.pp_size} zero{self.zero_stage}{sp}"
+
+    def model_states(self, psi: float, dp: int, precision: TrainPrecision) -> StateBytes:
+        return zero_states(
+            psi, dp, precision, self.zero_stage, offload=False, pipeline=self.pp_size > 1
+        )
+
+    def build(self) -> HybridParallelPlugin:
+        return HybridParallelPlugin(**self.as_dict())
+
+
+class HybridParallelPlugin(Plugin, SupportsNoSync, SupportsPipeline):
+    """Tensor parallelism (pc-tensor's ``shard_model``, optionally with
+    sequence parallelism) x pipeline parallelism x data parallelism
+    (:class:`HybridParallelOptions`). ``layout``: the process groups, built
+    once per job and shared by plugins of the same sizes (default: built on
+    first use)."""
+
+    options: HybridParallelOptions
+
+    def __init__(
+        self,
+        tp_size: int = 1,
+        pp_size: int = 1,
+        *,
+        zero_stage: int = 0,
+        num_microbatches: int | None = None,
+        pp_style: str = "1f1b",
+        enable_sequence_parallelism: bool = False,
+        max_norm: float = 0.0,
+        initial_scale: float = 2.0**16,
+        growth_interval: int = 1000,
+        hysteresis: int = 2,
+        pp_timeout: float = 300.0,
+        layout: ParallelLayout | None = None,
+    ) -> None:
+        super().__init__(
+            HybridParallelOptions(
+                tp_size=tp_size,
+                pp_size=pp_size,
+                zero_stage=zero_stage,
+                num_microbatches=num_microbatches,
+                pp_style=pp_style,
+                enable_sequence_parallelism=enable_sequence_parallelism,
+                max_norm=max_norm,
+                initial_scale=initial_scale,
+                growth_interval=growth_interval,
+                hysteresis=hysteresis,
+                pp_timeout=pp_timeout,
+            )
+        )
+        if layout is not None and (layout.tp_size, layout.pp_size) != (tp_size, pp_size):
+            raise ValueError(
+                f"HybridParallelPlugin: layout has tp {layout.tp_size} x pp {layout.pp_size}, the "
+                f"plugin tp_size {tp_size} x pp_size {pp_size}; pass a layout of the same sizes."
+            )
+        # The process groups: built once, on first use (every rank then).
+        self._layout = layout
+        # Set by configure: the pipeline stage that trains each parameter
+        # (by name), and the tied weights' gradient-summing groups.
+        self.stage_of: dict[str, int] = {}
+        self.tied: list[tuple[nn.Parameter, dist.ProcessGroup]] = []
+        self.loss_kind = "causal"
+
+    # Colossal-AI's attribute names.
+    @property
+    def tp_size(self) -> int:
+        return self.options.tp_size
+
+    @property
+    def pp_size(self) -> int:
+        return self.options.pp_size
+
+    @property
+    def zero_stage(self) -> int:
+        return self.options.zero_stage
+
+    @property
+    def layout(self) -> ParallelLayout:
+        if self._layout is None:
+            require_initialized("HybridParallelPlugin")
+            self._layout = ParallelLayout.build(tp=self.tp_size, pp=self.pp_size)
+        return self._layout
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup:
+        return self.layout.dp_group
+
+    @property
+    def dp_size(self) -> int:
+        return dist.get_world_size(self.dp_group)
+
+    def configure(
+        self,
+        model: nn.Module,
+        optimizer: Optimizer | None,
+        criterion: Any,
+        dataloader: Any,
+        lr_scheduler: Any,
+        precision: TrainPrecision,
+    ) -> Boosted:
+        from pc_comm import DistributedDataParallel
+        from pc_tensor import shard_model
+
+        layout = self.layout
+        names = names_by_id(model)
+        if self.pp_size > 1:
+            return hybrid_pipeline.configure_pipeline(
+                self, model, names, optimizer, criterion, dataloader, lr_scheduler, precision
+            )
+        materialize_lazy([model], device())
+        model = model.to(device())
+        broadcast_module(model)
+        if self.tp_size > 1:
+            shard_model(
+                model, layout.tp_group, sequence_parallel=self.options.enable_sequence_parallelism
+            )
+        cast_floating(model, precision.dtype)
+        wrapped: nn.Module = model
+        if optimizer is not None:
+            optimizer = rebuild_optimizer(optimizer, names, dict(model.named_parameters()))
+        if self.zero_stage:
+            if optimizer is None:
+                raise ValueError("zero_stage > 0 shards an optimizer: pass one to boost().")
+            optimizer = self.zero_optimizer(optimizer)
+        else:
+            if dist.get_world_size(layout.dp_group) > 1:
+                wrapped = DistributedDataParallel(model, process_group=layout.dp_group)
+            if optimizer is not None:
+                self.clip_own_optimizer(optimizer)
+        return Boosted(wrapped, optimizer, criterion, dataloader, lr_scheduler, module=model)
+
+    # -- clipping and loss scaling across every group holding gradients ---------------
+
+    def counts_toward_norm(self, param: torch.Tensor, name: str | None = None) -> bool:
+        """Whether this rank counts ``param`` in the global gradient norm:
+        each weight once across the model-parallel ranks (a tensor-parallel
+        shard on every tp rank, a replicated weight on tp rank 0; a weight
+        tied across stages on the stage that trains it)."""
+        layout = self.layout
+        replicated = not getattr(param, "tensor_model_parallel", False)
+        if self.tp_size > 1 and replicated and layout.coord.tp != 0:
+            return False
+        if self.pp_size > 1 and name is not None:
+            return self.stage_of.get(name, layout.coord.pp) == layout.coord.pp
+        return True
+
+    def norm_groups(self) -> list[dist.ProcessGroup]:
+        groups = []
+        if self.tp_size > 1:
+            groups.append(self.layout.tp_group)
+        if self.pp_size > 1:
+            groups.append(self.layout.pp_group)
+        return groups
+
+    def zero_optimizer(self, optimizer: Optimizer, names: dict[int, str] | None = None) -> Any:
+        """ZeRO over the data-parallel ranks, clipping by (and deciding fp16
+        overflow on) the norm over the tensor and pipeline ranks too."""
+        from pc_zero import LowLevelZeroOptimizer
+
+        o = self.options
+        by_id = names or {}
+        return LowLevelZeroOptimizer(
+            optimizer,
+            stage=o.zero_stage,
+            dp_process_group=self.layout.dp_group,
+            model_parallel_groups=self.norm_groups(),
+            counts_toward_norm=lambda p: self.counts_toward_norm(p, by_id.get(id(p))),
+            clip_grad_norm=o.max_norm,
+            loss_scale=loss_scale_config(o.initial_scale, o.growth_interval, o.hysteresis),
+        )
+
+    def clip_own_optimizer(self, optimizer: Optimizer, names: dict[int, str] | None = None) -> None:
+        """zero_stage=0: clip the user's optimizer's gradients (whole on
+        each data-parallel rank after DDP) by the global norm before each step."""
+        if self.options.max_norm <= 0:
+            return
+        from pc_zero import unscale_clip_and_check
+
+        by_id = names or {}
+
+        def clip(params: Sequence[torch.Tensor], max_norm: float) -> float:
+            # The gradients themselves (scaled in place), not flattened copies.
+            grads = [p.grad for p in params if p.grad is not None]
+            counted = [
+                [(0, g.numel())] if self.counts_toward_norm(p, by_id.get(id(p))) else []
+                for p, g in zip(params, grads, strict=True)
+            ]
+            _, norm = unscale_clip_and_check(
+                grads,
+                None,
+                None,
+                max_norm,
+                device(),
+                count_ranges=counted,
+                model_parallel_groups=self.norm_groups(),
+            )
+            return norm
+
+        optimizer.register_step_pre_hook(clip_hook(self.options.max_norm, clip))
+
+    # -- steps -------------------------------------------------------------------------
+
+    def execute_pipeline(
+        self,
+        data_iter: Iterator[Any],
+        model: nn.Module,
+        criterion: Any,
+        optimizer: Any,
+        return_loss: bool = True,
+        return_outputs: bool = False,
+    ) -> dict[str, Any]:
+        """One step's forward and backward through the pipeline on the next
+        batch of ``data_iter`` [see :func:`.hybrid_pipeline.execute_pipeline`].
+        Then call ``optimizer.step()``."""
+        return hybrid_pipeline.execute_pipeline(
+            self, data_iter, model, criterion, optimizer, return_loss, return_outputs
+        )
+
+    def no_sync(self, model: nn.Module, optimizer: Any) -> AbstractContextManager[None]:
+        self.validate_later(accumulation=2)  # refused with pipelines
+        if self.zero_stage == 1:
+            if optimizer is None:
+                raise ValueError(
+                    "with zero_stage=1 gradients accumulate in the optimizer: pass it, "
+                    "booster.no_sync(model, optimizer)."
+                )
+            context: AbstractContextManager[None] = optimizer.no_sync()
+            return context
+        wrapped: Any = model
+        if self.zero_stage == 2 or not hasattr(wrapped, "no_sync"):
+            return nullcontext()  # ZeRO-2 accumulates in its shard; dp 1 has nothing to sync
+        context = wrapped.no_sync()
+        return context
+
+    # -- canonical state ---------------------------------------------------------------
+
+    def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        return hybrid_state.model_state_dict(self, model)
+
+    def load_model_state_dict(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+        hybrid_state.load_model_state_dict(self, model, state)
+
+    def optimizer_state_dict(self, optimizer: Any) -> CanonicalOptimizerState:
+        return hybrid_state.optimizer_state_dict(self, optimizer)
+
+    def load_optimizer_state_dict(self, optimizer: Any, state: CanonicalOptimizerState) -> None:
+        hybrid_state.load_optimizer_state_dict(self, optimizer, state)

@@ -1,0 +1,266 @@
+"""The pipeline half of :class:`~pc_booster.plugins.hybrid.HybridParallelPlugin`:
+cutting a ``transformers`` model into stages (:mod:`pc_booster.pipeline`),
+materialising and placing only this rank's stage, the groups that sum a
+weight tied across stages, and one step through the schedule with the
+loss scaled for fp16 and the criterion called as Colossal-AI calls it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, nullcontext
+from functools import cached_property
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.optim import Optimizer
+
+from pc_booster.pipeline import pipeline_layers
+from pc_booster.plugin import Boosted, rebuild_optimizer
+from pc_booster.plugins.common import (
+    broadcast_module,
+    cast_floating,
+    device,
+    materialize_lazy,
+)
+from pc_booster.rules import TrainPrecision
+
+if TYPE_CHECKING:
+    from pc_booster.plugins.hybrid import HybridParallelPlugin
+
+__all__ = ["StageOutput", "configure_pipeline", "execute_pipeline"]
+
+
+class StageOutput:
+    """What the last stage's criterion gets as ``outputs`` for one
+    micro-batch, shaped like a ``transformers`` model output: ``logits``
+    (vocabulary-parallel under tensor parallelism), and ``loss``, the
+    model's own loss on the micro-batch's ``labels`` (its ``input_ids``
+    when it has none), computed when first read."""
+
+    def __init__(self, logits: torch.Tensor, loss: Callable[[], torch.Tensor]) -> None:
+        self.logits = logits
+        self._compute_loss = loss
+
+    @cached_property
+    def loss(self) -> torch.Tensor:
+        return self._compute_loss()
+
+    def __getitem__(self, key: int | str) -> torch.Tensor:
+        if key in (0, "loss"):
+            return self.loss if key == "loss" else self.logits
+        if key == "logits":
+            return self.logits
+        raise KeyError(f"a pipeline stage's output has 'logits' and 'loss', not {key!r}")
+
+
+def _stage_layout(plugin: HybridParallelPlugin, model: nn.Module) -> tuple[Any, list[int]]:
+    layers, plugin.loss_kind = pipeline_layers(model)
+    o = plugin.options
+    stages = o.pp_size * o.chunks_per_rank()
+    blocks = len(layers) - 2
+    plugin.validate_later(layers=blocks)
+    balance = [blocks // stages] * stages
+    balance[0] += 1  # the embedding
+    balance[-1] += 1  # the head
+    from pc_pipeline import Sequential
+
+    return Sequential(*layers), balance
+
+
+def configure_pipeline(
+    plugin: HybridParallelPlugin,
+    model: nn.Module,
+    names: dict[int, str],
+    optimizer: Optimizer | None,
+    criterion: Any,
+    dataloader: Any,
+    lr_scheduler: Any,
+    precision: TrainPrecision,
+) -> Boosted:
+    """Build this rank's stage(s) and the pipeline over them. Only this
+    stage's layers are materialised (all of them under tensor parallelism,
+    which shards the whole model first)."""
+    from pc_comm import DistributedDataParallel
+    from pc_pipeline import Interleaved1F1B, PipeDream, ZeroBubble, partition
+    from pc_tensor import shard_model
+
+    layout, o = plugin.layout, plugin.options
+    if o.tp_size > 1:
+        # Tensor parallelism shards the whole model (replacing its layers),
+        # so it is materialised whole, and the stages are cut after.
+        materialize_lazy([model], device())
+        model.to(device())
+        broadcast_module(model)
+        shard_model(model, layout.tp_group, sequence_parallel=False)
+    sequence, balance = _stage_layout(plugin, model)
+    pp_rank, pp = layout.coord.pp, o.pp_size
+
+    def stage_modules(rank: int) -> list[nn.Module]:
+        part = partition(sequence, rank, pp, o.chunks_per_rank(), balance=balance)
+        return list(part) if isinstance(part, list) else [part]
+
+    mine = stage_modules(pp_rank)
+    if o.tp_size == 1:  # only this stage's layers are materialised and placed
+        materialize_lazy(mine, device())
+        for module in mine:
+            module.to(device())
+            # The ranks of this stage start from its first data-parallel rank's values.
+            broadcast_module(module, layout.dp_group)
+    for module in mine:
+        cast_floating(module, precision.dtype)
+
+    holders: dict[int, list[int]] = {}  # parameter id -> pp ranks holding it
+    for rank in range(pp):
+        for module in stage_modules(rank):
+            for param in module.parameters():
+                if rank not in holders.setdefault(id(param), []):
+                    holders[id(param)].append(rank)
+    by_name = dict(model.named_parameters())
+    plugin.stage_of = {  # every alias of a tied weight too (BERT's decoder bias)
+        n: holders[id(p)][0]
+        for n, p in model.named_parameters(remove_duplicate=False)
+        if id(p) in holders
+    }
+    own = {n: p for n, p in by_name.items() if pp_rank in holders.get(id(p), [])}
+    plugin.tied = _tie_groups(plugin, holders, by_name)
+    with torch.no_grad():  # a tied weight starts from the stage that trains it
+        for param, group in plugin.tied:
+            dist.broadcast(param.data, dist.get_global_rank(group, 0), group=group)
+
+    if not o.zero_stage and dist.get_world_size(layout.dp_group) > 1:
+        # Buffers are synchronised once, above: re-broadcasting them every
+        # micro-batch would overwrite tensors earlier micro-batches'
+        # graphs still hold (BERT's token_type_ids).
+        mine = [
+            DistributedDataParallel(m, process_group=layout.dp_group, broadcast_buffers=False)
+            for m in mine
+        ]
+    chunks, wait = o.microbatches(), o.pp_timeout
+    if o.pp_style == "interleaved":
+        pipe: nn.Module = Interleaved1F1B(mine, chunks, layout.pp_group, timeout=wait)
+    elif o.pp_style == "zbv":
+        pipe = ZeroBubble(mine[0], chunks, layout.pp_group, timeout=wait)
+    else:
+        pipe = PipeDream(mine[0], chunks, layout.pp_group, timeout=wait)
+    if optimizer is not None:
+        optimizer = rebuild_optimizer(optimizer, names, own, skip_missing=True)
+        own_names = {id(p): n for n, p in own.items()}
+        if o.zero_stage:
+            optimizer = plugin.zero_optimizer(optimizer, own_names)
+        else:
+            plugin.clip_own_optimizer(optimizer, own_names)
+    return Boosted(pipe, optimizer, criterion, dataloader, lr_scheduler, module=model)
+
+
+def _tie_groups(
+    plugin: HybridParallelPlugin, holders: dict[int, list[int]], by_name: dict[str, nn.Parameter]
+) -> list[tuple[nn.Parameter, dist.ProcessGroup]]:
+    """Groups summing the gradients of weights held by several stages (an
+    LM head tied to the embedding): one group per tie and per data/tensor-
+    parallel position, made by every rank in one order."""
+    layout = plugin.layout
+    dims, me = layout.dims, layout.coord
+    ties = sorted({tuple(r) for r in holders.values() if len(r) > 1})
+    out: list[tuple[nn.Parameter, dist.ProcessGroup]] = []
+    for tie in ties:
+        for d in range(dims.dp):
+            for t in range(dims.tp):
+                ranks = tuple((d * dims.pp + p) * dims.tp + t for p in tie)
+                group = layout.group_over(ranks)
+                if d == me.dp and t == me.tp and me.pp in tie:
+                    for param in by_name.values():
+                        if tuple(holders.get(id(param), ())) == tie:
+                            out.append((param, group))
+    return out
+
+
+def lm_loss(
+    plugin: HybridParallelPlugin, logits: torch.Tensor, labels: torch.Tensor
+) -> torch.Tensor:
+    """The model's own loss: causal (shifted) or masked LM, vocabulary-
+    parallel under tensor parallelism."""
+    if plugin.loss_kind == "causal":
+        logits, labels = logits[:, :-1], labels[:, 1:]
+    flat, target = logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)
+    if plugin.tp_size > 1:
+        from pc_tensor import vocab_parallel_cross_entropy
+
+        return vocab_parallel_cross_entropy(flat, target, plugin.layout.tp_group)
+    return nn.functional.cross_entropy(flat.float(), target)
+
+
+def execute_pipeline(
+    plugin: HybridParallelPlugin,
+    data_iter: Iterator[Any],
+    model: nn.Module,
+    criterion: Any,
+    optimizer: Any,
+    return_loss: bool = True,
+    return_outputs: bool = False,
+) -> dict[str, Any]:
+    """One step's forward and backward through the pipeline on the next
+    batch of ``data_iter`` (a dict of batch-first tensors with
+    ``input_ids``, or a tensor of ids), split into micro-batches.
+
+    ``criterion(outputs, inputs)``, as Colossal-AI calls it: ``outputs`` a
+    :class:`StageOutput` of the micro-batch (``.logits``, ``.loss``),
+    ``inputs`` the micro-batch's dict; it returns the micro-batch's mean
+    loss. None means ``outputs.loss``. Under fp16 the loss is multiplied by
+    the ZeRO optimizer's loss scale before backward (the optimizer divides
+    the gradients by it and decides overflow over every stage).
+
+    Returns ``{"loss", "outputs"}``: the mean loss over the micro-batches
+    (unscaled) on every rank, and the last stage's logits there (None
+    elsewhere)."""
+    if plugin.pp_size == 1:
+        raise ValueError("execute_pipeline needs pp_size > 1; call the model directly.")
+    batch = next(data_iter)
+    inputs = batch if isinstance(batch, dict) else {"input_ids": batch}
+    if "input_ids" not in inputs:
+        raise ValueError(
+            f"execute_pipeline feeds the first stage 'input_ids'; the batch has "
+            f"{sorted(inputs)}. Pass a dict with input_ids (and labels), or a tensor of ids."
+        )
+    keys = [k for k, v in inputs.items() if isinstance(v, torch.Tensor)]
+    scaler = optimizer.scaler if plugin.zero_stage and optimizer is not None else None
+    scale = float(scaler.scale) if scaler is not None else 1.0
+    user: Callable[[Any, dict[str, Any]], torch.Tensor] = (
+        criterion if criterion is not None else lambda outputs, _: outputs.loss
+    )
+
+    def loss_fn(logits: torch.Tensor, *parts: torch.Tensor) -> torch.Tensor:
+        micro = dict(zip(keys, parts, strict=True))
+        labels = micro["labels"] if "labels" in micro else micro["input_ids"]
+        out = StageOutput(logits, lambda: lm_loss(plugin, logits, labels))
+        loss = user(out, micro)
+        return loss * scale if scale != 1.0 else loss
+
+    context: AbstractContextManager[None] = (
+        optimizer.no_sync() if plugin.zero_stage == 1 else nullcontext()
+    )
+    with context:
+        losses, outputs = model.forward_backward(  # type: ignore[operator]
+            inputs["input_ids"],
+            criterion=loss_fn,
+            labels=tuple(inputs[k] for k in keys),
+            return_outputs=return_outputs,
+        )
+    for param, group in plugin.tied:
+        if plugin.zero_stage == 1:
+            grad = optimizer.accumulated_grad(param)
+        else:
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+            grad = param.grad
+        dist.all_reduce(grad, group=group)
+    loss = (
+        losses.detach().float().mean() / scale
+        if losses is not None
+        else torch.zeros((), device=device())
+    )
+    layout = plugin.layout
+    last = dist.get_global_rank(layout.pp_group, plugin.pp_size - 1)
+    dist.broadcast(loss, last, group=layout.pp_group)
+    return {"loss": loss if return_loss else None, "outputs": outputs}

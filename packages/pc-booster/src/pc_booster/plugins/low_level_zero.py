@@ -1,0 +1,270 @@
+"""ZeRO-1 / ZeRO-2 (:class:`LowLevelZeroPlugin`) through
+``pc_zero.LowLevelZeroOptimizer``, and the conversions of its state to and
+from the canonical form, which the hybrid plugin shares: the fp32 masters
+are the parameters' true values."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+from pc_booster.plugin import (
+    Boosted,
+    CanonicalOptimizerState,
+    Plugin,
+    SupportsNoSync,
+    canonical_to_torch,
+    names_by_id,
+    torch_to_canonical,
+)
+from pc_booster.plugins.common import (
+    broadcast_module,
+    cast_floating,
+    clone_state,
+    device,
+    load_cast,
+    loss_scale_config,
+    materialize_lazy,
+    require_initialized,
+)
+from pc_booster.rules import PluginConfig, Rule, RunSetting, StateBytes, TrainPrecision
+from pc_zero import ShardedOptimizer
+
+__all__ = [
+    "LowLevelZeroOptions",
+    "LowLevelZeroPlugin",
+    "zero_load_masters",
+    "zero_load_optimizer",
+    "zero_masters",
+    "zero_optimizer_state",
+]
+
+
+def _stage(options: LowLevelZeroOptions, setting: RunSetting) -> str | None:
+    if options.stage not in (1, 2):
+        return (
+            f"stage must be 1 or 2, got {options.stage!r}; ZeRO-3 is TorchFSDPPlugin or "
+            "GeminiPlugin."
+        )
+    return None
+
+
+def zero_states(
+    psi: float, dp: int, precision: TrainPrecision, stage: int, *, offload: bool, pipeline: bool
+) -> StateBytes:
+    """ZeRO-1/2 model states per rank (the ZeRO paper's accounting): the
+    compute-dtype parameters whole, masters and moments sharded; stage 1
+    keeps the whole gradient (and, reduced in backward, its piece; a
+    pipeline reduces at the step), stage 2 only its piece."""
+    p = precision.bytes
+    m = 4 if precision is not TrainPrecision.FP32 or offload else 0
+    if stage == 1:
+        grads = p * psi + (0.0 if pipeline else p * psi / dp)
+    elif stage == 2:
+        grads = p * psi / dp
+    else:  # no ZeRO: everything whole
+        return StateBytes(p * psi, p * psi, m * psi, 8 * psi)
+    masters, moments = m * psi / dp, 8 * psi / dp
+    return StateBytes(p * psi, grads, masters, moments, host=masters + moments if offload else 0.0)
+
+
+@dataclass(frozen=True)
+class LowLevelZeroOptions(PluginConfig):
+    """ZeRO over the data-parallel ranks.
+
+    - ``stage``: 1 shards optimizer states, 2 gradients too.
+    - ``cpu_offload``: masters, moments and the step on the host.
+    - ``max_norm``: clipping by the global norm, 0 for none.
+    - ``initial_scale`` / ``growth_interval`` / ``hysteresis``: fp16's
+      dynamic loss scale.
+    """
+
+    name: ClassVar[str] = "low-level-zero"
+    RULES: ClassVar[tuple[Rule, ...]] = (Rule("stage other than 1 or 2", _stage),)
+
+    stage: int = 1
+    cpu_offload: bool = False
+    reduce_bucket_size_in_m: float = 1.0
+    overlap_communication: bool = True
+    max_norm: float = 0.0
+    initial_scale: float = 2.0**16
+    growth_interval: int = 1000
+    hysteresis: int = 2
+
+    def describe(self) -> str:
+        return f"zero{self.stage}" + (" cpu-offload" if self.cpu_offload else "")
+
+    def model_states(self, psi: float, dp: int, precision: TrainPrecision) -> StateBytes:
+        return zero_states(psi, dp, precision, self.stage, offload=self.cpu_offload, pipeline=False)
+
+    def build(self) -> LowLevelZeroPlugin:
+        return LowLevelZeroPlugin(**self.as_dict())
+
+
+# -- ZeRO-1/2 state: the fp32 masters are the parameters' true values --------------
+
+
+def _zero_names(optimizer: ShardedOptimizer, module: nn.Module) -> list[str | None]:
+    names = names_by_id(module)
+    return [names.get(id(p)) for p in optimizer.params]
+
+
+def zero_masters(module: nn.Module, optimizer: ShardedOptimizer | None) -> dict[str, torch.Tensor]:
+    """The fp32 masters by parameter name (collective), when they are
+    separate from the parameters (fp16/bf16, offload); empty otherwise."""
+    if optimizer is None or optimizer.masters_are_params:
+        return {}
+    names = _zero_names(optimizer, module)
+    return {
+        name: value
+        for index, value in optimizer.full_params().items()
+        if (name := names[index]) is not None
+    }
+
+
+def zero_load_masters(
+    module: nn.Module, optimizer: ShardedOptimizer | None, state: dict[str, torch.Tensor]
+) -> None:
+    """Full-precision values into the masters too (else the next step
+    writes the old masters back over the loaded weights)."""
+    if optimizer is None or optimizer.masters_are_params:
+        return
+    names = _zero_names(optimizer, module)
+    optimizer.load_full_params(
+        {i: state[n] for i, n in enumerate(names) if n is not None and n in state}
+    )
+
+
+def zero_optimizer_state(optimizer: ShardedOptimizer, module: nn.Module) -> CanonicalOptimizerState:
+    full = optimizer.state_dict()
+    canonical = torch_to_canonical(full, _zero_names(optimizer, module))
+    canonical["loss_scaler"] = full.get("loss_scaler")
+    return canonical
+
+
+def zero_load_optimizer(
+    optimizer: ShardedOptimizer, module: nn.Module, state: CanonicalOptimizerState
+) -> None:
+    groups = [
+        (list(indices), {k: v for k, v in group.items() if k != "params"})
+        for indices, group in zip(optimizer.group_indices, optimizer.param_groups, strict=True)
+    ]
+    converted = canonical_to_torch(state, _zero_names(optimizer, module), groups)
+    if not optimizer.masters_are_params and not any(
+        "master" in e for e in converted["state"].values()
+    ):
+        # A checkpoint without masters (from an fp32 plugin): keep the
+        # full-precision masters the model load set, rather than letting the
+        # optimizer re-derive them from the rounded parameters.
+        for index, value in optimizer.full_params().items():
+            if index in converted["state"]:
+                converted["state"][index]["master"] = value
+    if state.get("loss_scaler") is not None:
+        converted["loss_scaler"] = state["loss_scaler"]
+    optimizer.load_state_dict(converted)
+
+
+class LowLevelZeroPlugin(Plugin, SupportsNoSync):
+    """ZeRO-1 (optimizer states sharded) or ZeRO-2 (gradients too) through
+    ``pc_zero.LowLevelZeroOptimizer``; fp16 (dynamic loss scale) and bf16
+    keep fp32 masters (:class:`LowLevelZeroOptions`)."""
+
+    options: LowLevelZeroOptions
+
+    def __init__(
+        self,
+        stage: int = 1,
+        *,
+        cpu_offload: bool = False,
+        reduce_bucket_size_in_m: float = 1.0,
+        overlap_communication: bool = True,
+        max_norm: float = 0.0,
+        initial_scale: float = 2.0**16,
+        growth_interval: int = 1000,
+        hysteresis: int = 2,
+    ) -> None:
+        super().__init__(
+            LowLevelZeroOptions(
+                stage=stage,
+                cpu_offload=cpu_offload,
+                reduce_bucket_size_in_m=reduce_bucket_size_in_m,
+                overlap_communication=overlap_communication,
+                max_norm=max_norm,
+                initial_scale=initial_scale,
+                growth_interval=growth_interval,
+                hysteresis=hysteresis,
+            )
+        )
+
+    @property
+    def stage(self) -> int:
+        return self.options.stage
+
+    def configure(
+        self,
+        model: nn.Module,
+        optimizer: Optimizer | None,
+        criterion: Any,
+        dataloader: Any,
+        lr_scheduler: Any,
+        precision: TrainPrecision,
+    ) -> Boosted:
+        from pc_zero import LowLevelZeroOptimizer
+
+        require_initialized("LowLevelZeroPlugin")
+        if optimizer is None:
+            raise ValueError("LowLevelZeroPlugin shards an optimizer: pass one to boost().")
+        o = self.options
+        materialize_lazy([model], device())
+        model = model.to(device())
+        broadcast_module(model)
+        cast_floating(model, precision.dtype)
+        zero = LowLevelZeroOptimizer(
+            optimizer,
+            stage=o.stage,
+            cpu_offload=o.cpu_offload,
+            reduce_bucket_size=int(o.reduce_bucket_size_in_m * 1024 * 1024),
+            overlap_communication=o.overlap_communication,
+            clip_grad_norm=o.max_norm,
+            loss_scale=loss_scale_config(o.initial_scale, o.growth_interval, o.hysteresis),
+        )
+        return Boosted(model, zero, criterion, dataloader, lr_scheduler, module=model)
+
+    @contextmanager
+    def _no_sync(self, optimizer: Any) -> Iterator[None]:
+        with optimizer.no_sync():
+            yield
+
+    def no_sync(self, model: nn.Module, optimizer: Any) -> AbstractContextManager[None]:
+        if optimizer is None:
+            raise ValueError(
+                "LowLevelZeroPlugin accumulates in the optimizer: pass it, "
+                "booster.no_sync(model, optimizer)."
+            )
+        if self.stage == 2:
+            # Stage 2 holds no full gradient to accumulate locally: each
+            # backward reduce-scatters into the gradient shard, where
+            # backwards add up. Accumulation is correct either way.
+            return nullcontext()
+        return self._no_sync(optimizer)
+
+    def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        boosted = self.boosted(model)
+        return {**clone_state(boosted.module), **zero_masters(boosted.module, boosted.optimizer)}
+
+    def load_model_state_dict(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+        boosted = self.boosted(model)
+        load_cast(boosted.module, state)
+        zero_load_masters(boosted.module, boosted.optimizer, state)
+
+    def optimizer_state_dict(self, optimizer: Any) -> CanonicalOptimizerState:
+        return zero_optimizer_state(optimizer, self.boosted(optimizer).module)
+
+    def load_optimizer_state_dict(self, optimizer: Any, state: CanonicalOptimizerState) -> None:
+        zero_load_optimizer(optimizer, self.boosted(optimizer).module, state)
