@@ -8,6 +8,7 @@ PC_CONSTRAINTS=<file> to use other pins, or PC_CONSTRAINTS= (empty) for none.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -21,7 +22,8 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 ROOT = Path(__file__).parent
-# Bottom layer first: the order tests run and packages install in.
+# Bottom layer first: the order tests run and packages install in. pc-booster
+# is the library on top of the layers, pc-train the application on top of it.
 PACKAGES = [
     "pc-comm",
     "pc-offload",
@@ -30,6 +32,7 @@ PACKAGES = [
     "pc-pipeline",
     "pc-tensor",
     "pc-booster",
+    "pc-train",
 ]
 INTEGRATION = "integration"
 # datasets: pc-train reads save_to_disk directories; the test of that needs it.
@@ -53,10 +56,12 @@ def _constraints(session: nox.Session) -> list[str]:
 
 
 def _install_workspace(session: nox.Session, *extra: str) -> None:
-    """All packages editable in one pip call, plus ``extra`` requirements."""
+    """All packages editable in one pip call, plus ``extra`` requirements.
+    pc-booster's tests boost transformers models (its ``hf`` extra);
+    pc-train brings what the demo needs as plain dependencies."""
     editable: list[str] = []
     for package in PACKAGES:
-        spec = f"packages/{package}[hf,train]" if package == "pc-booster" else f"packages/{package}"
+        spec = f"packages/{package}[hf]" if package == "pc-booster" else f"packages/{package}"
         editable += ["-e", spec]
     session.install(*_constraints(session), *editable, *extra)
 
@@ -151,13 +156,18 @@ def _with_pc_dependencies(session: nox.Session, package: str) -> list[str]:
     return [name for name in PACKAGES if name in found]
 
 
-def _third_party_site(session: nox.Session) -> Path:
-    """One directory holding the third-party requirements of every package
-    (torch, pinned by the constraints, and what torch needs), installed once
-    and reused while the requirements, pins and Python stay the same."""
-    requirements = sorted(
-        {str(r) for p in PACKAGES for r in _declared(p) if not r.name.startswith("pc-")}
-    )
+def _third_party(packages: list[str]) -> list[str]:
+    """The third-party requirements ``packages`` declare, sorted."""
+    return sorted({str(r) for p in packages for r in _declared(p) if not r.name.startswith("pc-")})
+
+
+def _third_party_site(session: nox.Session, requirements: list[str]) -> Path:
+    """One directory holding ``requirements`` (torch, pinned by the
+    constraints, and what it needs; pc-train's transformers, ...), installed
+    once and reused while the requirements, pins and Python stay the same.
+    Each set of requirements has its own directory, so a package is checked
+    with the third-party packages it declares and no others (pc-booster
+    without pc-train's transformers)."""
     constraints = _constraints(session)
     stamp = json.dumps(
         {
@@ -166,7 +176,8 @@ def _third_party_site(session: nox.Session) -> Path:
             "python": sys.version,
         }
     )
-    site = (session.cache_dir / "install-alone-site").resolve()
+    digest = hashlib.sha256("\n".join(requirements).encode()).hexdigest()[:12]
+    site = (session.cache_dir / f"install-alone-site-{digest}").resolve()
     stamp_file = site / "pc-install-alone.json"
     if stamp_file.is_file() and stamp_file.read_text() == stamp:
         session.log(f"third-party requirements {requirements} already in {site}")
@@ -197,14 +208,16 @@ def install_alone(session: nox.Session) -> None:
 
     Fast by design: the pc packages are built into wheels once and installed
     with `--no-index`, so pip finds no pc package but those passed to it, and
-    torch is installed once into a shared directory that each environment
-    sees through a .pth file (not in 7 copies, ~20 s each)."""
+    the third-party requirements (torch; pc-train's transformers ...) are
+    installed once per set into a shared directory that each environment
+    with that set sees through a .pth file (not in 8 copies, ~20 s each)."""
     targets, _ = _split_targets(session)
     packages = [target for target in targets if target != INTEGRATION]
     closures = {package: _with_pc_dependencies(session, package) for package in packages}
     needed = [p for p in PACKAGES if any(p in closure for closure in closures.values())]
     session.install("hatchling>=1.24")
-    site = _third_party_site(session)
+    wanted = {package: tuple(_third_party(closure)) for package, closure in closures.items()}
+    sites = {reqs: _third_party_site(session, list(reqs)) for reqs in sorted(set(wanted.values()))}
     tmp = Path(session.create_tmp()).resolve()
     wheelhouse = tmp / "wheels"
     shutil.rmtree(wheelhouse, ignore_errors=True)
@@ -230,7 +243,9 @@ def install_alone(session: nox.Session) -> None:
         )  # fmt: skip
         if not isinstance(purelib, str):
             raise AssertionError(f"expected the site-packages path of {python}, got {purelib!r}")
-        # torch and its requirements, shared by every environment of this check.
+        # The third-party packages it declares (torch ...), shared by every
+        # environment of this check that declares the same.
+        site = sites[wanted[package]]
         (Path(purelib.strip()) / "_pc_third_party.pth").write_text(f"{site}\n")
         try:
             # --no-index: pip may take pc packages only from the wheels named
@@ -252,6 +267,22 @@ def install_alone(session: nox.Session) -> None:
             f"{failed} fail when installed alone with the pc packages they declare; "
             "see each one's log above."
         )
+
+
+@nox.session
+def plugin_matrix(session: nox.Session) -> None:
+    """Every plugin combination, not the sample `tests` runs: plugin (and
+    hybrid's tp x pp x zero x schedule) x precision x clipping x
+    accumulation x construction x model dtype, each trained against
+    single-process training or refused by the plugin's rules; and the API,
+    pc-train and pc-estimate agreeing on every combination pc-train can
+    express. About 15 minutes on 2 cores."""
+    _install_workspace(session, *TEST_DEPS)
+    session.env["PC_PLUGIN_MATRIX"] = "full"
+    session.run(
+        "python", "-m", "pytest", "-s", "-k", "every_combination or agree",
+        "packages/pc-booster/tests", "integration_tests/test_rules_agree.py", *session.posargs,
+    )  # fmt: skip
 
 
 @nox.session

@@ -33,8 +33,8 @@ from pc_booster import (
     TorchDDPPlugin,
     TorchFSDPPlugin,
 )
-from pc_booster.estimate import measured_model_state_bytes
 from pc_comm.testing import spawn
+from pc_train.estimate import measured_model_state_bytes
 
 RESULTS = Path(__file__).resolve().parent.parent / "bench-results"
 PLUGINS: dict[str, Callable[[], Plugin]] = {

@@ -106,20 +106,23 @@ def check_precision(plugin: str, precision: str) -> None:
 
 def check_refusals() -> None:
     model = build("gpt2")
-    optimizer = torch.optim.AdamW(model.parameters())
     with pytest.raises(ValueError, match=r"tp_size \(3\) x pp_size \(1\) = 3 does not divide"):
         HybridParallelPlugin(tp_size=3)
     with pytest.raises(ValueError, match=r"ZeRO-2 shards gradients.*zero_stage=1 with pp_size=2"):
         HybridParallelPlugin(pp_size=2, zero_stage=2)
     with pytest.raises(ValueError, match=r"sequence parallelism .* set tp_size > 1"):
         HybridParallelPlugin(enable_sequence_parallelism=True)
-    with pytest.raises(ValueError, match=r"TorchDDPPlugin does not support mixed_precision='fp16'"):
-        Booster(plugin=TorchDDPPlugin(), mixed_precision="fp16").boost(model, optimizer)
-    with pytest.raises(
-        ValueError, match=r"TorchFSDPPlugin does not support mixed_precision='fp16'"
-    ):
-        Booster(plugin=TorchFSDPPlugin(), mixed_precision="fp16").boost(model, optimizer)
-    with pytest.raises(ValueError, match=r"mixed_precision must be 'fp16', 'bf16' or None"):
+    with pytest.raises(ValueError, match=r"TorchDDPPlugin: trains in fp32 only"):
+        Booster(plugin=TorchDDPPlugin(), mixed_precision="fp16")
+    with pytest.raises(ValueError, match=r"TorchFSDPPlugin: fp16 needs a loss scale"):
+        Booster(plugin=TorchFSDPPlugin(), mixed_precision="fp16")
+    with pytest.raises(ValueError, match=r"TorchDDPPlugin: trains in fp32 only.*built in it"):
+        Booster(plugin=TorchDDPPlugin()).boost(build("gpt2").to(torch.bfloat16))
+    with torch.device("meta"):
+        meta = build("gpt2")
+    with pytest.raises(ValueError, match=r"is on the meta device"):
+        Booster(plugin=LowLevelZeroPlugin()).boost(meta, torch.optim.AdamW(meta.parameters()))
+    with pytest.raises(ValueError, match=r"mixed_precision must be 'fp16', 'bf16', 'fp32' or None"):
         Booster(mixed_precision="fp8")
     with pytest.raises(ValueError, match=r"stage must be 1 or 2, got 3"):
         LowLevelZeroPlugin(stage=3)

@@ -21,6 +21,10 @@ LAYERS = {
     "pc_pipeline": {"pc_comm"},
     "pc_tensor": {"pc_comm"},
     "pc_booster": {"pc_comm", "pc_offload", "pc_chunk", "pc_zero", "pc_pipeline", "pc_tensor"},
+    # The application on the library: Booster and its plugins through
+    # pc_booster, the launch and health board of pc_comm, pc_tensor's policies
+    # (pc-estimate counts what tensor parallelism shards).
+    "pc_train": {"pc_comm", "pc_tensor", "pc_booster"},
 }
 
 

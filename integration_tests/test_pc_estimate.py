@@ -9,16 +9,16 @@ import torch
 import torch.distributed as dist
 
 from pc_booster import Booster
-from pc_booster.estimate import (
+from pc_comm.testing import run_subtests
+from pc_train.estimate import (
     DeviceInfo,
     estimate,
     measured_model_state_bytes,
     model_shape,
     recommend,
 )
-from pc_booster.models import build_model, resolve_model
-from pc_booster.options import PluginKind, PluginOptions
-from pc_comm.testing import run_subtests
+from pc_train.models import build_model, resolve_model
+from pc_train.options import PluginKind, PluginOptions
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -42,7 +42,7 @@ def _measure_case(model: str, plugin: str, precision: str) -> None:
     except ValueError:
         return  # a combination the plugin refuses (ddp in bf16): nothing to measure
     spec = resolve_model(model, 16)
-    made, _ = options.make(max_norm=0.0 if options.pp > 1 or options.step_in_backward else 1.0)
+    made = options.make(max_norm=0.0 if options.pp > 1 or options.step_in_backward else 1.0)
     booster = Booster(plugin=made, mixed_precision=None if precision == "fp32" else precision)
     net = build_model(spec, seed=0)
     optimizer = torch.optim.AdamW(net.parameters(), lr=1e-3)
@@ -165,8 +165,8 @@ def test_pc_train_auto_steps_in_backward_without_clipping(monkeypatch: pytest.Mo
     """``pc-train --plugin auto`` on a device too small for plain Gemini
     picks --step-in-backward when the run neither clips nor accumulates,
     and plain Gemini with offload (and the reason) otherwise."""
-    from pc_booster.train import prepare
-    from pc_booster.train_config import parse_args
+    from pc_train.train import prepare
+    from pc_train.train_config import parse_args
 
     shape = model_shape(resolve_model("gpt2-small", 64))
     plain = estimate(shape, PluginOptions(PluginKind.GEMINI), 2, 4, 64, "fp32")

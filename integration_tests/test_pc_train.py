@@ -15,15 +15,15 @@ from pathlib import Path
 
 import pytest
 
-from pc_booster.train import _start_method, main
-from pc_booster.train_config import parse_args
+from pc_train.train import _start_method, main
+from pc_train.train_config import parse_args
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 
 # gpt2-small runs about 0.1 s a step here: slow enough to be killed mid-run.
 RUN = ["--model", "gpt2-small", "--steps", "60", "--checkpoint-every", "10", "--log-every",
        "10", "--eval-every", "20", "--no-progress", "--nproc", "2"]  # fmt: skip
-COMMAND = [sys.executable, "-m", "pc_booster.train"]
+COMMAND = [sys.executable, "-m", "pc_train.train"]
 
 
 def _losses(out: Path) -> list[float]:
@@ -127,7 +127,7 @@ def _demo_and_resume(tmp_path: Path) -> None:
 def test_runs_under_torchrun(tmp_path: Path) -> None:
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "-m", "pc_booster.train", "--model", "gpt2-tiny", "--steps", "4", "--plugin", "zero2",
+         "-m", "pc_train.train", "--model", "gpt2-tiny", "--steps", "4", "--plugin", "zero2",
          "--no-progress", "--output-dir", str(tmp_path)],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
@@ -164,24 +164,27 @@ def test_one_rank_on_all_cores_after_plugin_auto(tmp_path: Path) -> None:
         (["--model", "/no/such/dir"], "does not exist"),
         (["--plugin", "hybrid", "--tp", "3"], "does not divide the world size (2)"),
         (["--plugin", "zero1", "--tp", "2"], "need --plugin hybrid"),
-        (["--plugin", "ddp", "--precision", "bf16"], "trains in fp32, not bf16"),
+        (["--plugin", "ddp", "--precision", "bf16"], "trains in fp32 only"),
         (["--corpus", "/no/such/corpus.txt"], "corpus '/no/such/corpus.txt' does not exist"),
         (["--global-batch-size", "3"], "does not split into 2 data-parallel rank(s)"),
         (["--steps", "0"], "steps must be an integer of at least 1, got 0"),
         (["--resume"], "no checkpoint in"),
         (["--plugin", "zero1", "--step-in-backward"], "an option of --plugin gemini"),
-        (["--plugin", "gemini", "--step-in-backward"], "pass --clip-norm 0 with it"),
         (
-            ["--plugin", "auto", "--step-in-backward", "--precision", "fp16"],
+            ["--plugin", "gemini", "--step-in-backward"],
+            "max_norm=1.0 cannot clip by the global norm; pass max_norm=0",
+        ),
+        (
+            ["--plugin", "auto", "--step-in-backward", "--precision", "fp16", "--clip-norm", "0"],
             "fp16 overflow could not skip the step",
         ),
         (
             ["--plugin", "gemini", "--step-in-backward", "--clip-norm", "0", "--accumulation", "2"],
-            "use --accumulation 1 with it",
+            "gradients cannot accumulate over 2 micro-batches",
         ),
         (
             ["--plugin", "gemini", "--step-in-backward", "--clip-norm", "0", "--precision", "fp16"],
-            "use --precision bf16 or fp32",
+            "use bf16 or fp32, or step_in_backward=False",
         ),
     ],
 )

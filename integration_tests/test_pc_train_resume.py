@@ -15,10 +15,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from pc_booster.train import NonFiniteLossError, train
-from pc_booster.train_config import TrainConfig
 from pc_comm import DistContext, DistEnv
 from pc_comm.testing import run_subtests, spawn
+from pc_train.train import NonFiniteLossError, train
+from pc_train.train_config import TrainConfig
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -15,11 +15,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from pc_booster.checkpoint import CheckpointError, load_trainer_state
-from pc_booster.train import main, train
-from pc_booster.train_config import TrainConfig
 from pc_comm import DistContext, DistEnv
 from pc_comm.testing import run_subtests
+from pc_train.checkpoint import CheckpointError, load_trainer_state
+from pc_train.train import main, train
+from pc_train.train_config import TrainConfig
 
 pytestmark = pytest.mark.timeout(300)
 

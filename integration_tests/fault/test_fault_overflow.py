@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 
 from pc_booster import Booster, GeminiPlugin, LowLevelZeroPlugin, Plugin
-from pc_booster.models import build_model, resolve_model
 from pc_comm.testing import run_subtests
+from pc_train.models import build_model, resolve_model
 
 pytestmark = pytest.mark.timeout(300)
 

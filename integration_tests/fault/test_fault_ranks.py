@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from pc_booster.checkpoint import find_checkpoint, load_trainer_state
-from pc_booster.train_config import TrainConfig
+from pc_train.checkpoint import find_checkpoint, load_trainer_state
+from pc_train.train_config import TrainConfig
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
@@ -63,7 +63,7 @@ def test_a_failed_rank_ends_the_job_with_its_story(scenario: str, tmp_path: Path
     options, phase, action = SCENARIOS[scenario]
     step = 4 if phase == "save" else 3
     fault = f"rank=1,step={step},phase={phase},action={action}"
-    command = [sys.executable, "-m", "pc_booster.train", *BASE, *options, "--output-dir",
+    command = [sys.executable, "-m", "pc_train.train", *BASE, *options, "--output-dir",
                str(tmp_path)]  # fmt: skip
     shm_before = set(os.listdir("/dev/shm"))
     start = time.monotonic()

@@ -18,7 +18,8 @@ does (plugin constructor, ``Booster(mixed_precision=...)``, ``boost``,
   for fp16) and the parameter update's norm within 5 % of the fp32 run's.
 
 Where pc-train and pc-estimate can express a combination, their verdict
-(``prepare`` and ``pc-estimate``'s exit) must be the API's.
+(``prepare`` and ``pc-estimate``'s exit) must be the API's: the
+integration test test_rules_agree.py compares them with :func:`verdict_rows`.
 
 ``PC_PLUGIN_MATRIX=full`` runs the whole space (``nox -s plugin_matrix``);
 otherwise each test file runs its plugin's sample (:func:`sample`).
@@ -26,9 +27,7 @@ otherwise each test file runs its plugin's sample (:func:`sample`).
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import io
 import itertools
 import json
 import math
@@ -359,72 +358,38 @@ def run_case(case: Case, layouts: dict[tuple[int, int], ParallelLayout]) -> Verd
     return Verdict(case, None)
 
 
-# -- pc-train's and pc-estimate's verdicts ----------------------------------------------
-
-_TRAIN_PLUGIN = {
-    "ddp": "ddp",
-    "zero1": "zero1",
-    "zero2": "zero2",
-    "torch-fsdp": "fsdp",
-    "gemini": "gemini",
-    "gemini-step-in-backward": "gemini",
-    "hybrid": "hybrid",
-}
+# -- verdicts only (what the API accepts), for comparison with pc-train ------------------
 
 
-def train_verdict(case: Case) -> str | None:
-    """pc-train's preflight (``prepare``) on the case, where pc-train can
-    express it (None: it cannot); "ok" or the refusal."""
-    from pc_booster.train import prepare
-    from pc_booster.train_config import TrainConfig
-
-    if case.plugin not in _TRAIN_PLUGIN or case.schedule != "1f1b":
-        return None
-    config = TrainConfig(
-        model="gpt2-small",  # 4 blocks of 4 heads, as the matrix's model
-        plugin=_TRAIN_PLUGIN[case.plugin],
-        precision=case.precision,
-        clip_norm=MAX_NORM if case.clip else 0.0,
-        accumulation=case.accumulation,
-        global_batch_size=16,
-        tp=case.tp,
-        pp=case.pp,
-        zero_stage=case.zero if case.plugin == "hybrid" else 1,
-        microbatches=2 if case.plugin == "hybrid" and case.pp > 1 else None,
-        step_in_backward=case.plugin == "gemini-step-in-backward",
-        nproc=WORLD,
-    )
+def api_verdict(case: Case, layouts: dict[tuple[int, int], ParallelLayout]) -> str | None:
+    """The API's verdict without training: None if the plugin, Booster,
+    boost and (with accumulation) no_sync accept the case, else the
+    refusal's message."""
     try:
-        prepare(config, WORLD)
+        plugin = make_plugin(case, layouts)
+        booster = Booster(plugin=plugin, mixed_precision=case.precision)
+        model = build_model(case)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+        model, optimizer, *_ = booster.boost(model, optimizer)
+        if case.accumulation > 1:
+            booster.no_sync(model, optimizer)
     except ValueError as error:
         return str(error)
-    return "ok"
+    return None
 
 
-def estimate_verdict(case: Case) -> str | None:
-    """pc-estimate's exit on the case, where it can express it (no
-    clipping or accumulation flags there)."""
-    from pc_booster.estimate import main
+def _verdicts(cases: list[Case], out: str) -> None:
+    layouts: dict[tuple[int, int], ParallelLayout] = {}
+    rows = [{**asdict(case), "reason": api_verdict(case, layouts)} for case in cases]
+    if dist.get_rank() == 0:
+        Path(out).write_text(json.dumps(rows, indent=1))
 
-    if case.plugin not in _TRAIN_PLUGIN or case.schedule != "1f1b" or case.clip:
-        return None
-    if case.accumulation > 1:
-        return None
-    argv = [
-        "--model", "gpt2-small", "--world", str(WORLD), "--precision", case.precision,
-        "--plugin", _TRAIN_PLUGIN[case.plugin], "--tp", str(case.tp), "--pp", str(case.pp),
-        "--zero-stage", str(case.zero if case.plugin == "hybrid" else 1), "--json",
-        "--device-memory-gib", "64",
-    ]  # fmt: skip
-    if case.plugin == "gemini-step-in-backward":
-        argv.append("--step-in-backward")
-    err = io.StringIO()
-    try:
-        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
-            main(argv)
-    except SystemExit as exit:
-        return err.getvalue().strip() or f"exit {exit.code}"
-    return "ok"
+
+def verdict_rows(cases: list[Case], out: Path, timeout: float = 900.0) -> list[dict[str, Any]]:
+    """The API's verdict on each case (``reason`` None: accepted), at world 4."""
+    spawn(_verdicts, WORLD, args=(cases, str(out)), timeout=timeout, name="plugin verdicts")
+    rows: list[dict[str, Any]] = json.loads(out.read_text())
+    return rows
 
 
 def _run_all(cases: list[Case], out: str) -> None:
@@ -436,19 +401,7 @@ def _run_all(cases: list[Case], out: str) -> None:
         except Exception as error:
             raise AssertionError(f"case {index + 1}/{len(cases)} {case.label()} failed") from error
         api = "ok" if verdict.refused is None else "refused"
-        row: dict[str, Any] = {**asdict(case), "result": api, "reason": verdict.refused}
-        if dist.get_rank() == 0:
-            for tool, found in (
-                ("pc-train", train_verdict(case)),
-                ("pc-estimate", estimate_verdict(case)),
-            ):
-                if found is None:
-                    continue
-                theirs = "ok" if found == "ok" else "refused"
-                assert theirs == api, (
-                    f"{case.label()}: the API says {api} ({verdict.refused}), {tool} says {found}"
-                )
-        rows.append(row)
+        rows.append({**asdict(case), "result": api, "reason": verdict.refused})
     if dist.get_rank() == 0:
         Path(out).write_text(json.dumps(rows, indent=1))
 
@@ -471,6 +424,8 @@ def run_matrix(families: Iterable[str], out: Path, timeout: float = 1500.0) -> l
             ]  # fmt: skip
             assert plain, f"no plain fp32 case for {plugin}"
             assert all(r["result"] == "ok" for r in plain if r["pp"] == 1 or r["zero"] != 2), plain
+    for plugin, total, refused in refusal_counts(rows):  # shown with pytest -s
+        print(f"plugin matrix: {plugin}: {total} cases, {total - refused} match, {refused} refused")
     return rows
 
 

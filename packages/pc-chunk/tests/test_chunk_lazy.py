@@ -13,7 +13,14 @@ import torch
 import transformers
 from torch import nn
 
-from pc_chunk import LazyInitContext, is_lazy, materialize, materialize_, materialize_module
+from pc_chunk import (
+    ChunkManager,
+    LazyInitContext,
+    is_lazy,
+    materialize,
+    materialize_,
+    materialize_module,
+)
 from pc_comm.testing import tiny_gpt2
 
 
@@ -154,3 +161,173 @@ def test_errors_are_explained() -> None:
         materialize(meta.weight)
     with pytest.raises(ValueError, match="a cpu tensor"):
         materialize(torch.zeros(2))
+
+
+# -- dtype and device conversions [Note: conversions through .data] ---------------------
+
+
+class Converted(nn.Module):
+    """Conversions during construction, with steps and random draws on
+    the converted tensors after them, next to a part left in float32."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4).to(torch.bfloat16)
+        with torch.no_grad():
+            self.a.weight.mul_(3.0)  # an in-place step on the converted tensor
+        self.b = nn.Linear(4, 3).half()
+        nn.init.normal_(self.b.weight)  # a random draw in float16
+        self.c = nn.Linear(3, 2)  # stays float32
+        self.d = nn.Linear(2, 2).double().float()  # converted there and back
+
+
+CONVERSIONS: dict[str, Callable[[nn.Module], nn.Module]] = {
+    "to-bf16": lambda m: m.to(torch.bfloat16),
+    "to-fp16": lambda m: m.to(torch.float16),
+    "half": lambda m: m.half(),
+    "bfloat16": lambda m: m.bfloat16(),
+    "to-cpu-and-bf16": lambda m: m.to("cpu", torch.bfloat16),
+    "bf16-then-float": lambda m: m.bfloat16().float(),
+}
+
+
+def _gpt2_converted(convert: Callable[[nn.Module], nn.Module]) -> nn.Module:
+    return convert(tiny_gpt2(50, 8))
+
+
+def _assert_same(lazy: nn.Module, eager: nn.Module) -> None:
+    got, expected = _everything(lazy), _everything(eager)
+    assert got.keys() == expected.keys()
+    for key, value in got.items():
+        assert not is_lazy(value), key
+        assert value.dtype == expected[key].dtype, key
+        assert torch.equal(value, expected[key]), key
+
+
+@pytest.fixture(params=[False, True], ids=["set-data", "swap-tensors"])
+def swap_on_conversion(request: pytest.FixtureRequest) -> Any:
+    """Both ways nn.Module._apply converts a parameter: ``param.data = new``
+    (the default) and ``torch.utils.swap_tensors``."""
+    before = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(bool(request.param))
+    yield request.param
+    torch.__future__.set_swap_module_params_on_conversion(before)
+
+
+@pytest.mark.parametrize("conversion", list(CONVERSIONS))
+def test_conversion_inside_the_context_is_replayed(
+    conversion: str, swap_on_conversion: Any
+) -> None:
+    convert = CONVERSIONS[conversion]
+    torch.manual_seed(0)
+    eager: Any = _gpt2_converted(convert)
+    torch.manual_seed(0)
+    with LazyInitContext():
+        lazy: Any = _gpt2_converted(convert)
+    weight = lazy.transformer.wte.weight
+    assert is_lazy(weight)
+    assert weight.dtype == eager.transformer.wte.weight.dtype
+    assert lazy.lm_head.weight is weight  # the tie survives the conversion
+    _assert_same(materialize_module(lazy), eager)
+    assert lazy.lm_head.weight is lazy.transformer.wte.weight
+
+
+def test_conversions_during_construction(swap_on_conversion: Any) -> None:
+    torch.manual_seed(0)
+    eager = Converted()
+    after_eager = torch.rand(4)
+    torch.manual_seed(0)
+    with LazyInitContext():
+        lazy = Converted()
+    assert torch.equal(torch.rand(4), after_eager)
+    assert [p.dtype for p in lazy.parameters()] == [p.dtype for p in eager.parameters()]
+    _assert_same(materialize_module(lazy), eager)
+
+
+def test_build_dtype_from_the_config() -> None:
+    config = transformers.GPT2Config(vocab_size=50, n_positions=8, n_embd=32, n_layer=2, n_head=4)
+    torch.manual_seed(0)
+    eager = transformers.GPT2LMHeadModel._from_config(config, dtype=torch.bfloat16)
+    torch.manual_seed(0)
+    with LazyInitContext():
+        lazy = transformers.GPT2LMHeadModel._from_config(config, dtype=torch.bfloat16)
+    _assert_same(materialize_module(lazy), eager)
+
+
+def test_conversion_after_the_context_stays_lazy(swap_on_conversion: Any) -> None:
+    torch.manual_seed(0)
+    eager = tiny_gpt2(50, 8).to(torch.bfloat16)
+    torch.manual_seed(0)
+    with LazyInitContext():
+        lazy = tiny_gpt2(50, 8)
+    lazy.to(torch.bfloat16)  # recorded, like an operator inside the context
+    assert all(is_lazy(p) and p.dtype == torch.bfloat16 for p in lazy.parameters())
+    _assert_same(materialize_module(lazy), eager)
+
+
+def test_parameter_by_parameter_materialisation_gets_the_converted_dtype() -> None:
+    # What the ZeRO-3 wrappers do: materialize_ one parameter at a time, in
+    # their own order, with random draws in between.
+    torch.manual_seed(0)
+    eager = _everything(Converted().to(torch.bfloat16))
+    torch.manual_seed(0)
+    with LazyInitContext():
+        lazy = Converted().to(torch.bfloat16)
+    named = dict(lazy.named_parameters())
+    names = list(named)
+    random.Random(2).shuffle(names)
+    for key in names:
+        torch.rand(3)
+        param = named[key]
+        assert materialize_(param) is param
+        assert isinstance(param, nn.Parameter)
+        assert not is_lazy(param)
+        assert param.dtype == torch.bfloat16, key
+        assert torch.equal(param, eager[key]), key
+        assert dict(lazy.named_parameters())[key] is param
+
+
+def test_assigning_a_real_value_to_data_materialises() -> None:
+    with LazyInitContext():
+        layer = nn.Linear(3, 2)
+    weight = layer.weight
+    value = torch.arange(6.0).reshape(2, 3).to(torch.float16)
+    weight.data = value
+    assert layer.weight is weight
+    assert isinstance(weight, nn.Parameter)
+    assert weight.requires_grad
+    assert not is_lazy(weight)
+    assert not hasattr(weight, "_record")  # the recipe is dropped with it
+    assert weight.dtype == torch.float16
+    assert weight.data_ptr() == value.data_ptr()  # shared, as .data = does
+    assert is_lazy(layer.bias)
+
+
+def test_chunk_manager_packs_converted_lazy_parameters() -> None:
+    """The ZeRO-3 route: the manager materialises each lazy parameter as it
+    packs it. Exposed shards are fp32 masters of the bf16 values eager
+    construction gives; unexposed chunks keep each parameter's own dtype,
+    one chunk per dtype."""
+    torch.manual_seed(0)
+    eager = _everything(Converted().to(torch.bfloat16))
+    torch.manual_seed(0)
+    with LazyInitContext():
+        lazy = Converted().to(torch.bfloat16)
+    ChunkManager(lazy, chunk_size=64, expose_shards=True, compute_dtype=torch.bfloat16)
+    for key, param in lazy.named_parameters():
+        assert not is_lazy(param), key
+        assert param.dtype == torch.float32, key  # the master
+        assert torch.equal(param.detach(), eager[key].float().reshape(-1)), key
+
+    torch.manual_seed(0)
+    eager = _everything(Converted())
+    torch.manual_seed(0)
+    with LazyInitContext():
+        mixed = Converted()  # bf16, fp16 and fp32 parameters
+    manager = ChunkManager(mixed, chunk_size=64)
+    assert {c.shard_dtype for c in manager.chunks} == {torch.bfloat16, torch.float16, torch.float32}
+    for chunk in manager.chunks:
+        chunk.access()  # released after packing: gather to look at the values
+    for key, param in mixed.named_parameters():
+        assert param.dtype == eager[key].dtype, key
+        assert torch.equal(param.detach(), eager[key]), key

@@ -2,14 +2,12 @@
 
 ``Booster`` with its plugins (``TorchDDPPlugin``, ``DDPPlugin``,
 ``LowLevelZeroPlugin``, ``TorchFSDPPlugin``, ``GeminiPlugin``,
-``HybridParallelPlugin``), checkpoints any plugin loads at any world size,
-the ``pc-train`` command (:mod:`pc_booster.train`) and ``pc-estimate``
-(:mod:`pc_booster.estimate`).
+``HybridParallelPlugin``) and checkpoints any plugin loads at any world
+size. The ``pc-train`` and ``pc-estimate`` commands built on it are the
+pc-train package (:mod:`pc_train`).
 """
 
 from pc_booster.booster import Booster
-from pc_booster.data import load_byte_corpus
-from pc_booster.estimate import estimate, recommend
 from pc_booster.plugin import Plugin, SupportsNoSync, SupportsPipeline
 from pc_booster.plugins import (
     DDPOptions,
@@ -27,18 +25,6 @@ from pc_booster.plugins import (
     TorchFSDPPlugin,
 )
 from pc_booster.rules import PluginConfig, RunSetting, TrainPrecision
-from pc_booster.train_config import TrainConfig
-
-
-def __getattr__(name: str) -> object:
-    # Imported on use, so `python -m pc_booster.train` does not find the
-    # module already loaded by the package.
-    if name == "train":
-        from pc_booster.train import train
-
-        return train
-    raise AttributeError(f"module 'pc_booster' has no attribute {name!r}")
-
 
 __all__ = [
     "Booster",
@@ -60,10 +46,5 @@ __all__ = [
     "TorchDDPPlugin",
     "TorchFSDPOptions",
     "TorchFSDPPlugin",
-    "TrainConfig",
     "TrainPrecision",
-    "estimate",
-    "load_byte_corpus",
-    "recommend",
-    "train",
 ]

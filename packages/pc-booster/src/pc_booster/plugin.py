@@ -20,7 +20,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -69,6 +69,21 @@ def _model_dtype(model: nn.Module) -> torch.dtype | None:
     return None
 
 
+def _refuse_meta(model: nn.Module, plugin: str) -> None:
+    """A model on the meta device holds no values to train from."""
+    from pc_chunk import is_lazy
+
+    tensors = [*model.named_parameters(), *model.named_buffers()]
+    meta = next((n for n, t in tensors if t.is_meta and not is_lazy(t)), None)
+    if meta is not None:
+        raise ValueError(
+            f"{plugin}: {meta} is on the meta device, which holds no values to train from. "
+            "Build the model under pc_chunk.LazyInitContext instead (boost materialises each "
+            "rank's share with the values eager construction gives), or load real weights "
+            "into it before boost."
+        )
+
+
 def _model_facts(model: nn.Module) -> dict[str, int]:
     """Transformer blocks and attention heads, from a transformers config."""
     config = getattr(model, "config", None)
@@ -83,6 +98,14 @@ def _model_facts(model: nn.Module) -> dict[str, int]:
                 facts[key] = value
                 break
     return facts
+
+
+@runtime_checkable
+class ScalesLoss(Protocol):
+    """An optimizer that runs backward itself (the fp16 loss scale of the
+    ZeRO and Gemini optimizers)."""
+
+    def backward(self, loss: torch.Tensor) -> None: ...
 
 
 class Plugin(ABC):
@@ -141,6 +164,7 @@ class Plugin(ABC):
         """Check the rules against the model and precision, then wrap
         [Note: model dtype]: the run trains in ``precision`` when given,
         else in the dtype the model was built in."""
+        _refuse_meta(model, type(self).__name__)
         dtype = _model_dtype(model)
         effective = (
             TrainPrecision.parse(precision)
@@ -178,7 +202,7 @@ class Plugin(ABC):
 
     def backward(self, loss: torch.Tensor, optimizer: Any) -> None:
         """``loss.backward()``, through the optimizer when it scales losses."""
-        if hasattr(optimizer, "backward"):
+        if isinstance(optimizer, ScalesLoss):
             optimizer.backward(loss)
         else:
             loss.backward()  # type: ignore[no-untyped-call, unused-ignore]

@@ -121,6 +121,9 @@ class Rule:
 
     summary: str
     check: Callable[[Any, RunSetting], str | None]
+    #: options and setting that break the rule, for the docs' example
+    #: message (and a test that the rule does refuse them)
+    example: tuple[dict[str, Any], RunSetting] = ({}, RunSetting())
 
 
 @dataclass(frozen=True)
@@ -161,8 +164,12 @@ class PluginConfig(ABC):
     name: ClassVar[str]
     #: rules every plugin has, then the subclass's own
     COMMON_RULES: ClassVar[tuple[Rule, ...]] = (
-        Rule("max_norm is a finite number >= 0", _finite_max_norm),
-        Rule("accumulation is at least 1", _accumulation_positive),
+        Rule(
+            "max_norm negative, infinite or NaN",
+            _finite_max_norm,
+            ({"max_norm": math.nan}, RunSetting()),
+        ),
+        Rule("accumulation below 1", _accumulation_positive, ({}, RunSetting(accumulation=0))),
     )
     RULES: ClassVar[tuple[Rule, ...]] = ()
     #: whether the plugin gathers sharded parameters in forward and backward
@@ -216,7 +223,39 @@ class PluginConfig(ABC):
         return {f.name: getattr(self, f.name) for f in fields(self)}  # type: ignore[arg-type]
 
 
-def refusal_table(configs: Sequence[type[PluginConfig]]) -> list[tuple[str, str]]:
-    """(plugin, rule summary) for every rule of every plugin: the docs'
-    list of refusals."""
-    return [(c.name, rule.summary) for c in configs for rule in c.rules()]
+def example_message(config: type[PluginConfig], rule: Rule) -> str:
+    """The message ``rule`` gives for its own example (AssertionError if
+    the example does not break it: a rule and its docs must agree)."""
+    changes, setting = rule.example
+    message = rule.check(config(**changes), setting)
+    assert message is not None, f"{config.__name__}: {rule.summary!r}'s example is accepted"
+    return message
+
+
+def rules_markdown(configs: Sequence[type[PluginConfig]]) -> str:
+    """Every plugin's refusals with an example message, as markdown: the
+    docs page ``plugin-rules.md`` is this text (tools/plugin_rules.py)."""
+    lines = [
+        "# What each plugin refuses",
+        "",
+        "Generated from the plugins' own rules by `python tools/plugin_rules.py`; do not",
+        "edit by hand. The plugin's constructor, `Booster`, `boost`, `no_sync`, `pc-train` and",
+        "`pc-estimate` all check these same rules, each as soon as it knows what a rule",
+        "needs (see [the plugin guide](plugin-guide.md)). Every combination not refused",
+        "here trains with the same losses and parameters as single-process training",
+        "(the plugin matrix test).",
+        "",
+    ]
+    for config in configs:
+        plugin = config.__name__.removesuffix("Options") + "Plugin"
+        lines += [
+            f"## {plugin} (`{config.name}`)",
+            "",
+            "| refused | example message |",
+            "|---|---|",
+        ]
+        for rule in config.rules():
+            message = example_message(config, rule).replace("|", "\\|")
+            lines.append(f"| {rule.summary} | {message} |")
+        lines.append("")
+    return "\n".join(lines)

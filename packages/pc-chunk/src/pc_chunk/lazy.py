@@ -29,6 +29,13 @@ non-lazy tensor, materialises its inputs first. Anything else an operator
 does on meta is what it does at replay; a kernel whose meta output layout
 differs from the real one is reported, not guessed.
 
+Conversions are operators like any other: ``model.to(torch.bfloat16)``,
+``.half()``, ``.float()`` or ``.to(device)``, inside the context or on a
+lazy model after it, record a copy in the new dtype (or on the new device)
+and the parameter stays lazy, the same Python object, so ties hold
+([Note: conversions through .data]). Materialising then replays the
+construction and the conversion: the eager values in the eager dtype.
+
 ``materialize_module(module)`` materialises a whole module in place (the
 unsharded route); the ZeRO-3 wrappers instead materialise one parameter
 at a time into its chunk, so no rank ever holds the whole model.
@@ -56,6 +63,9 @@ __all__ = [
 ]
 
 _META = torch.device("meta")
+# The C ``Tensor.data`` descriptor, which LazyTensor.data wraps
+# [Note: conversions through .data].
+_TENSOR_DATA: Any = vars(torch._C.TensorBase)["data"]
 
 
 @dataclass(frozen=True)
@@ -149,6 +159,33 @@ class LazyTensor(torch.Tensor):
         out._inner = inner
         out._record = record
         return out
+
+    # [Note: conversions through .data]
+    # ``nn.Module.to`` / ``.half()`` / ``.cuda()`` convert a parameter in
+    # place with ``param.data = fn(param)`` (unless
+    # ``torch.__future__.get_swap_module_params_on_conversion()`` swaps the
+    # tensors whole, which needs nothing here). The C setter copies only the
+    # wrapper's metadata (dtype, shape, device) from the new tensor, not its
+    # Python attributes: the wrapper would say bfloat16 while ``_inner`` and
+    # ``_record`` still describe the float32 tensor, and materialising would
+    # give float32. So the setter also takes over the new tensor's record; a
+    # real (non-lazy) value materialises the parameter with that value, as
+    # ``.data =`` on an eager tensor would.
+    @property
+    def data(self) -> torch.Tensor:
+        value: torch.Tensor = _TENSOR_DATA.__get__(self)
+        return value
+
+    @data.setter
+    def data(self, value: torch.Tensor) -> None:
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"a lazy tensor's .data must be a tensor; got {type(value).__name__}.")
+        if not isinstance(value, LazyTensor):
+            _become(self, value.detach())
+            return
+        _TENSOR_DATA.__set__(self, value)
+        self._inner = value._inner
+        self._record = value._record
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
         kind = "Parameter" if getattr(self, "_is_param", False) else "LazyTensor"
@@ -294,15 +331,23 @@ def materialize(t: torch.Tensor, device: torch.device | str | None = None) -> to
 def materialize_(t: torch.Tensor, device: torch.device | str | None = None) -> torch.Tensor:
     """Replace the lazy ``t`` in place (the same Python object, so a module
     and anything tied to it see the change) by its real value; returns ``t``."""
-    value = materialize(t, device)
+    _become(t, materialize(t, device))
+    return t
+
+
+def _become(t: torch.Tensor, value: torch.Tensor) -> None:
+    """Turn the lazy ``t`` in place into a real tensor holding ``value``
+    (shared, not copied), keeping its kind (parameter or not), its
+    ``requires_grad`` and the attributes model code set on it. The record
+    is dropped, so what it captured can be freed."""
     new: torch.Tensor
     if getattr(t, "_is_param", False):
         new = nn.Parameter(value, requires_grad=t.requires_grad)
     else:
         new = value.requires_grad_(t.requires_grad)
-    new.__dict__.update({k: v for k, v in t.__dict__.items() if k not in ("_inner", "_is_param")})
+    internal = ("_inner", "_record", "_is_param")
+    new.__dict__.update({k: v for k, v in t.__dict__.items() if k not in internal})
     torch.utils.swap_tensors(t, new)  # type: ignore[no-untyped-call]
-    return t
 
 
 def materialize_module(module: nn.Module, device: torch.device | str | None = None) -> nn.Module:
@@ -468,7 +513,10 @@ class LazyInitContext(TorchDispatchMode):
             model = GPT2LMHeadModel(config)   # lazy tensors, recorded
         model = FullyShardedDataParallel(model)  # materialised shard by shard
 
-    ``materialize_module(model)`` gives the eager model instead.
+    ``materialize_module(model)`` gives the eager model instead. A
+    ``model.to(dtype)`` (or ``.half()``, ``.bfloat16()``, ``.to(device)``)
+    inside the context, or on the lazy model after it, is recorded and
+    replayed with the rest.
     """
 
     def __init__(self) -> None:

@@ -82,25 +82,6 @@ def has_lazy(module: nn.Module) -> bool:
     return any(is_lazy(t) for t in _tensors([module]))
 
 
-def check_not_meta(module: nn.Module, plugin: str) -> None:
-    """A model on the meta device has no values to train from: refused."""
-    meta = next(
-        (
-            n
-            for n, t in [*module.named_parameters(), *module.named_buffers()]
-            if t.is_meta and not is_lazy(t)
-        ),
-        None,
-    )
-    if meta is not None:
-        raise ValueError(
-            f"{plugin}: {meta} is on the meta device, which holds no values to train from. "
-            "Build the model under pc_chunk.LazyInitContext instead (boost materialises each "
-            "rank's share with the values eager construction gives), or load real weights "
-            "into it before boost."
-        )
-
-
 def materialize_lazy(modules: Iterable[nn.Module], to: torch.device) -> None:
     """Materialise the lazy parameters and buffers of ``modules`` (only
     those: a pipeline stage materialises its own layers) on ``to``, with the

@@ -47,7 +47,13 @@ def _fp32_only(options: Any, setting: RunSetting) -> str | None:
     )
 
 
-DATA_PARALLEL_RULES = (Rule("mixed precision (bf16, fp16, or a model built in them)", _fp32_only),)
+DATA_PARALLEL_RULES = (
+    Rule(
+        "mixed precision (bf16, fp16, or a model built in them)",
+        _fp32_only,
+        ({}, RunSetting(precision=TrainPrecision.BF16, model_dtype=torch.bfloat16)),
+    ),
+)
 
 
 def _replicated_states(psi: float, precision: TrainPrecision) -> StateBytes:

@@ -87,11 +87,31 @@ class GeminiOptions(PluginConfig):
     name: ClassVar[str] = "gemini"
     gathers_parameters: ClassVar[bool] = True
     RULES: ClassVar[tuple[Rule, ...]] = (
-        Rule("placement_policy other than 'static' or 'auto'", _placement),
-        Rule("offload_param_frac outside [0, 1]", _offload_fraction),
-        Rule("step_in_backward with clipping (max_norm > 0)", _in_backward_clipping),
-        Rule("step_in_backward with fp16", _in_backward_fp16),
-        Rule("step_in_backward with gradient accumulation", _in_backward_accumulation),
+        Rule(
+            "placement_policy other than 'static' or 'auto'",
+            _placement,
+            ({"placement_policy": "cuda"}, RunSetting()),
+        ),
+        Rule(
+            "offload_param_frac outside [0, 1]",
+            _offload_fraction,
+            ({"offload_param_frac": 1.5}, RunSetting()),
+        ),
+        Rule(
+            "step_in_backward with clipping (max_norm > 0)",
+            _in_backward_clipping,
+            ({"step_in_backward": True, "max_norm": 1.0}, RunSetting()),
+        ),
+        Rule(
+            "step_in_backward with fp16",
+            _in_backward_fp16,
+            ({"step_in_backward": True}, RunSetting(precision=TrainPrecision.FP16)),
+        ),
+        Rule(
+            "step_in_backward with gradient accumulation",
+            _in_backward_accumulation,
+            ({"step_in_backward": True}, RunSetting(accumulation=2)),
+        ),
     )
 
     placement_policy: str = "static"

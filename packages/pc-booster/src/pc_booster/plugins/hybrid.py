@@ -162,19 +162,53 @@ class HybridParallelOptions(PluginConfig):
 
     name: ClassVar[str] = "hybrid"
     RULES: ClassVar[tuple[Rule, ...]] = (
-        Rule("tp_size, pp_size, num_microbatches or pp_timeout out of range", _sizes),
-        Rule("zero_stage other than 0, 1, 2", _zero_stage),
-        Rule("unknown pp_style", _pp_style),
-        Rule("tp_size x pp_size not dividing the world size", _world),
-        Rule("zero_stage=2 with pipelines", _zero2_pipeline),
-        Rule("sequence parallelism without tensor parallelism", _sp_needs_tp),
-        Rule("sequence parallelism with pipelines", _sp_pipeline),
         Rule(
-            "mixed precision (or a model built in bf16/fp16) with zero_stage=0", _mixed_needs_zero
+            "tp_size, pp_size, num_microbatches or pp_timeout out of range",
+            _sizes,
+            ({"tp_size": 0}, RunSetting()),
         ),
-        Rule("pipeline stages not dividing the transformer blocks", _layers_split),
-        Rule("tp_size not dividing the attention heads", _heads_split),
-        Rule("gradient accumulation (no_sync) with pipelines", _pipeline_accumulation),
+        Rule("zero_stage other than 0, 1, 2", _zero_stage, ({"zero_stage": 3}, RunSetting())),
+        Rule("unknown pp_style", _pp_style, ({"pp_style": "gpipe"}, RunSetting())),
+        Rule(
+            "tp_size x pp_size not dividing the world size",
+            _world,
+            ({"tp_size": 3}, RunSetting(world=4)),
+        ),
+        Rule(
+            "zero_stage=2 with pipelines",
+            _zero2_pipeline,
+            ({"zero_stage": 2, "pp_size": 2}, RunSetting()),
+        ),
+        Rule(
+            "sequence parallelism without tensor parallelism",
+            _sp_needs_tp,
+            ({"enable_sequence_parallelism": True}, RunSetting()),
+        ),
+        Rule(
+            "sequence parallelism with pipelines",
+            _sp_pipeline,
+            ({"enable_sequence_parallelism": True, "tp_size": 2, "pp_size": 2}, RunSetting()),
+        ),
+        Rule(
+            "mixed precision (or a model built in bf16/fp16) with zero_stage=0",
+            _mixed_needs_zero,
+            ({"zero_stage": 0}, RunSetting(precision=TrainPrecision.BF16)),
+        ),
+        Rule(
+            "pipeline stages not dividing the transformer blocks",
+            _layers_split,
+            ({"pp_size": 2, "pp_style": "interleaved"}, RunSetting(layers=6)),
+        ),
+        Rule(
+            "tp_size not dividing the attention heads",
+            _heads_split,
+            ({"tp_size": 4}, RunSetting(heads=6)),
+        ),
+        Rule(
+            "gradient accumulation (no_sync) with pipelines",
+            _pipeline_accumulation,
+            ({"pp_size": 2}, RunSetting(accumulation=4)),
+        ),
     )
 
     tp_size: int = 1
@@ -429,10 +463,11 @@ class HybridParallelPlugin(Plugin, SupportsNoSync, SupportsPipeline):
                 )
             context: AbstractContextManager[None] = optimizer.no_sync()
             return context
-        wrapped: Any = model
-        if self.zero_stage == 2 or not hasattr(wrapped, "no_sync"):
+        from pc_comm import DistributedDataParallel
+
+        if self.zero_stage == 2 or not isinstance(model, DistributedDataParallel):
             return nullcontext()  # ZeRO-2 accumulates in its shard; dp 1 has nothing to sync
-        context = wrapped.no_sync()
+        context = model.no_sync()
         return context
 
     # -- canonical state ---------------------------------------------------------------

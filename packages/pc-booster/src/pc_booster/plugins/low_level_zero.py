@@ -86,7 +86,9 @@ class LowLevelZeroOptions(PluginConfig):
     """
 
     name: ClassVar[str] = "low-level-zero"
-    RULES: ClassVar[tuple[Rule, ...]] = (Rule("stage other than 1 or 2", _stage),)
+    RULES: ClassVar[tuple[Rule, ...]] = (
+        Rule("stage other than 1 or 2", _stage, ({"stage": 3}, RunSetting())),
+    )
 
     stage: int = 1
     cpu_offload: bool = False

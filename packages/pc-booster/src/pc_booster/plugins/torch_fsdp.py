@@ -54,7 +54,9 @@ class TorchFSDPOptions(PluginConfig):
 
     name: ClassVar[str] = "torch-fsdp"
     gathers_parameters: ClassVar[bool] = True
-    RULES: ClassVar[tuple[Rule, ...]] = (Rule("fp16", _no_fp16),)
+    RULES: ClassVar[tuple[Rule, ...]] = (
+        Rule("fp16", _no_fp16, ({}, RunSetting(precision=TrainPrecision.FP16))),
+    )
 
     reshard_after_forward: bool = True
     wrap_classes: tuple[type[nn.Module], ...] | None = None

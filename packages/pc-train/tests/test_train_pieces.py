@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from pc_booster.checkpoint import CheckpointError, find_checkpoint, load_trainer_state
-from pc_booster.data import batch_offsets, load_byte_corpus, load_corpus
-from pc_booster.models import resolve_model
-from pc_booster.options import PluginKind, PluginOptions
-from pc_booster.train_config import TrainConfig
+from pc_train.checkpoint import CheckpointError, find_checkpoint, load_trainer_state
+from pc_train.data import batch_offsets, load_byte_corpus, load_corpus
+from pc_train.models import resolve_model
+from pc_train.options import PluginKind, PluginOptions
+from pc_train.train_config import TrainConfig
 
 
 def test_config_rejects_bad_values() -> None:
@@ -79,13 +79,20 @@ def test_plugin_options_are_checked_against_the_world() -> None:
     hybrid = PluginOptions(PluginKind.HYBRID, tp=2, pp=2)
     hybrid.check(8, "fp32", layers=4)
     assert hybrid.dp_size(8) == 2
-    with pytest.raises(ValueError, match=r"tp \(2\) x pp \(2\) = 4 does not divide the world"):
+    with pytest.raises(
+        ValueError,
+        match=r"tp_size \(2\) x pp_size \(2\) = 4 does not divide the world.*tp_size is --tp",
+    ):
         hybrid.check(6, "fp32")
-    with pytest.raises(ValueError, match="do not split into --pp 2 stages"):
+    with pytest.raises(
+        ValueError, match="3 transformer blocks do not split evenly into 2 pipeline"
+    ):
         hybrid.check(8, "fp32", layers=3)
+    with pytest.raises(ValueError, match=r"max_norm=1\.0 cannot clip.*max_norm is --clip-norm"):
+        PluginOptions(PluginKind.GEMINI, step_in_backward=True).check(2, "fp32", max_norm=1.0)
     with pytest.raises(ValueError, match="need --plugin hybrid"):
         PluginOptions(PluginKind.ZERO2, tp=2).check(4, "fp32")
-    with pytest.raises(ValueError, match="trains in fp32, not fp16"):
+    with pytest.raises(ValueError, match="trains in fp32 only"):
         PluginOptions(PluginKind.DDP).check(2, "fp16")
     with pytest.raises(ValueError, match="--offload-frac is an option of --plugin gemini"):
         PluginOptions(PluginKind.ZERO1, offload_frac=0.5).check(2, "fp32")

@@ -11,8 +11,8 @@ from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from pc_booster.models import MODEL_PRESETS
-from pc_booster.options import PLUGIN_NAMES, PRECISIONS, PluginOptions
+from pc_train.models import MODEL_PRESETS
+from pc_train.options import PLUGIN_NAMES, PRECISIONS, PluginOptions
 
 __all__ = ["TrainConfig", "parse_args"]
 
@@ -205,7 +205,7 @@ def _read_yaml(path: str) -> dict[str, Any]:
         import yaml  # type: ignore[import-untyped, unused-ignore]
     except ImportError:
         raise ValueError(
-            "--config needs PyYAML: pip install pyyaml (or 'pc-booster[train]')."
+            "--config needs PyYAML, a dependency of pc-train: pip install pyyaml."
         ) from None
     file = Path(path)
     if not file.is_file():

@@ -29,6 +29,26 @@ PLUGIN_NAMES = ("auto", *(kind.value for kind in PluginKind))
 PRECISIONS = tuple(p.value for p in TrainPrecision)
 
 
+# The plugins' rules speak of their options; pc-train's user sets flags.
+_FLAGS = {
+    "max_norm": "--clip-norm",
+    "tp_size": "--tp",
+    "pp_size": "--pp",
+    "zero_stage": "--zero-stage",
+    "num_microbatches": "--microbatches",
+    "step_in_backward": "--step-in-backward",
+    "enable_sequence_parallelism": "--sequence-parallel",
+    "offload_param_frac": "--offload-frac",
+    "no_sync": "--accumulation",
+}
+
+
+def _flags_named(message: str) -> str:
+    """pc-train's flags for the plugin options a rule's message names."""
+    named = [f"{name} is {flag}" for name, flag in _FLAGS.items() if name in message]
+    return f" (in pc-train: {', '.join(named)})" if named else ""
+
+
 @dataclass(frozen=True)
 class PluginOptions:
     """One plugin and the options ``pc-train`` exposes for it.
@@ -163,7 +183,7 @@ class PluginOptions:
         )
         message = self.config(max_norm).refusal(setting)
         if message is not None:
-            raise ValueError(f"{self.describe()}: {message}")
+            raise ValueError(f"{self.describe()}: {message}{_flags_named(message)}")
 
     def make(self, max_norm: float, timeout: float = 300.0) -> Plugin:
         """The plugin (which clips by ``max_norm`` itself)."""
@@ -174,7 +194,7 @@ class PluginOptions:
     def parse(name: str, **options: Any) -> PluginOptions:
         if name == "auto":
             raise ValueError(
-                "plugin 'auto' is a request, not a plugin: pc_booster.train.prepare (which "
+                "plugin 'auto' is a request, not a plugin: pc_train.train.prepare (which "
                 "pc-train runs first) replaces it with pc-estimate's choice. Call prepare, or "
                 f"name one of {', '.join(n for n in PLUGIN_NAMES if n != 'auto')}."
             )

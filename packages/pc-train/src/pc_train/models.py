@@ -83,8 +83,8 @@ def _transformers() -> Any:
         import transformers
     except ImportError:
         raise ValueError(
-            "pc-train needs transformers: pip install 'pc-booster[hf]' (or "
-            "'pc-booster[train]' for the plots and TensorBoard too)."
+            "pc-train needs transformers, one of its dependencies: pip install transformers "
+            "(or reinstall pc-train)."
         ) from None
     return transformers
 

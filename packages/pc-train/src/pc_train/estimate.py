@@ -41,9 +41,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from pc_booster.models import MODEL_PRESETS, ModelSpec, build_model, resolve_model
-from pc_booster.options import PRECISIONS, PluginKind, PluginOptions
 from pc_booster.rules import TrainPrecision
+from pc_train.models import MODEL_PRESETS, ModelSpec, build_model, resolve_model
+from pc_train.options import PRECISIONS, PluginKind, PluginOptions
 
 __all__ = [
     "DeviceInfo",

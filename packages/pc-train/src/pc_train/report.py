@@ -115,6 +115,6 @@ def write_report(out: Path, summary: dict[str, Any], history: dict[str, Any]) ->
     if plots:
         lines += ["", *(f"![{p[:-4]}]({p})" for p in plots)]
     else:
-        lines += ["", "(plots skipped: install matplotlib, or pc-booster[train])"]
+        lines += ["", "(plots skipped: pip install matplotlib, a dependency of pc-train)"]
     (out / "report.md").write_text("\n".join(lines) + "\n")
     return [out / "report.json", out / "report.md", *(out / p for p in plots)]

@@ -1,0 +1,928 @@
+"""``pc-train``: train a ``transformers`` causal LM with any pc plugin.
+
+Run it plainly and it starts ``--nproc`` local processes itself through
+torch's elastic launcher; run it under ``torchrun`` and it joins the job
+torchrun started (any number of nodes). Every step's global batch is a
+function of (seed, step), split over the data-parallel ranks, so a resumed
+run sees the batches an uninterrupted one would; checkpoints hold the
+model, optimizer, LR schedule, every rank's RNG and the history, so with
+``--deterministic`` (the default) a resumed run repeats the loss curve
+bitwise. See docs/packages/pc-train.md for the tour.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import random
+import re
+import resource
+import signal
+import sys
+import tempfile
+import threading
+import time
+import uuid
+import warnings
+from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import replace
+from datetime import timedelta
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pc_comm import health, tune_host_allocator
+from pc_train.checkpoint import (
+    CheckpointError,
+    find_checkpoint,
+    has_checkpoint,
+    load_trainer_state,
+    prune_checkpoints,
+    save_checkpoint,
+)
+from pc_train.data import batch_offsets, load_byte_corpus, load_corpus, windows
+from pc_train.faults import FaultInjector
+from pc_train.models import MODEL_PRESETS, ModelSpec, build_model, resolve_model
+from pc_train.train_config import TrainConfig, parse_args
+
+__all__ = [
+    "MODEL_PRESETS",
+    "NonFiniteLossError",
+    "TrainConfig",
+    "Trainer",
+    "load_byte_corpus",
+    "main",
+    "prepare",
+    "train",
+]
+
+_ERROR_DIR = "PC_TRAIN_ERROR_DIR"
+
+
+class NonFiniteLossError(ValueError):
+    """The loss became inf or NaN (``--check-finite``)."""
+
+
+class _Phases:
+    """What this rank is doing ("backward of step 12"), declared on pc-comm's
+    health board, where the other ranks read it when an operation fails."""
+
+    def __init__(self) -> None:
+        self.rank = dist.get_rank()
+        self.current = "start"
+
+    def enter(self, phase: str, step: int) -> None:
+        current = f"{phase} of step {step}"
+        if current != self.current:  # accumulation re-enters backward
+            self.current = current
+            health.set_phase(current)
+
+
+class _Stop:
+    """SIGINT / SIGTERM ask for a stop; the ranks agree on the step, save a
+    checkpoint there and exit. The same tiny all-reduce, once per step
+    before the optimizer steps, carries each rank's finite-loss check."""
+
+    def __init__(self, phases: _Phases, grace: float) -> None:
+        self.asked = False
+        self.phases = phases
+        self.grace = grace  # after SIGTERM, seconds to reach the step's end and save
+        self.timer: threading.Timer | None = None
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._ask)
+
+    def _ask(self, signum: int, frame: Any) -> None:
+        self.asked = True
+        if signum == signal.SIGTERM and self.timer is None:
+            # A scheduler's preemption or the launcher stopping the job after
+            # another rank failed. A rank blocked on a dead peer never reaches
+            # the step's end: leave after the grace period, saying where it was.
+            where = self.phases.current
+            message = f"rank {self.phases.rank} was in {where} when the launcher stopped it."
+            self.timer = threading.Timer(self.grace, _leave, args=(message, 143))
+            self.timer.daemon = True
+            self.timer.start()
+
+    def agree(self, finite: bool) -> tuple[bool, list[int]]:
+        """(stop asked on any rank, ranks whose loss is not finite)."""
+        world, rank = dist.get_world_size(), dist.get_rank()
+        flags = torch.zeros(world + 1)
+        flags[0] = 1.0 if self.asked else 0.0
+        flags[1 + rank] = 0.0 if finite else 1.0
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        return bool(flags[0]), [r for r in range(world) if flags[1 + r] > 0]
+
+
+def prepare(
+    config: TrainConfig, world: int, *, fork_safe: bool = False
+) -> tuple[TrainConfig, ModelSpec, list[str]]:
+    """Check everything that can be checked before a process starts, and
+    resolve ``--plugin auto``. Raises ValueError with the fix. ``fork_safe``:
+    the caller forks its workers afterwards (see :func:`_start_method`)."""
+    from pc_train.estimate import DeviceInfo, model_shape, recommend
+    from pc_train.options import PluginKind, PluginOptions
+
+    spec = resolve_model(config.model, config.seq_len)
+    if config.corpus is not None and not Path(config.corpus).exists():
+        raise ValueError(
+            f"corpus {config.corpus!r} does not exist; pass a text file, a directory of text "
+            "files, or a datasets directory (save_to_disk)."
+        )
+    if config.tokenizer is not None and not Path(config.tokenizer).is_dir():
+        raise ValueError(f"tokenizer {config.tokenizer!r} is not a directory.")
+    if config.tokenizer is None and spec.vocab_size < 256:
+        raise ValueError(
+            f"model {config.model!r} has a vocabulary of {spec.vocab_size}; byte-level text "
+            "needs 256. Pass --tokenizer, or a model with a larger vocabulary."
+        )
+    layers = spec.layers
+    reasons: list[str] = []
+    if config.plugin == "auto":
+        dp_batch = config.global_batch_size // max(1, world)
+        micro = max(1, dp_batch // config.accumulation)
+        device = DeviceInfo.detect(config.nproc, config.precision, fork_safe=fork_safe)
+        if config.step_in_backward:  # the plugin's own refusals (fp16)
+            PluginOptions(PluginKind.GEMINI, step_in_backward=True).check(
+                world, config.precision, max_norm=config.clip_norm, accumulation=config.accumulation
+            )
+        # Stepping in backward is chosen only where it changes nothing the
+        # user asked for: no clipping, no accumulation (recommend excludes fp16).
+        in_bwd = config.step_in_backward or (config.clip_norm == 0 and config.accumulation == 1)
+        choice = recommend(
+            model_shape(spec),
+            world,
+            micro,
+            config.seq_len,
+            config.precision,
+            device,
+            step_in_backward=in_bwd,
+        )
+        opts = choice.options
+        reasons = list(choice.reasons)
+        if config.step_in_backward and not opts.step_in_backward:
+            reasons.append(
+                f"--step-in-backward is not used: {opts.describe()} is recommended (--plugin "
+                "auto steps in backward only where plain gemini does not fit, and not in fp16)."
+            )
+        config = replace(
+            config,
+            plugin=opts.name,
+            offload_frac=opts.offload_frac,
+            step_in_backward=opts.step_in_backward,
+        )
+    options = config.plugin_options()
+    # The plugin's own rules, the same ones its constructor and boost apply.
+    options.check(
+        world,
+        config.precision,
+        layers,
+        max_norm=config.clip_norm,
+        accumulation=config.accumulation,
+        heads=spec.heads,
+    )
+    dp = options.dp_size(world)
+    if config.global_batch_size % (dp * config.accumulation):
+        raise ValueError(
+            f"global batch size {config.global_batch_size} does not split into {dp} "
+            f"data-parallel rank(s) x {config.accumulation} accumulation step(s); use a "
+            f"multiple of {dp * config.accumulation}."
+        )
+    if config.resume == "auto":  # restarts of one command line: resume when there is one
+        config = replace(config, resume="latest" if has_checkpoint(config.checkpoint_dir) else None)
+    if config.resume is not None:
+        path = find_checkpoint(config.checkpoint_dir, config.resume)
+        load_trainer_state(path, config)  # raises CheckpointError on a bad checkpoint
+    return config, spec, reasons
+
+
+# -- the training loop ----------------------------------------------------------
+
+
+def _peak_memory(device: torch.device) -> tuple[float, str]:
+    if device.type == "cuda":
+        return float(torch.cuda.max_memory_allocated(device)), "CUDA allocated"
+    return float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024), "host RSS"
+
+
+def _rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _schedule(config: TrainConfig) -> Any:
+    def factor(step: int) -> float:
+        warm = min(1.0, (step + 1) / config.warmup) if config.warmup else 1.0
+        return warm * 0.5 * (1 + math.cos(math.pi * min(step, config.steps) / config.steps))
+
+    return factor
+
+
+def _tokenizer(config: TrainConfig, spec: ModelSpec) -> Any:
+    source = config.tokenizer
+    files = ("tokenizer.json", "tokenizer_config.json")
+    if source is None and spec.pretrained is not None:
+        pretrained = spec.pretrained
+        source = str(pretrained) if any((pretrained / f).exists() for f in files) else None
+    if source is None:
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(source)
+
+
+class _Progress:
+    """Rank 0's progress: a tqdm bar on a terminal, plain lines otherwise."""
+
+    def __init__(self, config: TrainConfig, start: int, enabled: bool) -> None:
+        self.bar: Any = None
+        self.enabled = enabled
+        if enabled and config.progress and sys.stderr.isatty():
+            try:
+                from tqdm import tqdm  # type: ignore[import-untyped, unused-ignore]
+
+                self.bar = tqdm(total=config.steps, initial=start, desc="pc-train", unit="step")
+            except ImportError:
+                pass
+
+    def update(self, step: int, total: int, fields: dict[str, str], log: bool) -> None:
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.update(1)
+            if log:
+                self.bar.set_postfix(fields, refresh=True)
+        elif log:
+            text = "  ".join(f"{k} {v}" for k, v in fields.items())
+            print(f"step {step:>6}/{total}  {text}", flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _writer(config: TrainConfig, enabled: bool) -> Any:
+    if not (enabled and config.tensorboard):
+        return None
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        print("pc-train: TensorBoard logs skipped: pip install tensorboard", flush=True)
+        return None
+    return SummaryWriter(str(Path(config.output_dir) / "tensorboard"))
+
+
+class Trainer:
+    """One rank's training run (collective: every rank builds one and calls
+    :meth:`run`). Building it does what every rank needs before the first
+    step, in the order the run depends on: the plugin and Booster, the
+    corpus, the boosted model, optimizer and LR schedule, the resumed state
+    (model, optimizer, schedule, RNG, history), then the held-out batch and
+    the estimate the throughput is measured against. :meth:`run` prints the
+    header and trains from there to ``config.steps``: one
+    :meth:`train_step` at a time, each followed by :meth:`log`, an
+    :meth:`evaluate` every ``eval_every`` steps and a :meth:`save` every
+    ``checkpoint_every``; rank 0 ends with :meth:`report`."""
+
+    def __init__(
+        self,
+        config: TrainConfig,
+        context: Any,
+        reasons: Sequence[str] = (),
+        phases: _Phases | None = None,
+    ) -> None:
+        from pc_booster import Booster, HybridParallelPlugin
+        from pc_train.estimate import DeviceInfo, estimate, model_shape
+
+        self.config = config
+        # pc_comm.init_distributed's result: this rank's environment, device, backend.
+        self.context = context
+        self.env = context.env
+        self.device: torch.device = context.device
+        # Rank 0 prints, writes TensorBoard logs and the report.
+        self.rank0 = self.env.rank == 0
+        # Why --plugin auto chose the plugin; printed under the header.
+        self.reasons = tuple(reasons)
+        self.spec = resolve_model(config.model, config.seq_len)
+        self.options = config.plugin_options()
+        self.plugin = self.options.make(config.clip_norm, config.timeout)
+        self.booster = Booster(
+            plugin=self.plugin,
+            mixed_precision=None if config.precision == "fp32" else config.precision,
+        )
+        # A pipeline step runs forward and backward together, through the booster.
+        self.pipeline = isinstance(self.plugin, HybridParallelPlugin) and self.plugin.pp_size > 1
+        # The corpus' size goes in the header; 95% trains, the rest is held out.
+        self.corpus_tokens, self.train_tokens, self.eval_tokens = self._load_tokens()
+        self.model, self.optimizer, self.schedule = self._boost()
+        # The batch is split over the data-parallel ranks (a pipeline's or a
+        # tensor-parallel group's ranks see the same sequences).
+        self.group = self.plugin.dp_group
+        self.dp_rank, self.dp = dist.get_rank(self.group), dist.get_world_size(self.group)
+        self.per_rank = config.global_batch_size // self.dp
+        self.micro = self.per_rank // config.accumulation
+        # Losses every step, logged throughput and memory, held-out losses;
+        # saved in each checkpoint, so a resumed run's report covers the whole run.
+        self.history: dict[str, Any] = {
+            "step": [],
+            "loss": [],
+            "log": [],
+            "eval_step": [],
+            "eval_loss": [],
+        }
+        # The step this run started from, and every step a run resumed at.
+        self.start = 0
+        self.resumed_at: list[int] = []
+        # Here, in the order the run had before the Trainer: what follows
+        # touches torch's RNG after it is restored (model_shape builds the
+        # model from the seed; rank 0 measures the CPU's peak on random
+        # matrices).
+        self.resume()
+        # Steps taken so far (the next one is step + 1, as logged).
+        self.step = self.start
+        self.eval_ids = self._eval_batch()
+        self.shape = model_shape(self.spec)
+        self.predicted = estimate(
+            self.shape, self.options, self.env.world_size, self.micro, config.seq_len,
+            config.precision,
+        )  # fmt: skip
+        self.flops_per_token = self.predicted.flops_per_step / self.predicted.tokens_per_step
+        # The MFU's denominator: the GPU's datasheet, or a measured CPU matmul.
+        self.peak = (
+            DeviceInfo.detect(self.env.local_world_size, config.precision).peak_flops
+            if self.rank0
+            else 1.0
+        )
+        self.peak_source = "datasheet" if self.device.type == "cuda" else "measured matmul"
+        # Where this rank is, on pc-comm's health board, for failure reports.
+        self.phases = phases or _Phases()
+        # PC_TRAIN_FAULT: kill or stall this rank at one (step, phase), for fault tests.
+        self.fault = FaultInjector()
+        # Model states at their peak, measured in the first step this run
+        # takes after one has built the optimizer's states; for the report.
+        self.model_states: dict[str, float] = {}
+        # Tokens trained since the last log line, and when that line was.
+        self.window_start, self.window_tokens = 0.0, 0
+        # Set by run(): a stop asked by SIGINT / SIGTERM, rank 0's progress
+        # bar or lines, and its TensorBoard writer.
+        self.stop: _Stop | None = None
+        self.progress: _Progress | None = None
+        self.writer: Any = None
+
+    # -- building -------------------------------------------------------------
+
+    def _load_tokens(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        config, spec = self.config, self.spec
+        tokens = load_corpus(config.corpus, config.corpus_bytes, _tokenizer(config, spec))
+        if int(tokens.max()) >= spec.vocab_size:
+            raise ValueError(
+                f"the tokenizer makes ids up to {int(tokens.max())}, beyond the model's "
+                f"vocabulary ({spec.vocab_size}); use a model with a matching vocabulary."
+            )
+        split = int(len(tokens) * 0.95)
+        return tokens, tokens[:split], tokens[split:]
+
+    def _boost(self) -> tuple[Any, Any, Any]:
+        """The model, AdamW and the warm-up + cosine LR schedule, boosted."""
+        config = self.config
+        model = build_model(self.spec, config.seed, self.device)
+        optimizer = torch.optim.AdamW(
+            model.parameters(), lr=config.lr, weight_decay=config.weight_decay
+        )
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule(config))
+        model, optimizer, _, _, schedule = self.booster.boost(
+            model, optimizer, lr_scheduler=schedule
+        )
+        return model, optimizer, schedule
+
+    def resume(self) -> None:
+        """With ``--resume``: the model, optimizer, LR schedule, this rank's
+        RNG (at the same world size) and the history from the checkpoint."""
+        config, env = self.config, self.env
+        if config.resume is None:
+            return
+        path = find_checkpoint(config.checkpoint_dir, config.resume)
+        state = load_trainer_state(path, config)
+        try:
+            self.booster.load_model(self.model, path)
+            self.booster.load_optimizer(self.optimizer, path / "optimizer.pt")
+            self.booster.load_lr_scheduler(self.schedule, path / "scheduler.pt")
+        except Exception as error:  # a checkpoint that passed the checks but will not load
+            raise CheckpointError(f"checkpoint {path} does not load: {error}") from None
+        rng = path / f"rng-rank{env.rank}.pt"
+        if state["world"] == env.world_size and rng.exists():
+            _set_rng_state(torch.load(rng, weights_only=False))
+        elif self.rank0:
+            print(
+                f"pc-train: saved at world {state['world']}, resumed at {env.world_size}: RNG "
+                "states start fresh (the loss curve may differ in the last bits)",
+                flush=True,
+            )
+        self.start = state["step"]
+        self.history = state["history"]
+        self.resumed_at = [*state.get("resumed_at", []), self.start]
+
+    def _eval_batch(self) -> torch.Tensor:
+        """This rank's share of 32 held-out sequences, the same every evaluation."""
+        config, share = self.config, 32 // self.dp
+        eval_ids = windows(
+            self.eval_tokens,
+            torch.linspace(0, len(self.eval_tokens) - config.seq_len - 1, 32).long(),
+            config.seq_len,
+        )
+        return eval_ids[self.dp_rank * share : (self.dp_rank + 1) * share].to(self.device)
+
+    # -- the run --------------------------------------------------------------
+
+    def run(self) -> dict[str, Any]:
+        """Train to ``config.steps`` (collective). Returns the history; raises
+        SystemExit(130) after saving where SIGINT / SIGTERM stopped it."""
+        config = self.config
+        self.announce()
+        if self.start == 0:
+            self.phases.enter("eval", 0)
+            self.evaluate(0)
+        # After SIGTERM, a rank blocked on a failed peer gets its own timeout,
+        # plus a margin, to say where it is before it leaves.
+        self.stop = _Stop(self.phases, grace=min(config.timeout + 2.0, 60.0))
+        self.progress = _Progress(config, self.start, self.rank0)
+        self.writer = _writer(config, self.rank0)
+        began = time.perf_counter()
+        self.window_start, self.window_tokens = time.perf_counter(), 0
+        interrupted = False
+        while self.step < config.steps:
+            interrupted = self.train_step()
+            self.log()
+            every = config.eval_every
+            if every and self.step % every == 0 and self.step < config.steps:
+                self.periodic_evaluate()
+            if _periodic(config, self.step) or interrupted or self.step == config.steps:
+                self.save()
+            if interrupted:
+                break
+        self.progress.close()
+        if interrupted:
+            if self.rank0:
+                print(
+                    f"pc-train: interrupted at step {self.step}; saved "
+                    f"{config.checkpoint_dir / f'step-{self.step:06d}'}. Continue with --resume.",
+                    flush=True,
+                )
+            raise SystemExit(130)
+        self.evaluate(self.step)
+        if self.writer is not None:
+            self.writer.close()
+        seconds = time.perf_counter() - began
+        if self.rank0:
+            self.report(seconds)
+        return self.history
+
+    def announce(self) -> None:
+        """Rank 0's header: model, plugin, ranks, batch, corpus; the reasons
+        of --plugin auto."""
+        if not self.rank0:
+            return
+        config = self.config
+        print(
+            f"pc-train: {self.spec.name} ({self.shape.params / 1e6:.2f} M params) with "
+            f"{self.options.describe()} on {self.env.world_size} {self.context.backend} "
+            f"rank(s), global batch {config.global_batch_size} x {config.seq_len} tokens, "
+            f"{len(self.corpus_tokens) / 1e6:.2f} M-token corpus",
+            flush=True,
+        )
+        for reason in self.reasons:
+            print(f"  plugin auto: {reason}", flush=True)
+
+    def batch(self) -> torch.Tensor:
+        """This rank's sequences of the next step's global batch, a function
+        of (seed, step) alone, so a resumed run sees what an uninterrupted
+        one would."""
+        config = self.config
+        offsets = batch_offsets(
+            config.seed, self.step, config.global_batch_size, config.seq_len,
+            len(self.train_tokens),
+        )  # fmt: skip
+        mine = offsets[self.dp_rank * self.per_rank : (self.dp_rank + 1) * self.per_rank]
+        return windows(self.train_tokens, mine, config.seq_len).to(self.device)
+
+    def train_step(self) -> bool:
+        """Take one optimizer step: forward and backward over the batch, the
+        ranks' agreement on a stop and on a finite loss, the step, the
+        loss averaged over the data-parallel ranks into the history.
+        Returns whether a stop was asked (SIGINT / SIGTERM on any rank)."""
+        if self.stop is None:
+            raise AssertionError("Trainer.train_step runs inside Trainer.run")
+        config, step = self.config, self.step + 1
+        mine = self.batch()
+        self.phases.enter("forward", step)
+        self.fault.at("forward", step)
+        total = self.forward_backward(mine, step)
+        self.phases.enter("step", step)
+        self.fault.at("step", step)
+        finite = bool(torch.isfinite(total)) or not config.check_finite
+        interrupted, bad = self.stop.agree(finite)
+        if bad:
+            raise self._not_finite(bad)
+        if self.step == self.start + 1 and not self.model_states:
+            self.model_states = self.measure_model_states()
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        self.schedule.step()
+        dist.all_reduce(total, group=self.group)
+        self.step = step
+        self.history["step"].append(step)
+        self.history["loss"].append(float(total) / self.dp)
+        self.window_tokens += config.global_batch_size * config.seq_len
+        return interrupted
+
+    def forward_backward(self, mine: torch.Tensor, step: int) -> torch.Tensor:
+        """The step's loss (this rank's mean): one pipeline step, or
+        ``accumulation`` micro-batches, synchronised only after the last."""
+        config = self.config
+        if self.pipeline:
+            batches = iter([{"input_ids": mine}])
+            loss = self.booster.execute_pipeline(batches, self.model, None, self.optimizer)
+            total: torch.Tensor = loss["loss"].detach().float()
+            return total
+        total = torch.zeros((), device=self.device)
+        for k in range(config.accumulation):
+            part = mine[k * self.micro : (k + 1) * self.micro]
+            last = k == config.accumulation - 1
+            sync: AbstractContextManager[None] = (
+                nullcontext() if last else self.booster.no_sync(self.model, self.optimizer)
+            )
+            with sync:
+                loss = self.model(input_ids=part, labels=part).loss / config.accumulation
+                self.phases.enter("backward", step)
+                self.fault.at("backward", step)
+                self.booster.backward(loss, self.optimizer)
+            total += loss.detach().float()
+        return total
+
+    def _not_finite(self, bad: list[int]) -> NonFiniteLossError:
+        config, step = self.config, self.step
+        saved = max((s for s in range(self.start, step + 1) if _periodic(config, s)), default=0)
+        where = f"the last checkpoint is at step {saved}" if saved else "no checkpoint yet"
+        when = (
+            "stopped after the step (--step-in-backward steps inside backward; the "
+            "weights in memory are not to be trusted, the checkpoints are)"
+            if self.options.step_in_backward
+            else "stopped before the optimizer step"
+        )
+        return NonFiniteLossError(
+            f"step {step + 1}: the loss (or gradient norm) is not finite on rank(s) "
+            f"{', '.join(map(str, bad))}; {when} "
+            f"(--check-finite), {where}. Lower --lr, use bf16 rather than fp16, or "
+            "--resume from an earlier checkpoint."
+        )
+
+    def measure_model_states(self) -> dict[str, float]:
+        """Model states at their peak (this step's gradients held, the
+        optimizer's states built by the step before), the largest over the
+        ranks, beside pc-estimate's prediction."""
+        from pc_train.estimate import measured_model_state_bytes
+
+        held = torch.tensor([float(measured_model_state_bytes(self.model, self.optimizer))])
+        dist.all_reduce(held, op=dist.ReduceOp.MAX)
+        return {"measured": float(held), "predicted": float(self.predicted.model_state_bytes)}
+
+    def log(self) -> None:
+        """Advance the progress; every ``log_every`` steps (and the first
+        and last) also record throughput, MFU and every rank's peak memory
+        (collective) and write them to the progress and TensorBoard."""
+        if self.progress is None:
+            raise AssertionError("Trainer.log runs inside Trainer.run")
+        config, step = self.config, self.step
+        log = step % config.log_every == 0 or step == config.steps or step == self.start + 1
+        fields = self._log_entry() if log else {}
+        self.progress.update(step, config.steps, fields, log)
+
+    def _log_entry(self) -> dict[str, str]:
+        step = self.step
+        mem, kind = _peak_memory(self.device)
+        memories = [torch.zeros(1, dtype=torch.float64) for _ in range(self.env.world_size)]
+        dist.all_gather(memories, torch.tensor([mem], dtype=torch.float64))
+        now = time.perf_counter()
+        rate = self.window_tokens / max(now - self.window_start, 1e-9)
+        tflops = rate * self.flops_per_token / self.env.world_size / 1e12
+        entry = {
+            "step": step,
+            "loss": self.history["loss"][-1],
+            "tokens_per_s": rate,
+            "tflops": tflops,
+            "mfu": tflops * 1e12 / self.peak,
+            "peak_memory": [float(m) for m in memories],
+            "memory_kind": kind,
+            "lr": self.schedule.get_last_lr()[0],
+        }
+        self.history["log"].append(entry)
+        self.window_start, self.window_tokens = now, 0
+        if self.writer is not None:
+            for key in ("loss", "tokens_per_s", "tflops", "mfu", "lr"):
+                self.writer.add_scalar(f"train/{key}", entry[key], step)
+            for r, m in enumerate(entry["peak_memory"]):
+                self.writer.add_scalar(f"memory/rank{r}_mib", m / 2**20, step)
+        return {
+            "loss": f"{entry['loss']:.4f}",
+            "tok/s": f"{rate:,.0f}",
+            "TFLOPS": f"{tflops:.3g}",
+            "MFU": f"{entry['mfu']:.1%}",
+            "mem": f"{max(entry['peak_memory']) / 2**20:,.0f}MiB",
+        }
+
+    def evaluate(self, step: int) -> float | None:
+        """The held-out loss, averaged over the data-parallel ranks, into
+        the history (collective); None under pipelines, where a step runs
+        forward and backward together."""
+        if self.pipeline:
+            return None
+        self.model.eval()
+        with torch.no_grad():
+            loss = self.model(input_ids=self.eval_ids, labels=self.eval_ids).loss.detach().float()
+        self.model.train()
+        dist.all_reduce(loss, group=self.group)
+        mean = float(loss) / self.dp
+        self.history["eval_step"].append(step)
+        self.history["eval_loss"].append(mean)
+        return mean
+
+    def periodic_evaluate(self) -> None:
+        """The evaluation every ``eval_every`` steps, logged to TensorBoard."""
+        self.phases.enter("eval", self.step)
+        self.fault.at("eval", self.step)
+        loss = self.evaluate(self.step)
+        if self.writer is not None and loss is not None:
+            self.writer.add_scalar("eval/loss", loss, self.step)
+
+    def save(self) -> None:
+        """A checkpoint of this step (collective); rank 0 then keeps the
+        newest ``keep_last``."""
+        config, step = self.config, self.step
+        self.phases.enter("save", step)
+        state = {"step": step, "history": self.history, "config": config.to_dict(),
+                 "world": self.env.world_size, "resumed_at": self.resumed_at}  # fmt: skip
+        save_checkpoint(
+            self.booster, self.model, self.optimizer, self.schedule, config.checkpoint_dir,
+            step, state, _rng_state(), written=partial(self.fault.at, "save", step),
+        )  # fmt: skip
+        if self.rank0:
+            prune_checkpoints(config.checkpoint_dir, config.keep_last)
+        dist.barrier()
+
+    def report(self, seconds: float) -> None:
+        """Rank 0's report (report.json, report.md, plots) and last lines."""
+        from pc_train.report import write_report
+
+        config, history = self.config, self.history
+        summary = {
+            "model": self.spec.name,
+            "plugin": self.options.describe(),
+            "world": self.env.world_size,
+            "backend": self.context.backend,
+            "precision": config.precision,
+            "params": self.shape.params,
+            "steps": config.steps,
+            "global_batch_size": config.global_batch_size,
+            "seq_len": config.seq_len,
+            "seconds": seconds,
+            "peak_tflops": self.peak / 1e12,
+            "peak_source": self.peak_source,
+            "model_states": self.model_states,
+            "resumed_at": self.resumed_at,
+            "predicted_step_seconds": self.predicted.step_seconds,
+            "config": config.to_dict(),
+        }
+        written = write_report(Path(config.output_dir), summary, history)
+        losses = history["loss"]
+        head = sum(losses[:10]) / min(10, len(losses))
+        tail = sum(losses[-10:]) / min(10, len(losses))
+        eval_text = ""
+        if history["eval_loss"]:
+            eval_text = (
+                f", held-out loss {history['eval_loss'][0]:.3f} -> {history['eval_loss'][-1]:.3f}"
+            )
+        print(
+            f"done in {seconds:.1f} s: train loss {head:.3f} -> {tail:.3f} (mean of first / last "
+            f"10 steps){eval_text}\nreport: {', '.join(str(p) for p in written)}",
+            flush=True,
+        )
+
+
+def train(
+    config: TrainConfig,
+    context: Any,
+    reasons: Sequence[str] = (),
+    phases: _Phases | None = None,
+) -> dict[str, Any]:
+    """Train on this rank (collective: every rank calls it). Returns the
+    history (losses every step, logged throughput and memory). ``phases``
+    publishes where this rank is, for failure reports."""
+    return Trainer(config, context, reasons, phases).run()
+
+
+def _periodic(config: TrainConfig, step: int) -> bool:
+    return bool(config.checkpoint_every) and step % config.checkpoint_every == 0
+
+
+# -- processes -------------------------------------------------------------------
+
+
+def _leave(message: str, code: int) -> None:
+    _note(message, overwrite=code != 143)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # no teardown: destroying a group with a dead peer can abort
+
+
+def _write_whole(path: Path, text: str) -> None:
+    """Whole or not at all: the launcher may read while a stopped rank writes."""
+    partial = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    partial.write_text(text)
+    os.replace(partial, path)
+
+
+def _note(message: str, overwrite: bool = False) -> None:
+    """A line for our launcher to print once after a failure; under
+    torchrun, printed by the rank."""
+    rank = os.environ.get("RANK", "0")
+    folder = os.environ.get(_ERROR_DIR)
+    if not folder:
+        print(f"pc-train (rank {rank}): {message}", file=sys.stderr, flush=True)
+        return
+    path = Path(folder, f"rank{rank}.txt")
+    if overwrite or not path.exists():
+        _write_whole(path, message)
+
+
+def _fail(message: str) -> None:
+    """Report a user-facing error once, without a traceback."""
+    folder = os.environ.get(_ERROR_DIR)
+    if folder:  # our own launcher prints it once
+        note = Path(folder, f"rank{os.environ.get('RANK', '0')}.txt")
+        _write_whole(note, f"error: {message}")
+    else:
+        print(
+            f"pc-train: error (rank {os.environ.get('RANK', '0')}): {message}",
+            file=sys.stderr,
+            flush=True,
+        )
+    raise SystemExit(1)
+
+
+def _worker(config: TrainConfig, reasons: Sequence[str]) -> None:
+    from pc_comm import init_distributed
+
+    # A forked worker inherits the launcher's handlers; a rank's own are
+    # Python's defaults until the training loop installs _Stop's.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+        signal.signal(sig, signal.SIG_DFL)
+
+    # The Booster re-points the LR schedule at the optimizer it rebuilt;
+    # torch's check for a wrapped step() cannot see that.
+    warnings.filterwarnings("ignore", message=re.escape("Seems like `optimizer.step()` has been"))
+    if config.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+    context = init_distributed(
+        timeout=timedelta(seconds=config.timeout), debug_collectives=config.debug_collectives
+    )
+    if context.device.type == "cpu":
+        # Ranks share the host's cores; oversubscribing them slows every rank.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // context.env.local_world_size))
+        tune_host_allocator()  # no page faults for memory freed last step [Note: host allocator]
+    phases = _Phases()
+    try:
+        train(config, context, reasons, phases)
+    except (ValueError, TypeError, FileNotFoundError) as error:  # CheckpointError and
+        # NonFiniteLossError are ValueErrors
+        _fail(str(error))
+    except RuntimeError as error:
+        if not health.is_peer_failure(error):
+            raise
+        failure = error if isinstance(error, health.PeerFailureError) else health.diagnose(error)
+        _leave(f"error: {failure}", 1)
+    finally:
+        health.stop_board()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _report_failure(failure: Any, errors: Path, config: TrainConfig) -> None:
+    """Say once what went wrong: the ranks' own messages, and which rank
+    failed first (a rank killed by a signal other than the SIGTERM the
+    launcher stops the others with, else the earliest)."""
+    messages = sorted({p.read_text() for p in errors.glob("rank*.txt")})
+    failures = failure.failures
+    codes = {f.exitcode for f in failures.values()}
+    if codes == {130}:
+        raise SystemExit(130)
+    killed = [r for r, f in failures.items() if f.exitcode < 0 and f.signal_name() != "SIGTERM"]
+    first = min(killed) if killed else min(failures, key=lambda r: failures[r].timestamp)
+    cause = failures[first]
+    how = (
+        f"killed by {cause.signal_name()}" if cause.exitcode < 0 else f"exit code {cause.exitcode}"
+    )
+    for message in messages:
+        print(f"pc-train: {message}", file=sys.stderr)
+    if killed or not messages:
+        latest = config.checkpoint_dir
+        print(
+            f"pc-train: rank {first} failed first ({how}); the launcher stopped the other "
+            f"ranks. Checkpoints saved so far are in {latest}; continue with --resume.",
+            file=sys.stderr,
+        )
+    raise SystemExit(1)
+
+
+def _start_method() -> str:
+    """How the local workers start. ``fork`` where it is safe: a CPU-only
+    torch on Linux, where the workers inherit the torch and transformers this
+    process has imported already (several seconds less per start). It needs
+    this process to have started no OpenMP thread team (GNU OpenMP hangs in a
+    forked child) and no CUDA, which :func:`prepare` keeps with
+    ``fork_safe``. Elsewhere ``spawn``, torch's default. ``PC_TRAIN_START_METHOD``
+    overrides it."""
+    chosen = os.environ.get("PC_TRAIN_START_METHOD")
+    if chosen:
+        if chosen not in ("fork", "spawn", "forkserver"):
+            raise ValueError(
+                f"PC_TRAIN_START_METHOD={chosen!r}; expected fork, spawn or forkserver."
+            )
+        return chosen
+    cpu_only = torch.version.cuda is None and torch.version.hip is None
+    return "fork" if sys.platform == "linux" and cpu_only else "spawn"
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    config = parse_args(argv)
+    under_torchrun = "RANK" in os.environ
+    world = int(os.environ.get("WORLD_SIZE", config.nproc)) if under_torchrun else config.nproc
+    try:
+        start_method = "spawn" if under_torchrun else _start_method()
+        threads = torch.get_num_threads()
+        if start_method == "fork":
+            torch.set_num_threads(1)  # no OpenMP team in a process that forks
+        try:
+            config, _, reasons = prepare(config, world, fork_safe=start_method == "fork")
+        finally:
+            torch.set_num_threads(threads)
+    except (ValueError, CheckpointError) as error:
+        print(f"pc-train: error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
+    if under_torchrun:  # join torchrun's job
+        _worker(config, reasons)
+        return
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    for name in ("torch.distributed.elastic", "torch.multiprocessing"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+    launch = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=config.nproc,
+        run_id=f"pc-train-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint="127.0.0.1:0",
+        max_restarts=0,
+        monitor_interval=0.1,
+        start_method=start_method,
+    )
+    print(
+        f"pc-train: starting {config.nproc} local process(es); output in {config.output_dir}",
+        flush=True,
+    )
+    with tempfile.TemporaryDirectory(prefix="pc-train-") as errors:
+        os.environ[_ERROR_DIR] = errors
+        try:
+            elastic_launch(launch, _worker)(config, reasons)
+        except ChildFailedError as failure:
+            _report_failure(failure, Path(errors), config)
+        except (KeyboardInterrupt, SignalException):
+            print(
+                f"pc-train: interrupted; continue from the last checkpoint in "
+                f"{config.checkpoint_dir} with --resume.",
+                file=sys.stderr,
+            )
+            raise SystemExit(130) from None
+        finally:
+            os.environ.pop(_ERROR_DIR, None)
+
+
+if __name__ == "__main__":
+    main()
