@@ -59,6 +59,10 @@ from pc_comm.testing import spawn
 WORLD = 4
 STEPS = 4
 LR = 1e-4
+# Adam's eps well above the clipped gradients' RMS, so that its update
+# follows the gradient's size: a clip not applied (or applied by another
+# norm) moves the parameters visibly; at 1e-8 Adam hides any uniform scale.
+EPS = 1e-3
 MAX_NORM = 0.05
 SCALE = 2.0**10
 LOW_PRECISION_RTOL = {"bf16": 2e-2, "fp16": 5e-3}
@@ -243,7 +247,7 @@ def reference(
     masters = {n: p.detach().float().clone().requires_grad_() for n, p in built.named_parameters()}
     model = copy.deepcopy(built).to(DTYPES[precision])
     params = dict(model.named_parameters())
-    optimizer = torch.optim.AdamW(masters.values(), lr=LR, eps=1e-6, weight_decay=0.01)
+    optimizer = torch.optim.AdamW(masters.values(), lr=LR, eps=EPS, weight_decay=0.01)
     scale = SCALE if precision == "fp16" else 1.0
     losses = []
     for step in range(STEPS):
@@ -312,7 +316,7 @@ def run_case(case: Case, layouts: dict[tuple[int, int], ParallelLayout]) -> Verd
         plugin = make_plugin(case, layouts)
         booster = Booster(plugin=plugin, mixed_precision=case.precision)
         model = build_model(case)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=LR, eps=1e-6, weight_decay=0.01)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS, weight_decay=0.01)
         model, optimizer, *_ = booster.boost(model, optimizer)
         if case.accumulation > 1:
             booster.no_sync(model, optimizer)  # its rules, before anything trains
