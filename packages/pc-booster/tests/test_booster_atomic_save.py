@@ -47,6 +47,14 @@ def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def _save(booster: Booster, model: Any, out: Path, split: bool) -> None:
+    """One model.safetensors, or transformers' sharded files with an index."""
+    if split:
+        booster.export_pretrained(model, out, size_per_shard=1)
+    else:
+        booster.save_model(model, out)
+
+
 def _saves_killed_at_every_point(root: str) -> None:
     booster = Booster(plugin=TorchDDPPlugin())
     model = tiny_gpt2(n_embd=256)  # 11 shards of at most 1 MiB
@@ -55,7 +63,7 @@ def _saves_killed_at_every_point(root: str) -> None:
     atomic, remove = booster_module._atomic, booster_module._remove
     for old_shard, new_shard in [(True, True), (False, False), (True, False), (False, True)]:
         base = Path(root) / f"base-{old_shard}-{new_shard}"
-        booster.save_model(model, base, shard=old_shard, size_per_shard=1)
+        _save(booster, model, base, old_shard)
         before = _state(booster, model)
         with torch.no_grad():
             for p in model.parameters():
@@ -69,7 +77,7 @@ def _saves_killed_at_every_point(root: str) -> None:
             booster_module._atomic = switch.wrap(atomic)
             booster_module._remove = switch.wrap(remove)
             try:
-                booster.save_model(model, target, shard=new_shard, size_per_shard=1)
+                _save(booster, model, target, new_shard)
                 finished = True
             except _Killed:
                 finished = False

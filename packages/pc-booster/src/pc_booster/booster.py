@@ -38,6 +38,7 @@ __all__ = ["Booster"]
 
 _WEIGHTS = "model.safetensors"
 _INDEX = "model.safetensors.index.json"
+_DCP_METADATA = ".metadata"  # torch.distributed.checkpoint's commit point
 
 
 def _atomic(path: Path, write: Any) -> None:
@@ -188,14 +189,74 @@ class Booster:
         shard: bool = False,
         size_per_shard: int = 1024,
     ) -> None:
-        """Write the full model to directory ``checkpoint`` (collective: every
-        rank calls it; rank 0 writes)."""
+        """Write the model to directory ``checkpoint`` (collective: every rank
+        calls it). ``shard=True``: every rank writes only its share, through
+        ``torch.distributed.checkpoint`` ([Note: sharded canonical state] in
+        ``pc_booster.plugins.sharded``); no rank holds the whole model. Else
+        rank 0 writes ``model.safetensors`` with the full model, which every
+        rank gathers first: a convenience for models that fit on one rank
+        several times over. ``size_per_shard`` applies to
+        :meth:`export_pretrained`."""
+        if shard:
+            self._save_sharded(self.plugin.sharded_model_state(model), Path(checkpoint))
+            if dist.get_rank() == 0:
+                old = _indexed_files(Path(checkpoint))
+                (Path(checkpoint) / _INDEX).unlink(missing_ok=True)
+                _remove(Path(checkpoint), old | {_WEIGHTS})
+                self._write_config(model, Path(checkpoint))
+            dist.barrier()
+            return
+        self._save_full(model, Path(checkpoint), split=False, size_per_shard=size_per_shard)
+
+    def export_pretrained(
+        self, model: nn.Module, directory: str | os.PathLike[str], size_per_shard: int = 1024
+    ) -> None:
+        """Write the full model as ``transformers``' ``save_pretrained`` does:
+        safetensors files of at most ``size_per_shard`` MiB, the index and
+        ``config.json``, for ``from_pretrained``. Every rank gathers the whole
+        fp32 model first (collective; rank 0 writes)."""
+        self._save_full(model, Path(directory), split=True, size_per_shard=size_per_shard)
+
+    def _write_config(self, model: nn.Module, out: Path) -> None:
+        module = self.plugin.boosted(model).module
+        config = getattr(module, "config", None)
+        if config is not None and hasattr(config, "to_json_file"):
+            _atomic(out / "config.json", lambda p: config.to_json_file(str(p)))
+
+    @staticmethod
+    def _save_sharded(state: dict[str, Any], out: Path) -> None:
+        """DCP writes every rank's items in parallel and the metadata last
+        (the commit point)."""
+        from torch.distributed.checkpoint.state_dict_saver import save
+
+        from pc_zero import PiecesSavePlanner
+
+        out.mkdir(parents=True, exist_ok=True)
+        save(state, checkpoint_id=str(out), planner=PiecesSavePlanner(flatten_state_dict=False))
+
+    @staticmethod
+    def _saved_keys(path: Path) -> dict[str, Any]:
+        from torch.distributed.checkpoint.filesystem import FileSystemReader
+
+        metadata: dict[str, Any] = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        return metadata
+
+    @staticmethod
+    def _load_sharded(state: dict[str, Any], path: Path) -> None:
+        from torch.distributed.checkpoint.state_dict_loader import load
+
+        from pc_zero import PiecesLoadPlanner
+
+        load(state, checkpoint_id=str(path), planner=PiecesLoadPlanner(flatten_state_dict=False))
+
+    def _save_full(self, model: nn.Module, out: Path, *, split: bool, size_per_shard: int) -> None:
         from safetensors.torch import save_file
 
         state = _distinct(self.plugin.model_state_dict(model))
         if dist.get_rank() == 0:
-            out = Path(checkpoint)
             out.mkdir(parents=True, exist_ok=True)
+            (out / _DCP_METADATA).unlink(missing_ok=True)  # a sharded save's commit point
+            shard = split
             if shard:
                 limit = size_per_shard * 2**20
                 files: list[dict[str, torch.Tensor]] = [{}]
@@ -221,10 +282,7 @@ class Booster:
                 _atomic(out / _WEIGHTS, lambda p: save_file(state, str(p)))
                 (out / _INDEX).unlink(missing_ok=True)  # first: the index points at the rest
                 _remove(out, old)
-            module = self.plugin.boosted(model).module
-            config = getattr(module, "config", None)
-            if config is not None and hasattr(config, "to_json_file"):
-                _atomic(out / "config.json", lambda p: config.to_json_file(str(p)))
+            self._write_config(model, out)
         dist.barrier()
 
     def load_model(
@@ -235,6 +293,9 @@ class Booster:
         from safetensors.torch import load_file
 
         path = Path(checkpoint)
+        if (path / _DCP_METADATA).exists():
+            self._load_model_sharded(model, path, strict)
+            return
         if (path / _INDEX).exists():
             index = json.loads((path / _INDEX).read_text())
             state: dict[str, torch.Tensor] = {}
@@ -270,6 +331,21 @@ class Booster:
             state = {k: v for k, v in state.items() if k in expected}
         self.plugin.load_model_state_dict(model, state)
 
+    def _load_model_sharded(self, model: nn.Module, path: Path, strict: bool) -> None:
+        """Each rank reads only the byte ranges of its share."""
+        targets = self.plugin.sharded_model_state(model)
+        saved = self._saved_keys(path)
+        missing = sorted(k for k in targets if k not in saved)
+        unexpected = sorted(k for k in saved if k.startswith("model/") and k not in targets)
+        if strict and (missing or unexpected):
+            raise ValueError(
+                f"checkpoint {path} does not match the model: missing {missing[:5]}, "
+                f"unexpected {unexpected[:5]}. Was it saved from another model? Pass "
+                "strict=False to load the common keys."
+            )
+        self._load_sharded({k: v for k, v in targets.items() if k in saved}, path)
+        self.plugin.after_sharded_model_load(model)
+
     @staticmethod
     def _tied_source(module: nn.Module, key: str, present: Any = ()) -> str:
         """A key holding the same tensor as ``key`` (tied weights), one in
@@ -285,9 +361,16 @@ class Booster:
     def save_optimizer(
         self, optimizer: Any, checkpoint: str | os.PathLike[str], shard: bool = False
     ) -> None:
-        """Write the optimizer's state (canonical form) to file
-        ``checkpoint`` (collective; rank 0 writes). ``shard`` is accepted
-        for Colossal-AI's signature; the file is one either way."""
+        """Write the optimizer's state (canonical form) to ``checkpoint``
+        (collective). ``shard=True``: a directory to which every rank writes
+        only its share of the state, through ``torch.distributed.checkpoint``;
+        else one file that rank 0 writes after every rank gathered the whole
+        state (for optimizers that fit on one rank several times over)."""
+        if shard:
+            state = self.plugin.sharded_optimizer_state(optimizer, None)
+            self._save_sharded(state, Path(checkpoint))
+            dist.barrier()
+            return
         state = self.plugin.optimizer_state_dict(optimizer)
         if dist.get_rank() == 0:
             path = Path(checkpoint)
@@ -297,7 +380,18 @@ class Booster:
 
     def load_optimizer(self, optimizer: Any, checkpoint: str | os.PathLike[str]) -> None:
         """Load a file written by :meth:`save_optimizer`, under any plugin
-        and world size. Load the model first."""
+        and world size (a directory: the sharded form, each rank reading only
+        its share). Load the model first."""
+        path = Path(checkpoint)
+        if (path / _DCP_METADATA).exists():
+            from pc_booster.plugins.sharded import saved_state_keys
+
+            saved = self._saved_keys(path)
+            targets = self.plugin.sharded_optimizer_state(optimizer, saved_state_keys(saved))
+            loaded = {k: v for k, v in targets.items() if k in saved}
+            self._load_sharded(loaded, path)
+            self.plugin.after_sharded_optimizer_load(optimizer, loaded)
+            return
         state = torch.load(Path(checkpoint), map_location="cpu", weights_only=False)
         if not isinstance(state, dict) or "param_groups" not in state:
             raise ValueError(

@@ -245,6 +245,35 @@ class Plugin(ABC):
     @abstractmethod
     def load_optimizer_state_dict(self, optimizer: Any, state: CanonicalOptimizerState) -> None: ...
 
+    # -- sharded checkpoints [Note: sharded canonical state] ------------------------
+
+    def sharded_model_state(self, model: nn.Module) -> dict[str, Any]:
+        """This rank's share of the model's canonical state, by DCP key; the
+        tensors are the plugin's own (a load writes into them)."""
+        raise ValueError(
+            f"{type(self).__name__} does not save sharded checkpoints yet; use shard=False."
+        )
+
+    def after_sharded_model_load(self, model: nn.Module) -> None:
+        """Make the model use what a sharded load wrote (collective); by
+        default the load wrote the model's own tensors, so nothing is left."""
+        return
+
+    def sharded_optimizer_state(
+        self, optimizer: Any, saved: dict[str, dict[str, bool]] | None
+    ) -> dict[str, Any]:
+        """This rank's share of the optimizer's canonical state, by DCP key.
+        ``saved`` (loading): per parameter, the state keys the checkpoint
+        holds and whether each is element-wise; missing state is created."""
+        raise ValueError(
+            f"{type(self).__name__} does not save sharded checkpoints yet; use shard=False."
+        )
+
+    def after_sharded_optimizer_load(self, optimizer: Any, state: dict[str, Any]) -> None:
+        """Install what a sharded load read that is not written in place
+        (hyperparameters, scalars, the loss scale); by default nothing."""
+        return
+
 
 class SupportsNoSync(ABC):
     """Gradient accumulation without communication."""

@@ -19,13 +19,15 @@ from pc_zero.loss_scale import (
 )
 from pc_zero.low_level_zero import LowLevelZeroOptimizer
 from pc_zero.memory import ModelStateMemory, zero_paper_bytes
-from pc_zero.protocols import ShardedOptimizer
+from pc_zero.pieces import Box, Pieces, PiecesLoadPlanner, PiecesSavePlanner, flat_range_boxes
+from pc_zero.protocols import OwnedPiece, ShardedOptimizer
 from pc_zero.sharded import MixedPrecision, ShardedModule
 from pc_zero.state import merge_sharded_state_dicts
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "Box",
     "Bucket",
     "DynamicLossScaler",
     "FullyShardedDataParallel",
@@ -36,11 +38,16 @@ __all__ = [
     "MixedPrecision",
     "ModelStateMemory",
     "ModuleSizePolicy",
+    "OwnedPiece",
+    "Pieces",
+    "PiecesLoadPlanner",
+    "PiecesSavePlanner",
     "ShardedModule",
     "ShardedOptimizer",
     "Slot",
     "TransformerBlockPolicy",
     "counts_under_tensor_parallel",
+    "flat_range_boxes",
     "load_sharded_checkpoint",
     "merge_sharded_state_dicts",
     "plan_buckets",

@@ -55,6 +55,7 @@ from pc_zero.loss_scale import (
     unscale_clip_and_check,
 )
 from pc_zero.memory import ModelStateMemory
+from pc_zero.protocols import OwnedPiece
 from pc_zero.state import full_state_dict, plan_load, sharded_state_dict
 
 __all__ = ["LowLevelZeroOptimizer"]
@@ -643,6 +644,50 @@ class LowLevelZeroOptimizer(Optimizer):
         # LR scheduler holding this optimizer must see them.
         self.param_groups = self.inner.param_groups
         self.state = self.inner.state
+
+    def owned_pieces(self) -> list[OwnedPiece]:
+        """This rank's pieces of each trainable parameter, for sharded
+        checkpoints: the parameter's index (state-dict order), where the
+        piece starts in its flattened values, a view of the fp32 master
+        piece and views of its element-wise optimizer states (a piece
+        written in place is the master; call :meth:`sync_params` after)."""
+        out = []
+        for b, master in zip(self.buckets, self._masters, strict=True):
+            lo, hi = b.piece_range(self.rank)
+            state = self.inner.state[master]
+            for slot in b.slots:
+                start, end = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+                if start >= end:
+                    continue
+                views = {
+                    key: value[start - lo : end - lo]
+                    for key, value in state.items()
+                    if isinstance(value, torch.Tensor) and value.shape == master.shape
+                }
+                out.append(
+                    OwnedPiece(
+                        slot.index, start - slot.offset, master[start - lo : end - lo], views, state
+                    )
+                )
+        return out
+
+    def init_state(self, elementwise: Sequence[str], scalars: Mapping[str, Any]) -> None:
+        """Give every master piece without optimizer state the entries
+        ``elementwise`` (zeros shaped like it) and ``scalars``, so a sharded
+        load has state to fill before the first step."""
+        for master in self._masters:
+            if not self.inner.state.get(master):
+                entry: dict[str, Any] = {key: torch.zeros_like(master) for key in elementwise}
+                entry.update(
+                    {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in scalars.items()}
+                )
+                self.inner.state[master] = entry
+
+    def sync_params(self) -> None:
+        """Every rank's parameters from the masters (collective): after the
+        masters were written in place."""
+        self._wait()
+        self._gather_params()
 
     def accumulated_grad(self, param: torch.Tensor) -> torch.Tensor:
         """Stage 1, between ``no_sync`` backwards and ``step``: the gradient

@@ -15,13 +15,26 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import torch
 
 from pc_zero.loss_scale import DynamicLossScaler
 
-__all__ = ["ShardedOptimizer"]
+__all__ = ["OwnedPiece", "ShardedOptimizer"]
+
+
+class OwnedPiece(NamedTuple):
+    """A rank's piece of one parameter (:meth:`ShardedOptimizer.owned_pieces`)."""
+
+    param_index: int
+    start: int
+    master: torch.Tensor
+    # Views of the element-wise optimizer states.
+    state: dict[str, torch.Tensor]
+    # The inner optimizer's state entry of the piece's bucket (its scalars,
+    # such as Adam's step, are shared by the bucket's parameters).
+    entry: dict[str, Any]
 
 
 @runtime_checkable
@@ -104,4 +117,16 @@ class ShardedOptimizer(Protocol):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients."""
+        ...
+
+    def owned_pieces(self) -> list[OwnedPiece]:
+        """This rank's pieces of each parameter, for sharded checkpoints."""
+        ...
+
+    def init_state(self, elementwise: Sequence[str], scalars: Mapping[str, Any]) -> None:
+        """Create optimizer state (zeros) where none exists yet."""
+        ...
+
+    def sync_params(self) -> None:
+        """Every rank's parameters from the masters (collective)."""
         ...

@@ -36,6 +36,7 @@ __all__ = [
     "require_initialized",
     "torch_load_optimizer",
     "torch_optimizer_state",
+    "values_a_cast_rounds",
 ]
 
 
@@ -97,6 +98,25 @@ def broadcast_module(module: nn.Module, group: dist.ProcessGroup | None = None) 
     with torch.no_grad():
         for tensor in _tensors([module]):
             dist.broadcast(tensor.data, src, group=group)
+
+
+def values_a_cast_rounds(
+    modules: Iterable[nn.Module], dtype: torch.dtype
+) -> dict[int, torch.Tensor]:
+    """The fp32 values of the trainable parameters a cast to ``dtype``
+    would round (by parameter id), to initialise fp32 masters from the
+    values as built rather than from their rounding [Note: model dtype]."""
+    out: dict[int, torch.Tensor] = {}
+    for module in modules:
+        for param in module.parameters():
+            narrower = (
+                torch.finfo(dtype).bits < torch.finfo(param.dtype).bits
+                if (param.is_floating_point())
+                else False
+            )
+            if param.requires_grad and narrower:
+                out[id(param)] = param.detach().float().clone()
+    return out
 
 
 def cast_floating(module: nn.Module, dtype: torch.dtype) -> None:

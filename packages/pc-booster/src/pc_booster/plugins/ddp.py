@@ -13,7 +13,13 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from pc_booster.plugin import Boosted, CanonicalOptimizerState, Plugin, SupportsNoSync
+from pc_booster.plugin import (
+    Boosted,
+    CanonicalOptimizerState,
+    Plugin,
+    SupportsNoSync,
+    names_by_id,
+)
 from pc_booster.plugins.common import (
     cast_floating,
     clip_hook,
@@ -25,6 +31,13 @@ from pc_booster.plugins.common import (
     require_initialized,
     torch_load_optimizer,
     torch_optimizer_state,
+)
+from pc_booster.plugins.sharded import (
+    GROUPS,
+    apply_groups,
+    groups_state,
+    torch_optimizer_targets,
+    whole_state,
 )
 from pc_booster.rules import PluginConfig, Rule, RunSetting, StateBytes, TrainPrecision
 
@@ -141,6 +154,23 @@ class _DataParallel(Plugin, SupportsNoSync):
 
     def load_optimizer_state_dict(self, optimizer: Any, state: CanonicalOptimizerState) -> None:
         torch_load_optimizer(optimizer, self.boosted(optimizer).module, state)
+
+    # Every rank holds everything: DCP writes each tensor once (spread over
+    # the ranks) and every rank reads all of it.
+
+    def sharded_model_state(self, model: nn.Module) -> dict[str, Any]:
+        return whole_state(self.boosted(model).module)
+
+    def sharded_optimizer_state(
+        self, optimizer: Any, saved: dict[str, dict[str, bool]] | None
+    ) -> dict[str, Any]:
+        names = names_by_id(self.boosted(optimizer).module)
+        out = torch_optimizer_targets(optimizer, names, saved)
+        out[GROUPS] = groups_state(optimizer, names)
+        return out
+
+    def after_sharded_optimizer_load(self, optimizer: Any, state: dict[str, Any]) -> None:
+        apply_groups(optimizer, names_by_id(self.boosted(optimizer).module), state.get(GROUPS))
 
 
 class TorchDDPPlugin(_DataParallel):

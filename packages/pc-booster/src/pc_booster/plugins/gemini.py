@@ -28,6 +28,15 @@ from pc_booster.plugin import (
     torch_to_canonical,
 )
 from pc_booster.plugins.common import device, loss_scale_config, require_initialized
+from pc_booster.plugins.sharded import (
+    GROUPS,
+    SCALER,
+    apply_groups,
+    groups_state,
+    optim_key,
+    restore_scalars,
+    zero_model_state,
+)
 from pc_booster.rules import PluginConfig, Rule, RunSetting, StateBytes, TrainPrecision
 
 __all__ = ["GeminiOptions", "GeminiPlugin"]
@@ -302,6 +311,63 @@ class GeminiPlugin(Plugin, SupportsNoSync):
             "param_groups": saved["param_groups"],
             "loss_scaler": scaler.state_dict() if scaler is not None else None,
         }
+
+    # -- sharded checkpoints: each rank's part of every chunk -----------------------------
+
+    def sharded_model_state(self, model: nn.Module) -> dict[str, Any]:
+        names = names_by_id(self.boosted(model).module)
+        wrapper: Any = self.boosted(model).model
+        shapes = {names[id(s.param)]: s.shape for chunk in wrapper.chunks for s in chunk.slots}
+        pieces = [(names[id(p)], start, part) for p, start, part, _ in self._my_parts(model)]
+        return zero_model_state(self.boosted(model).module, shapes, pieces)
+
+    def _my_parts(self, obj: Any) -> list[tuple[nn.Parameter, int, torch.Tensor, torch.Size]]:
+        wrapper: Any = self.boosted(obj).model
+        return [
+            (param, start, part, slot.shape)
+            for chunk in wrapper.chunks
+            for slot, (param, start, part) in zip(chunk.slots, chunk.shard_parts(), strict=True)
+            if part.numel()
+        ]
+
+    def sharded_optimizer_state(
+        self, optimizer: Any, saved: dict[str, dict[str, bool]] | None
+    ) -> dict[str, Any]:
+        from pc_zero import Pieces
+
+        inner = optimizer.inner
+        names = names_by_id(self.boosted(optimizer).module)
+        out: dict[str, Any] = {}
+        for param, start, part, shape in self._my_parts(optimizer):
+            name = names[id(param)]
+            entry = inner.state[param]
+            for key, elementwise in (saved or {}).get(name, {}).items():
+                if key not in entry:
+                    entry[key] = (
+                        torch.zeros_like(part, dtype=torch.float32)
+                        if elementwise
+                        else torch.zeros((), dtype=torch.float32)
+                    )
+            for key, value in entry.items():
+                if isinstance(value, torch.Tensor) and value.shape == part.shape:
+                    target = Pieces(shape, torch.float32)
+                    target.add_flat(start, value)
+                    out[optim_key(name, key)] = target
+                else:
+                    out[optim_key(name, key)] = torch.as_tensor(value, dtype=torch.float32).clone()
+        out[GROUPS] = groups_state(inner, names)
+        if optimizer.scaler is not None:
+            out[SCALER] = optimizer.scaler.state_dict()
+        return out
+
+    def after_sharded_optimizer_load(self, optimizer: Any, state: dict[str, Any]) -> None:
+        inner = optimizer.inner
+        names = names_by_id(self.boosted(optimizer).module)
+        for param, *_ in self._my_parts(optimizer):
+            restore_scalars(inner.state[param], state, names[id(param)])
+        apply_groups(inner, names, state.get(GROUPS))
+        if optimizer.scaler is not None and isinstance(state.get(SCALER), dict):
+            optimizer.scaler.load_state_dict(state[SCALER])
 
     def load_optimizer_state_dict(self, optimizer: Any, state: CanonicalOptimizerState) -> None:
         inner = optimizer.inner

@@ -35,9 +35,23 @@ from pc_booster.plugins.common import (
     loss_scale_config,
     materialize_lazy,
     require_initialized,
+    values_a_cast_rounds,
 )
 from pc_booster.plugins.layout import ParallelLayout
-from pc_booster.plugins.low_level_zero import zero_states
+from pc_booster.plugins.low_level_zero import (
+    masters_from_built,
+    zero_after_sharded_optimizer_load,
+    zero_sharded_model_state,
+    zero_sharded_optimizer_state,
+    zero_states,
+)
+from pc_booster.plugins.sharded import (
+    GROUPS,
+    apply_groups,
+    groups_state,
+    torch_optimizer_targets,
+    whole_state,
+)
 from pc_booster.rules import PluginConfig, Rule, RunSetting, StateBytes, TrainPrecision
 
 __all__ = ["HybridParallelOptions", "HybridParallelPlugin"]
@@ -351,6 +365,7 @@ class HybridParallelPlugin(Plugin, SupportsNoSync, SupportsPipeline):
             shard_model(
                 model, layout.tp_group, sequence_parallel=self.options.enable_sequence_parallelism
             )
+        built = values_a_cast_rounds([model], precision.dtype) if self.zero_stage else {}
         cast_floating(model, precision.dtype)
         wrapped: nn.Module = model
         if optimizer is not None:
@@ -358,7 +373,9 @@ class HybridParallelPlugin(Plugin, SupportsNoSync, SupportsPipeline):
         if self.zero_stage:
             if optimizer is None:
                 raise ValueError("zero_stage > 0 shards an optimizer: pass one to boost().")
-            optimizer = self.zero_optimizer(optimizer)
+            zero = self.zero_optimizer(optimizer)
+            masters_from_built(model, zero, built)
+            optimizer = zero
         else:
             if dist.get_world_size(layout.dp_group) > 1:
                 wrapped = DistributedDataParallel(model, process_group=layout.dp_group)
@@ -469,6 +486,47 @@ class HybridParallelPlugin(Plugin, SupportsNoSync, SupportsPipeline):
             return nullcontext()  # ZeRO-2 accumulates in its shard; dp 1 has nothing to sync
         context = model.no_sync()
         return context
+
+    # -- sharded checkpoints: data-parallel layouts (tp 1, pp 1) for now -----------------
+
+    def _data_parallel_only(self) -> None:
+        if self.tp_size > 1 or self.pp_size > 1:
+            raise ValueError(
+                f"HybridParallelPlugin: sharded checkpoints of tensor- or pipeline-parallel "
+                f"layouts (tp_size={self.tp_size}, pp_size={self.pp_size}) are not written yet; "
+                "save with shard=False (the canonical full form, which loads anywhere)."
+            )
+
+    def sharded_model_state(self, model: nn.Module) -> dict[str, Any]:
+        self._data_parallel_only()
+        boosted = self.boosted(model)
+        if self.zero_stage:
+            return zero_sharded_model_state(boosted.module, boosted.optimizer)
+        return whole_state(boosted.module)
+
+    def after_sharded_model_load(self, model: nn.Module) -> None:
+        if self.zero_stage:
+            self.boosted(model).optimizer.sync_params()
+
+    def sharded_optimizer_state(
+        self, optimizer: Any, saved: dict[str, dict[str, bool]] | None
+    ) -> dict[str, Any]:
+        self._data_parallel_only()
+        module = self.boosted(optimizer).module
+        if self.zero_stage:
+            return zero_sharded_optimizer_state(module, optimizer, saved)
+        names = names_by_id(module)
+        return {
+            **torch_optimizer_targets(optimizer, names, saved),
+            GROUPS: groups_state(optimizer, names),
+        }
+
+    def after_sharded_optimizer_load(self, optimizer: Any, state: dict[str, Any]) -> None:
+        module = self.boosted(optimizer).module
+        if self.zero_stage:
+            zero_after_sharded_optimizer_load(module, optimizer, state)
+        else:
+            apply_groups(optimizer, names_by_id(module), state.get(GROUPS))
 
     # -- canonical state ---------------------------------------------------------------
 

@@ -23,7 +23,9 @@ from pc_booster.plugins.common import (
     cast_floating,
     device,
     materialize_lazy,
+    values_a_cast_rounds,
 )
+from pc_booster.plugins.low_level_zero import masters_from_built
 from pc_booster.rules import TrainPrecision
 
 if TYPE_CHECKING:
@@ -108,6 +110,7 @@ def configure_pipeline(
             module.to(device())
             # The ranks of this stage start from its first data-parallel rank's values.
             broadcast_module(module, layout.dp_group)
+    built = values_a_cast_rounds(mine, precision.dtype) if o.zero_stage else {}
     for module in mine:
         cast_floating(module, precision.dtype)
 
@@ -148,7 +151,9 @@ def configure_pipeline(
         optimizer = rebuild_optimizer(optimizer, names, own, skip_missing=True)
         own_names = {id(p): n for n, p in own.items()}
         if o.zero_stage:
-            optimizer = plugin.zero_optimizer(optimizer, own_names)
+            zero = plugin.zero_optimizer(optimizer, own_names)
+            masters_from_built(model, zero, built)
+            optimizer = zero
         else:
             plugin.clip_own_optimizer(optimizer, own_names)
     return Boosted(pipe, optimizer, criterion, dataloader, lr_scheduler, module=model)

@@ -32,6 +32,16 @@ from pc_booster.plugins.common import (
     loss_scale_config,
     materialize_lazy,
     require_initialized,
+    values_a_cast_rounds,
+)
+from pc_booster.plugins.sharded import (
+    GROUPS,
+    SCALER,
+    apply_groups,
+    groups_state,
+    optim_key,
+    restore_scalars,
+    zero_model_state,
 )
 from pc_booster.rules import PluginConfig, Rule, RunSetting, StateBytes, TrainPrecision
 from pc_zero import ShardedOptimizer
@@ -39,6 +49,7 @@ from pc_zero import ShardedOptimizer
 __all__ = [
     "LowLevelZeroOptions",
     "LowLevelZeroPlugin",
+    "masters_from_built",
     "zero_load_masters",
     "zero_load_optimizer",
     "zero_masters",
@@ -130,6 +141,17 @@ def zero_masters(module: nn.Module, optimizer: ShardedOptimizer | None) -> dict[
     }
 
 
+def masters_from_built(
+    module: nn.Module, optimizer: ShardedOptimizer, built: dict[int, torch.Tensor]
+) -> None:
+    """fp32 masters from the values as built (``built``, by parameter id,
+    from :func:`values_a_cast_rounds`), not from their low-precision
+    rounding. Collective."""
+    if built and not optimizer.masters_are_params:
+        names = {id(p): n for n, p in module.named_parameters()}
+        zero_load_masters(module, optimizer, {names[i]: v for i, v in built.items() if i in names})
+
+
 def zero_load_masters(
     module: nn.Module, optimizer: ShardedOptimizer | None, state: dict[str, torch.Tensor]
 ) -> None:
@@ -170,6 +192,76 @@ def zero_load_optimizer(
     if state.get("loss_scaler") is not None:
         converted["loss_scaler"] = state["loss_scaler"]
     optimizer.load_state_dict(converted)
+
+
+def zero_sharded_model_state(module: nn.Module, optimizer: ShardedOptimizer) -> dict[str, Any]:
+    """The masters' pieces this rank owns [Note: sharded canonical state]."""
+    names = _zero_names(optimizer, module)
+    shapes = {
+        name: param.shape
+        for name, param in zip(names, optimizer.params, strict=True)
+        if name is not None and param.requires_grad
+    }
+    pieces = [
+        (name, piece.start, piece.master)
+        for piece in optimizer.owned_pieces()
+        if (name := names[piece.param_index]) is not None
+    ]
+    return zero_model_state(module, shapes, pieces)
+
+
+def zero_sharded_optimizer_state(
+    module: nn.Module, optimizer: ShardedOptimizer, saved: dict[str, dict[str, bool]] | None
+) -> dict[str, Any]:
+    """The optimizer states' pieces this rank owns, its scalars, the
+    groups and the loss scale. Loading into an optimizer that has not
+    stepped yet first gives it the checkpoint's state keys."""
+    from pc_zero import Pieces
+
+    names = _zero_names(optimizer, module)
+    if saved:
+        kinds = {k: e for keys in saved.values() for k, e in keys.items()}
+        optimizer.init_state(
+            [k for k, e in kinds.items() if e],
+            {k: torch.zeros((), dtype=torch.float32) for k, e in kinds.items() if not e},
+        )
+    shapes = dict(module.named_parameters())
+    out: dict[str, Any] = {}
+    for piece in optimizer.owned_pieces():
+        name = names[piece.param_index]
+        if name is None:
+            continue
+        for key, view in piece.state.items():
+            target = out.get(optim_key(name, key))
+            if not isinstance(target, Pieces):
+                target = out[optim_key(name, key)] = Pieces(shapes[name].shape, torch.float32)
+            target.add_flat(piece.start, view)
+        for key, value in piece.entry.items():
+            if key not in piece.state:
+                out[optim_key(name, key)] = torch.as_tensor(value, dtype=torch.float32).clone()
+    by_id = {id(p): n for n, p in module.named_parameters()}
+    out[GROUPS] = groups_state(optimizer, by_id)
+    scaler = optimizer.scaler
+    if scaler is not None:
+        out[SCALER] = scaler.state_dict()
+    return out
+
+
+def zero_after_sharded_optimizer_load(
+    module: nn.Module, optimizer: ShardedOptimizer, state: dict[str, Any]
+) -> None:
+    """The scalars (shared by a bucket's parameters), groups and loss
+    scale a sharded load read."""
+    names = _zero_names(optimizer, module)
+    for piece in optimizer.owned_pieces():
+        name = names[piece.param_index]
+        if name is not None:
+            restore_scalars(piece.entry, state, name)
+    by_id = {id(p): n for n, p in module.named_parameters()}
+    apply_groups(optimizer, by_id, state.get(GROUPS))
+    scaler = optimizer.scaler
+    if scaler is not None and isinstance(state.get(SCALER), dict):
+        scaler.load_state_dict(state[SCALER])
 
 
 class LowLevelZeroPlugin(Plugin, SupportsNoSync):
@@ -226,6 +318,7 @@ class LowLevelZeroPlugin(Plugin, SupportsNoSync):
         materialize_lazy([model], device())
         model = model.to(device())
         broadcast_module(model)
+        built = values_a_cast_rounds([model], precision.dtype)
         cast_floating(model, precision.dtype)
         zero = LowLevelZeroOptimizer(
             optimizer,
@@ -236,6 +329,7 @@ class LowLevelZeroPlugin(Plugin, SupportsNoSync):
             clip_grad_norm=o.max_norm,
             loss_scale=loss_scale_config(o.initial_scale, o.growth_interval, o.hysteresis),
         )
+        masters_from_built(model, zero, built)
         return Boosted(model, zero, criterion, dataloader, lr_scheduler, module=model)
 
     @contextmanager
@@ -270,3 +364,18 @@ class LowLevelZeroPlugin(Plugin, SupportsNoSync):
 
     def load_optimizer_state_dict(self, optimizer: Any, state: CanonicalOptimizerState) -> None:
         zero_load_optimizer(optimizer, self.boosted(optimizer).module, state)
+
+    def sharded_model_state(self, model: nn.Module) -> dict[str, Any]:
+        boosted = self.boosted(model)
+        return zero_sharded_model_state(boosted.module, boosted.optimizer)
+
+    def after_sharded_model_load(self, model: nn.Module) -> None:
+        self.boosted(model).optimizer.sync_params()
+
+    def sharded_optimizer_state(
+        self, optimizer: Any, saved: dict[str, dict[str, bool]] | None
+    ) -> dict[str, Any]:
+        return zero_sharded_optimizer_state(self.boosted(optimizer).module, optimizer, saved)
+
+    def after_sharded_optimizer_load(self, optimizer: Any, state: dict[str, Any]) -> None:
+        zero_after_sharded_optimizer_load(self.boosted(optimizer).module, optimizer, state)

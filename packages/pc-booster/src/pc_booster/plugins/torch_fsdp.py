@@ -32,6 +32,13 @@ from pc_booster.plugins.common import (
     materialize_lazy,
     require_initialized,
 )
+from pc_booster.plugins.sharded import (
+    GROUPS,
+    apply_groups,
+    groups_state,
+    torch_optimizer_targets,
+    whole_state,
+)
 from pc_booster.rules import PluginConfig, Rule, RunSetting, StateBytes, TrainPrecision
 
 __all__ = ["TorchFSDPOptions", "TorchFSDPPlugin"]
@@ -195,6 +202,23 @@ class TorchFSDPPlugin(Plugin, SupportsNoSync):
             },
             "param_groups": state["param_groups"],
         }
+
+    # The parameters and their optimizer states are DTensors, which DCP
+    # saves and reshards itself.
+
+    def sharded_model_state(self, model: nn.Module) -> dict[str, Any]:
+        return whole_state(self.boosted(model).module)
+
+    def sharded_optimizer_state(
+        self, optimizer: Any, saved: dict[str, dict[str, bool]] | None
+    ) -> dict[str, Any]:
+        names = names_by_id(self.boosted(optimizer).module)
+        out = torch_optimizer_targets(optimizer, names, saved)
+        out[GROUPS] = groups_state(optimizer, names)
+        return out
+
+    def after_sharded_optimizer_load(self, optimizer: Any, state: dict[str, Any]) -> None:
+        apply_groups(optimizer, names_by_id(self.boosted(optimizer).module), state.get(GROUPS))
 
     def load_optimizer_state_dict(self, optimizer: Any, state: CanonicalOptimizerState) -> None:
         from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
