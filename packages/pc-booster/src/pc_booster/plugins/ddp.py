@@ -18,7 +18,6 @@ from pc_booster.plugin import (
     CanonicalOptimizerState,
     Plugin,
     SupportsNoSync,
-    names_by_id,
 )
 from pc_booster.plugins.common import (
     cast_floating,
@@ -33,10 +32,8 @@ from pc_booster.plugins.common import (
     torch_optimizer_state,
 )
 from pc_booster.plugins.sharded import (
-    GROUPS,
-    apply_groups,
-    groups_state,
-    torch_optimizer_targets,
+    after_own_optimizer_load,
+    own_optimizer_state,
     whole_state,
 )
 from pc_booster.rules import PluginConfig, Rule, RunSetting, StateBytes, TrainPrecision
@@ -164,13 +161,10 @@ class _DataParallel(Plugin, SupportsNoSync):
     def sharded_optimizer_state(
         self, optimizer: Any, saved: dict[str, dict[str, bool]] | None
     ) -> dict[str, Any]:
-        names = names_by_id(self.boosted(optimizer).module)
-        out = torch_optimizer_targets(optimizer, names, saved)
-        out[GROUPS] = groups_state(optimizer, names)
-        return out
+        return own_optimizer_state(self.boosted(optimizer).module, optimizer, saved)
 
     def after_sharded_optimizer_load(self, optimizer: Any, state: dict[str, Any]) -> None:
-        apply_groups(optimizer, names_by_id(self.boosted(optimizer).module), state.get(GROUPS))
+        after_own_optimizer_load(self.boosted(optimizer).module, optimizer, state)
 
 
 class TorchDDPPlugin(_DataParallel):

@@ -46,10 +46,8 @@ from pc_booster.plugins.low_level_zero import (
     zero_states,
 )
 from pc_booster.plugins.sharded import (
-    GROUPS,
-    apply_groups,
-    groups_state,
-    torch_optimizer_targets,
+    after_own_optimizer_load,
+    own_optimizer_state,
     whole_state,
 )
 from pc_booster.rules import PluginConfig, Rule, RunSetting, StateBytes, TrainPrecision
@@ -515,18 +513,14 @@ class HybridParallelPlugin(Plugin, SupportsNoSync, SupportsPipeline):
         module = self.boosted(optimizer).module
         if self.zero_stage:
             return zero_sharded_optimizer_state(module, optimizer, saved)
-        names = names_by_id(module)
-        return {
-            **torch_optimizer_targets(optimizer, names, saved),
-            GROUPS: groups_state(optimizer, names),
-        }
+        return own_optimizer_state(module, optimizer, saved)
 
     def after_sharded_optimizer_load(self, optimizer: Any, state: dict[str, Any]) -> None:
         module = self.boosted(optimizer).module
         if self.zero_stage:
             zero_after_sharded_optimizer_load(module, optimizer, state)
         else:
-            apply_groups(optimizer, names_by_id(module), state.get(GROUPS))
+            after_own_optimizer_load(module, optimizer, state)
 
     # -- canonical state ---------------------------------------------------------------
 

@@ -32,11 +32,13 @@ from pc_booster.plugin import CanonicalOptimizerState, canonical_to_torch, torch
 __all__ = [
     "GROUPS",
     "SCALER",
+    "after_own_optimizer_load",
     "apply_groups",
     "buffers_state",
     "groups_state",
     "model_key",
     "optim_key",
+    "own_optimizer_state",
     "restore_scalars",
     "saved_state_keys",
     "torch_optimizer_targets",
@@ -133,6 +135,23 @@ def torch_optimizer_targets(
                 else:  # a Python number: saved as a 0-dim tensor
                     out[optim_key(name, key)] = torch.tensor(float(value))
     return out
+
+
+def own_optimizer_state(
+    module: nn.Module, optimizer: Optimizer, saved: Mapping[str, Mapping[str, bool]] | None
+) -> dict[str, Any]:
+    """The user's own optimizer over ``module``'s tensors (whole or
+    DTensors): its states and groups by canonical key."""
+    names = {id(p): n for n, p in module.named_parameters()}
+    return {
+        **torch_optimizer_targets(optimizer, names, saved),
+        GROUPS: groups_state(optimizer, names),
+    }
+
+
+def after_own_optimizer_load(module: nn.Module, optimizer: Optimizer, state: Any) -> None:
+    """The hyperparameters a sharded load read into the user's optimizer."""
+    apply_groups(optimizer, {id(p): n for n, p in module.named_parameters()}, state.get(GROUPS))
 
 
 def groups_state(optimizer: Any, names: Mapping[int, str]) -> list[dict[str, Any]]:

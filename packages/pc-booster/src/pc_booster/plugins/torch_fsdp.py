@@ -33,10 +33,8 @@ from pc_booster.plugins.common import (
     require_initialized,
 )
 from pc_booster.plugins.sharded import (
-    GROUPS,
-    apply_groups,
-    groups_state,
-    torch_optimizer_targets,
+    after_own_optimizer_load,
+    own_optimizer_state,
     whole_state,
 )
 from pc_booster.rules import PluginConfig, Rule, RunSetting, StateBytes, TrainPrecision
@@ -212,13 +210,10 @@ class TorchFSDPPlugin(Plugin, SupportsNoSync):
     def sharded_optimizer_state(
         self, optimizer: Any, saved: dict[str, dict[str, bool]] | None
     ) -> dict[str, Any]:
-        names = names_by_id(self.boosted(optimizer).module)
-        out = torch_optimizer_targets(optimizer, names, saved)
-        out[GROUPS] = groups_state(optimizer, names)
-        return out
+        return own_optimizer_state(self.boosted(optimizer).module, optimizer, saved)
 
     def after_sharded_optimizer_load(self, optimizer: Any, state: dict[str, Any]) -> None:
-        apply_groups(optimizer, names_by_id(self.boosted(optimizer).module), state.get(GROUPS))
+        after_own_optimizer_load(self.boosted(optimizer).module, optimizer, state)
 
     def load_optimizer_state_dict(self, optimizer: Any, state: CanonicalOptimizerState) -> None:
         from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
