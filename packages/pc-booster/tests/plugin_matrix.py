@@ -8,9 +8,8 @@ Each combination runs through the public API exactly as a user's program
 does (plugin constructor, ``Booster(mixed_precision=...)``, ``boost``,
 ``no_sync``, ``backward`` or ``execute_pipeline``, ``step``) and either
 
-- is refused with a ValueError naming the plugin, before anything trains,
-  by one of the plugin's own rules (the same refusal its options'
-  ``refusal`` gives for the setting), or
+- is refused with a ValueError naming the plugin, before anything trains
+  (the plugins raise these from their options' rules), or
 - matches single-process training of the same model on the same global
   batch over ``STEPS`` steps: fp32 losses and every parameter at rtol
   1e-5 / atol 1e-6; bf16 / fp16 losses within ``LOW_PRECISION_RTOL`` of a
@@ -34,7 +33,7 @@ import math
 import os
 from collections.abc import Iterable, Iterator
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -431,10 +430,6 @@ def run_matrix(families: Iterable[str], out: Path, timeout: float = 1500.0) -> l
     for plugin, total, refused in refusal_counts(rows):  # shown with pytest -s
         print(f"plugin matrix: {plugin}: {total} cases, {total - refused} match, {refused} refused")
     return rows
-
-
-def field_names() -> list[str]:
-    return [f.name for f in fields(Case)]
 
 
 def refusal_counts(rows: list[dict[str, Any]]) -> Iterator[tuple[str, int, int]]:

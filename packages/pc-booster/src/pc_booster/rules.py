@@ -216,9 +216,6 @@ class PluginConfig(ABC):
     def build(self) -> Plugin:
         """The plugin these options describe."""
 
-    def changed(self, **changes: Any) -> Any:
-        return replace(self, **changes)  # type: ignore[type-var]
-
     def as_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}  # type: ignore[arg-type]
 

@@ -7,9 +7,10 @@ or ZeRO-1/2 over the data-parallel ranks; its state conversions are in
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, ClassVar
 
 import torch
@@ -389,12 +390,19 @@ class HybridParallelPlugin(Plugin, SupportsNoSync, SupportsPipeline):
         shard on every tp rank, a replicated weight on tp rank 0; a weight
         tied across stages on the stage that trains it)."""
         layout = self.layout
-        replicated = not getattr(param, "tensor_model_parallel", False)
-        if self.tp_size > 1 and replicated and layout.coord.tp != 0:
+        if self.tp_size > 1 and not self._tp_counts(param):
             return False
         if self.pp_size > 1 and name is not None:
             return self.stage_of.get(name, layout.coord.pp) == layout.coord.pp
         return True
+
+    @cached_property
+    def _tp_counts(self) -> Callable[[torch.Tensor], bool]:
+        """pc-zero's tensor-parallel rule: sharded weights on every tp rank,
+        replicated ones on tp rank 0."""
+        from pc_zero import counts_under_tensor_parallel
+
+        return counts_under_tensor_parallel(self.layout.tp_group)
 
     def norm_groups(self) -> list[dist.ProcessGroup]:
         groups = []

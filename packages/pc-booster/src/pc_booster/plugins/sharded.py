@@ -188,8 +188,3 @@ def restore_scalars(entry: dict[str, Any], state: Mapping[str, Any], name: str) 
         entry[key] = (
             loaded.clone() if isinstance(value, torch.Tensor) else type(value)(loaded.item())
         )
-
-
-def scalar_values(state: Mapping[str, Any], prefix: str) -> dict[str, Any]:
-    """The loaded 0-dim values under ``prefix``, by state key."""
-    return {k.removeprefix(prefix): v for k, v in state.items() if k.startswith(prefix)}
