@@ -62,3 +62,25 @@ def test_pieces_saved_as_flat_ranges_load_as_boxes_and_whole(tmp_path: Path) -> 
 def test_a_piece_in_another_dtype_is_refused() -> None:
     with pytest.raises(ValueError, match=r"saved as torch\.float32"):
         Pieces((4,), torch.float32).add_flat(0, torch.zeros(4, dtype=torch.bfloat16))
+
+
+def test_objects_beside_pieces_come_back_in_the_callers_dict(tmp_path: Path) -> None:
+    """Hyperparameters and a loss scale are saved as objects: the load hands
+    them back in the dict the caller passed (DCP's default keeps them in a
+    copy of its own, flatten_state_dict=False as the booster saves)."""
+    groups = [{"lr": 1e-3, "params": ["w"]}]
+    weight = Pieces((4,), torch.float32)
+    weight.add_flat(0, torch.arange(4.0))
+    state: dict[str, object] = {"w": weight, "groups": groups}
+    planner = PiecesSavePlanner(flatten_state_dict=False)
+    save(state, checkpoint_id=str(tmp_path), planner=planner, no_dist=True)
+    target = torch.zeros(4)
+    state = {"w": target, "groups": [{"lr": 5e-3, "params": ["w"]}]}
+    load(
+        state,
+        checkpoint_id=str(tmp_path),
+        planner=PiecesLoadPlanner(flatten_state_dict=False),
+        no_dist=True,
+    )
+    assert state["groups"] == groups
+    assert torch.equal(target, torch.arange(4.0))

@@ -333,10 +333,13 @@ class Booster:
 
     def _load_model_sharded(self, model: nn.Module, path: Path, strict: bool) -> None:
         """Each rank reads only the byte ranges of its share."""
-        targets = self.plugin.sharded_model_state(model)
+        from pc_booster.plugins.sharded import canonical_model_keys
+
+        targets = self.plugin.sharded_model_state(model, loading=True)
         saved = self._saved_keys(path)
-        missing = sorted(k for k in targets if k not in saved)
-        unexpected = sorted(k for k in saved if k.startswith("model/") and k not in targets)
+        expected = canonical_model_keys(self.plugin.boosted(model).module)
+        missing = sorted(k for k in expected if k not in saved)
+        unexpected = sorted(k for k in saved if k.startswith("model/") and k not in expected)
         if strict and (missing or unexpected):
             raise ValueError(
                 f"checkpoint {path} does not match the model: missing {missing[:5]}, "

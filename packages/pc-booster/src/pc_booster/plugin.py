@@ -247,9 +247,11 @@ class Plugin(ABC):
 
     # -- sharded checkpoints [Note: sharded canonical state] ------------------------
 
-    def sharded_model_state(self, model: nn.Module) -> dict[str, Any]:
+    def sharded_model_state(self, model: nn.Module, loading: bool = False) -> dict[str, Any]:
         """This rank's share of the model's canonical state, by DCP key; the
-        tensors are the plugin's own (a load writes into them)."""
+        tensors are the plugin's own (a load writes into them). ``loading``:
+        also the copies this rank holds and another writes (a weight tied
+        across pipeline stages)."""
         raise ValueError(
             f"{type(self).__name__} does not save sharded checkpoints yet; use shard=False."
         )

@@ -278,8 +278,37 @@ def diagnose(
         last = f"{_board.op} #{_board.ops}" if _board is not None and _board.op else ""
         what = ""
         waited = "an operation" + (f" (its last through pc-comm: {last})" if last else "")
+    if any(symptom in text.lower() for symptom in _CONNECTION_LOST):
+        _await_a_death(ranks)
     report, suspects = peers_report(ranks)
     return PeerFailureError(f"{headline(waited, cause)} {report}", what, suspects)
+
+
+# [Note: sockets close before the process is gone]
+# A killed rank's connections are closed while the kernel tears the process
+# down, before /proc shows it dead (or a zombie): the peer's collective can
+# fail with "reset by peer" a moment before the dead rank can be told from
+# a live one. On a lost connection the report waits for that moment.
+_CONNECTION_LOST = ("reset by peer", "closed", "broken pipe")
+_DEATH_WAIT_S = 2.0
+
+
+def _await_a_death(ranks: list[int] | None) -> None:
+    """Wait (at most ``_DEATH_WAIT_S``) until a rank of ``ranks`` on this
+    host shows as gone."""
+    if _board is None:
+        return
+    board = _board
+    every = [
+        r for r in (ranks if ranks is not None else range(board.world_size)) if r != board.rank
+    ]
+    states = [board.read(rank) for rank in every]
+    pids = [s.pid for s in states if s is not None and s.host == board.host]
+    deadline = time.monotonic() + _DEATH_WAIT_S
+    while pids and time.monotonic() < deadline:
+        if any(not _alive(pid) for pid in pids):
+            return
+        time.sleep(0.05)
 
 
 def headline(op: str, cause: str) -> str:

@@ -47,9 +47,11 @@ M = TypeVar("M", bound=nn.Module)
 __all__ = [
     "ShardInfo",
     "ShardSpec",
+    "full_shape",
     "full_state_dict",
     "gather_logits",
     "load_full_state_dict",
+    "place_local_box",
     "shard_info",
     "shard_model",
     "shard_tensor",
@@ -452,6 +454,53 @@ def unshard_tensor(tensor: torch.Tensor, spec: ShardSpec, group: dist.ProcessGro
     if spec.size is not None:
         full = full.narrow(spec.dim, 0, spec.size)
     return full.t().contiguous() if spec.transpose else full
+
+
+def full_shape(spec: ShardSpec, local_shape: torch.Size, world: int) -> torch.Size:
+    """The full tensor's shape (original layout, padding dropped) of which
+    ``local_shape`` is one of ``world`` shards split as ``spec`` says."""
+    shape = list(local_shape)
+    shape[spec.dim] = spec.size if spec.size is not None else shape[spec.dim] * world
+    return torch.Size(reversed(shape) if spec.transpose else shape)
+
+
+def place_local_box(
+    spec: ShardSpec,
+    local_shape: torch.Size,
+    rank: int,
+    world: int,
+    offsets: tuple[int, ...],
+    sizes: tuple[int, ...],
+) -> list[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]:
+    """Where the box ``offsets`` / ``sizes`` of rank ``rank``'s shard (in
+    the shard's own layout) lies in the full tensor, as
+    :func:`unshard_tensor` assembles it: one ``(full offsets, local
+    offsets, local sizes)`` per contiguous part (a fused projection's
+    ``parts`` blocks land apart), padding rows dropped. The full box's
+    sizes are the local sizes, reversed where ``spec.transpose``; its
+    values are the local box's, transposed there. Index arithmetic only:
+    a sharded checkpoint writes each rank's pieces where they belong with
+    it, and reads them back from any other layout."""
+    dim = spec.dim
+    block = local_shape[dim] // spec.parts  # this rank's rows of one part
+    lo, hi = offsets[dim], offsets[dim] + sizes[dim]
+    out = []
+    for part in range(spec.parts):
+        start, stop = max(lo, part * block), min(hi, (part + 1) * block)
+        if start >= stop:
+            continue
+        where = part * block * world + rank * block + (start - part * block)
+        count = stop - start
+        if spec.size is not None:  # vocabulary padding past the real rows
+            count = min(count, spec.size - where)
+            if count <= 0:
+                continue
+        local_offsets, local_sizes, full_offsets = list(offsets), list(sizes), list(offsets)
+        local_offsets[dim], local_sizes[dim], full_offsets[dim] = start, count, where
+        if spec.transpose:
+            full_offsets.reverse()
+        out.append((tuple(full_offsets), tuple(local_offsets), tuple(local_sizes)))
+    return out
 
 
 def full_state_dict(model: nn.Module, *, grads: bool = False) -> dict[str, torch.Tensor]:

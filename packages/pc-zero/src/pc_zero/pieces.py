@@ -180,7 +180,8 @@ class PiecesSavePlanner(DefaultSavePlanner):
 
 class PiecesLoadPlanner(DefaultLoadPlanner):
     """DCP's default load planner, which also fills :class:`Pieces` (at
-    the state dict's top level)."""
+    the state dict's top level) and hands loaded objects (non-tensor
+    values) back in the caller's state dict."""
 
     def set_up_planner(
         self, state_dict: dict[str, Any], metadata: Any = None, is_coordinator: bool = False
@@ -191,6 +192,15 @@ class PiecesLoadPlanner(DefaultLoadPlanner):
         super().set_up_planner(state_dict, metadata, is_coordinator)
         state_dict.update(pieces)
         self.state_dict.update(pieces)
+
+    def load_bytes(self, read_item: Any, value: Any) -> None:
+        # DCP's default puts a loaded object (a list, a dict) into its own
+        # copy of the state dict, which the caller never sees: put it into
+        # the caller's too.
+        super().load_bytes(read_item, value)
+        fqn = read_item.dest_index.fqn
+        if not self.flatten_state_dict and fqn in self.state_dict:
+            self.original_state_dict[fqn] = self.state_dict[fqn]
 
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
         found = _lookup(self.state_dict, index)

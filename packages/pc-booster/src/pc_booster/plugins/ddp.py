@@ -155,7 +155,7 @@ class _DataParallel(Plugin, SupportsNoSync):
     # Every rank holds everything: DCP writes each tensor once (spread over
     # the ranks) and every rank reads all of it.
 
-    def sharded_model_state(self, model: nn.Module) -> dict[str, Any]:
+    def sharded_model_state(self, model: nn.Module, loading: bool = False) -> dict[str, Any]:
         return whole_state(self.boosted(model).module)
 
     def sharded_optimizer_state(

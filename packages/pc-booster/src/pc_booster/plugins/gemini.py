@@ -314,7 +314,7 @@ class GeminiPlugin(Plugin, SupportsNoSync):
 
     # -- sharded checkpoints: each rank's part of every chunk -----------------------------
 
-    def sharded_model_state(self, model: nn.Module) -> dict[str, Any]:
+    def sharded_model_state(self, model: nn.Module, loading: bool = False) -> dict[str, Any]:
         names = names_by_id(self.boosted(model).module)
         wrapper: Any = self.boosted(model).model
         shapes = {names[id(s.param)]: s.shape for chunk in wrapper.chunks for s in chunk.slots}

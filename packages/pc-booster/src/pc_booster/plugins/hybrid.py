@@ -47,11 +47,14 @@ from pc_booster.plugins.low_level_zero import (
     zero_states,
 )
 from pc_booster.plugins.sharded import (
+    GROUPS,
+    Share,
     after_own_optimizer_load,
     own_optimizer_state,
     whole_state,
 )
 from pc_booster.rules import PluginConfig, Rule, RunSetting, StateBytes, TrainPrecision
+from pc_chunk import is_lazy
 
 __all__ = ["HybridParallelOptions", "HybridParallelPlugin"]
 
@@ -308,6 +311,9 @@ class HybridParallelPlugin(Plugin, SupportsNoSync, SupportsPipeline):
         # Set by configure: the pipeline stage that trains each parameter
         # (by name), and the tied weights' gradient-summing groups.
         self.stage_of: dict[str, int] = {}
+        # Set by configure under pipelines: the parameters this rank's
+        # stage holds (a tied weight's copy too), by name.
+        self.stage_params: frozenset[str] | None = None
         self.tied: list[tuple[nn.Parameter, dist.ProcessGroup]] = []
         self.loss_kind = "causal"
 
@@ -493,22 +499,33 @@ class HybridParallelPlugin(Plugin, SupportsNoSync, SupportsPipeline):
         context = model.no_sync()
         return context
 
-    # -- sharded checkpoints: data-parallel layouts (tp 1, pp 1) for now -----------------
+    # -- sharded checkpoints [Note: sharded canonical state] -----------------------------
 
-    def _data_parallel_only(self) -> None:
-        if self.tp_size > 1 or self.pp_size > 1:
-            raise ValueError(
-                f"HybridParallelPlugin: sharded checkpoints of tensor- or pipeline-parallel "
-                f"layouts (tp_size={self.tp_size}, pp_size={self.pp_size}) are not written yet; "
-                "save with shard=False (the canonical full form, which loads anywhere)."
-            )
+    def _share(self, module: nn.Module, loading: bool) -> Share:
+        """What this rank writes: its stage's tensors (a weight tied across
+        stages from the stage that trains it; every holder reads it back),
+        its tensor-parallel shards placed in the full tensors."""
+        names = None
+        if self.pp_size > 1:
+            assert self.stage_params is not None, "configure sets stage_params under pipelines"
+            me = self.layout.coord.pp
+            params = {n for n in self.stage_params if loading or self.stage_of.get(n) == me}
+            buffers = {n for n, b in module.named_buffers() if not (b.is_meta or is_lazy(b))}
+            names = frozenset(params | buffers)
+        if self.tp_size == 1:
+            return Share(names)
+        from pc_tensor import shard_info
 
-    def sharded_model_state(self, model: nn.Module) -> dict[str, Any]:
-        self._data_parallel_only()
+        info = shard_info(module)
+        group = info.group
+        return Share(names, info.specs, dist.get_rank(group), dist.get_world_size(group))
+
+    def sharded_model_state(self, model: nn.Module, loading: bool = False) -> dict[str, Any]:
         boosted = self.boosted(model)
+        share = self._share(boosted.module, loading)
         if self.zero_stage:
-            return zero_sharded_model_state(boosted.module, boosted.optimizer)
-        return whole_state(boosted.module)
+            return zero_sharded_model_state(boosted.module, boosted.optimizer, share)
+        return whole_state(boosted.module, share)
 
     def after_sharded_model_load(self, model: nn.Module) -> None:
         if self.zero_stage:
@@ -517,11 +534,26 @@ class HybridParallelPlugin(Plugin, SupportsNoSync, SupportsPipeline):
     def sharded_optimizer_state(
         self, optimizer: Any, saved: dict[str, dict[str, bool]] | None
     ) -> dict[str, Any]:
-        self._data_parallel_only()
         module = self.boosted(optimizer).module
+        share = self._share(module, loading=saved is not None)
         if self.zero_stage:
-            return zero_sharded_optimizer_state(module, optimizer, saved)
-        return own_optimizer_state(module, optimizer, saved)
+            out = zero_sharded_optimizer_state(module, optimizer, saved, share)
+        else:
+            out = own_optimizer_state(module, optimizer, saved, share)
+        if self.pp_size > 1 and saved is None:
+            out[GROUPS] = self._every_stage_groups(out[GROUPS])
+        return out
+
+    def _every_stage_groups(self, mine: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The groups with every stage's parameter names (collective over
+        the pipeline ranks; names only, a few bytes per parameter)."""
+        stages: list[Any] = [None] * self.pp_size
+        dist.all_gather_object(stages, mine, group=self.layout.pp_group)
+        merged = []
+        for index, group in enumerate(mine):
+            names = [n for stage in stages for n in stage[index]["params"]]
+            merged.append({**group, "params": list(dict.fromkeys(names))})
+        return merged
 
     def after_sharded_optimizer_load(self, optimizer: Any, state: dict[str, Any]) -> None:
         module = self.boosted(optimizer).module

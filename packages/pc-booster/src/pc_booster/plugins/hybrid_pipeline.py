@@ -127,6 +127,7 @@ def configure_pipeline(
         if id(p) in holders
     }
     own = {n: p for n, p in by_name.items() if pp_rank in holders.get(id(p), [])}
+    plugin.stage_params = frozenset(own)
     plugin.tied = _tie_groups(plugin, holders, by_name)
     with torch.no_grad():  # a tied weight starts from the stage that trains it
         for param, group in plugin.tied:

@@ -37,6 +37,8 @@ from pc_booster.plugins.common import (
 from pc_booster.plugins.sharded import (
     GROUPS,
     SCALER,
+    WHOLE,
+    Share,
     apply_groups,
     groups_state,
     optim_key,
@@ -194,8 +196,11 @@ def zero_load_optimizer(
     optimizer.load_state_dict(converted)
 
 
-def zero_sharded_model_state(module: nn.Module, optimizer: ShardedOptimizer) -> dict[str, Any]:
-    """The masters' pieces this rank owns [Note: sharded canonical state]."""
+def zero_sharded_model_state(
+    module: nn.Module, optimizer: ShardedOptimizer, share: Share = WHOLE
+) -> dict[str, Any]:
+    """The masters' pieces this rank owns [Note: sharded canonical state],
+    of the tensors ``share`` holds, placed where ``share`` says."""
     names = _zero_names(optimizer, module)
     shapes = {
         name: param.shape
@@ -207,15 +212,19 @@ def zero_sharded_model_state(module: nn.Module, optimizer: ShardedOptimizer) -> 
         for piece in optimizer.owned_pieces()
         if (name := names[piece.param_index]) is not None
     ]
-    return zero_model_state(module, shapes, pieces)
+    return zero_model_state(module, shapes, pieces, share)
 
 
 def zero_sharded_optimizer_state(
-    module: nn.Module, optimizer: ShardedOptimizer, saved: dict[str, dict[str, bool]] | None
+    module: nn.Module,
+    optimizer: ShardedOptimizer,
+    saved: dict[str, dict[str, bool]] | None,
+    share: Share = WHOLE,
 ) -> dict[str, Any]:
-    """The optimizer states' pieces this rank owns, its scalars, the
-    groups and the loss scale. Loading into an optimizer that has not
-    stepped yet first gives it the checkpoint's state keys."""
+    """The optimizer states' pieces this rank owns (of the parameters
+    ``share`` holds, placed where it says), its scalars, the groups and
+    the loss scale. Loading into an optimizer that has not stepped yet
+    first gives it the checkpoint's state keys."""
     from pc_zero import Pieces
 
     names = _zero_names(optimizer, module)
@@ -225,26 +234,36 @@ def zero_sharded_optimizer_state(
             [k for k, e in kinds.items() if e],
             {k: torch.zeros((), dtype=torch.float32) for k, e in kinds.items() if not e},
         )
-    shapes = dict(module.named_parameters())
     out: dict[str, Any] = {}
     for piece in optimizer.owned_pieces():
         name = names[piece.param_index]
-        if name is None:
+        if name is None or not share.holds(name):
             continue
+        shape = optimizer.params[piece.param_index].shape
         for key, view in piece.state.items():
             target = out.get(optim_key(name, key))
             if not isinstance(target, Pieces):
-                target = out[optim_key(name, key)] = Pieces(shapes[name].shape, torch.float32)
-            target.add_flat(piece.start, view)
+                target = out[optim_key(name, key)] = share.pieces(name, shape)
+            share.add_range(target, name, shape, piece.start, view)
         for key, value in piece.entry.items():
             if key not in piece.state:
                 out[optim_key(name, key)] = torch.as_tensor(value, dtype=torch.float32).clone()
-    by_id = {id(p): n for n, p in module.named_parameters()}
-    out[GROUPS] = groups_state(optimizer, by_id)
+    out[GROUPS] = zero_groups_state(module, optimizer)
     scaler = optimizer.scaler
     if scaler is not None:
         out[SCALER] = scaler.state_dict()
     return out
+
+
+def zero_groups_state(module: nn.Module, optimizer: ShardedOptimizer) -> list[dict[str, Any]]:
+    """The ZeRO optimizer's groups with their model parameters by name (its
+    param groups hold master pieces)."""
+    return groups_state(optimizer, names_by_id(module), _zero_members(optimizer))
+
+
+def _zero_members(optimizer: ShardedOptimizer) -> list[list[torch.Tensor]]:
+    """Each group's model parameters."""
+    return [[optimizer.params[i] for i in group] for group in optimizer.group_indices]
 
 
 def zero_after_sharded_optimizer_load(
@@ -257,8 +276,7 @@ def zero_after_sharded_optimizer_load(
         name = names[piece.param_index]
         if name is not None:
             restore_scalars(piece.entry, state, name)
-    by_id = {id(p): n for n, p in module.named_parameters()}
-    apply_groups(optimizer, by_id, state.get(GROUPS))
+    apply_groups(optimizer, names_by_id(module), state.get(GROUPS), _zero_members(optimizer))
     scaler = optimizer.scaler
     if scaler is not None and isinstance(state.get(SCALER), dict):
         scaler.load_state_dict(state[SCALER])
@@ -365,7 +383,7 @@ class LowLevelZeroPlugin(Plugin, SupportsNoSync):
     def load_optimizer_state_dict(self, optimizer: Any, state: CanonicalOptimizerState) -> None:
         zero_load_optimizer(optimizer, self.boosted(optimizer).module, state)
 
-    def sharded_model_state(self, model: nn.Module) -> dict[str, Any]:
+    def sharded_model_state(self, model: nn.Module, loading: bool = False) -> dict[str, Any]:
         boosted = self.boosted(model)
         return zero_sharded_model_state(boosted.module, boosted.optimizer)
 

@@ -15,26 +15,38 @@ checkpoint saved under any plugin and world size load under any other:
 A plugin gives, per key, what this rank holds: a :class:`pc_zero.Pieces`
 of flat ranges (ZeRO, chunks), a DTensor (FSDP2) or a whole tensor (every
 rank holds it; DCP writes it once). Every rank writes only that, and on
-load reads only the byte ranges that overlap it.
+load reads only the byte ranges that overlap it. A :class:`Share` says
+which tensors a rank writes (a pipeline stage: its own; a weight tied
+across stages: the stage that trains it, while every stage holding a copy
+reads it back) and where its tensor-parallel shards sit in the full
+tensors (pc-tensor's :func:`~pc_tensor.place_local_box`: a fused
+projection's parts land apart, vocabulary padding is never written,
+``Conv1D`` weights are written in their original layout).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from pc_booster.plugin import CanonicalOptimizerState, canonical_to_torch, torch_groups
+from pc_booster.plugin import CanonicalOptimizerState, canonical_to_torch
+from pc_tensor import ShardSpec, full_shape, place_local_box
+from pc_zero import Pieces, flat_range_boxes
 
 __all__ = [
     "GROUPS",
     "SCALER",
+    "WHOLE",
+    "Share",
     "after_own_optimizer_load",
     "apply_groups",
     "buffers_state",
+    "canonical_model_keys",
     "groups_state",
     "model_key",
     "optim_key",
@@ -58,37 +70,133 @@ def optim_key(name: str, key: str) -> str:
     return f"optim/{name}/{key}"
 
 
-def whole_state(module: nn.Module) -> dict[str, Any]:
-    """Every parameter and persistent buffer as this rank holds it whole
-    (or as a DTensor), by canonical key."""
-    out: dict[str, Any] = {model_key(n): p.detach() for n, p in module.named_parameters()}
-    return {**out, **buffers_state(module)}
+@dataclass(frozen=True)
+class Share:
+    """What this rank holds of the canonical state [Note: sharded canonical
+    state]: ``names``, the tensors (parameter and buffer names) it writes
+    or reads (None: every one it has); under tensor parallelism
+    ``tp_specs`` (pc-tensor's, by name), ``tp_rank`` and ``tp_world`` say
+    where its shards sit in the full tensors. The default is a rank that
+    holds its tensors whole."""
+
+    names: frozenset[str] | None = None
+    tp_specs: Mapping[str, ShardSpec] = field(default_factory=dict)
+    tp_rank: int = 0
+    tp_world: int = 1
+
+    def holds(self, name: str) -> bool:
+        return self.names is None or name in self.names
+
+    def full_shape(self, name: str, local_shape: torch.Size) -> torch.Size:
+        spec = self.tp_specs.get(name)
+        return full_shape(spec, local_shape, self.tp_world) if spec is not None else local_shape
+
+    def pieces(self, name: str, local_shape: torch.Size) -> Pieces:
+        """An empty fp32 :class:`~pc_zero.Pieces` of the full tensor."""
+        return Pieces(self.full_shape(name, local_shape), torch.float32)
+
+    def add_range(
+        self,
+        target: Pieces,
+        name: str,
+        local_shape: torch.Size,
+        start: int,
+        values: torch.Tensor,
+    ) -> None:
+        """Add ``values``, elements ``start...`` of this rank's flattened
+        tensor of ``local_shape`` (a ZeRO or chunk range), to ``target``."""
+        spec = self.tp_specs.get(name)
+        if spec is None:
+            target.add_flat(start, values)
+            return
+        for box in flat_range_boxes(local_shape, start, start + values.numel()):
+            lo = box.flat_start - start
+            view = values[lo : lo + box.numel].view(box.sizes)
+            self._add_box(target, spec, local_shape, box.offsets, view)
+
+    def whole(self, name: str, tensor: torch.Tensor) -> Any:
+        """This rank's whole tensor (a tensor-parallel shard: its place in
+        the full tensor), backed by ``tensor`` itself."""
+        spec = self.tp_specs.get(name)
+        if spec is None:
+            return tensor.detach()
+        target = Pieces(full_shape(spec, tensor.shape, self.tp_world), tensor.dtype)
+        self._add_box(target, spec, tensor.shape, (0,) * tensor.dim(), tensor.detach())
+        return target
+
+    def _add_box(
+        self,
+        target: Pieces,
+        spec: ShardSpec,
+        local_shape: torch.Size,
+        offsets: Sequence[int],
+        values: torch.Tensor,
+    ) -> None:
+        offsets = tuple(offsets)
+        placed = place_local_box(
+            spec, local_shape, self.tp_rank, self.tp_world, offsets, tuple(values.shape)
+        )
+        for full_offsets, local_offsets, local_sizes in placed:
+            part = values
+            for dim, (lo, size) in enumerate(zip(local_offsets, local_sizes, strict=True)):
+                part = part.narrow(dim, lo - offsets[dim], size)
+            target.add_box(full_offsets, part.t() if spec.transpose else part)
+
+
+WHOLE = Share()
+
+
+def whole_state(module: nn.Module, share: Share = WHOLE) -> dict[str, Any]:
+    """Every parameter and persistent buffer ``share`` holds, as this rank
+    has it (whole, a DTensor, or its tensor-parallel shard), by canonical
+    key."""
+    out: dict[str, Any] = {
+        model_key(n): share.whole(n, p) for n, p in module.named_parameters() if share.holds(n)
+    }
+    return {**out, **buffers_state(module, share)}
 
 
 def zero_model_state(
     module: nn.Module,
     shapes: Mapping[str, torch.Size],
     pieces: Iterable[tuple[str, int, torch.Tensor]],
+    share: Share = WHOLE,
 ) -> dict[str, Any]:
-    """A model whose sharded parameters (``shapes``: name -> whole shape)
-    keep their true values as fp32 pieces of their flattened values,
-    ``(name, start, values)`` for this rank; every other parameter whole."""
-    from pc_zero import Pieces
-
+    """A model whose sharded parameters (``shapes``: name -> this rank's
+    shape of it) keep their true values as fp32 pieces of their flattened
+    values, ``(name, start, values)`` for this rank; every other parameter
+    ``share`` holds as this rank has it."""
     out: dict[str, Any] = {
-        model_key(name): Pieces(shape, torch.float32) for name, shape in shapes.items()
+        model_key(name): share.pieces(name, shape)
+        for name, shape in shapes.items()
+        if share.holds(name)
     }
     for name, start, values in pieces:
-        out[model_key(name)].add_flat(start, values)
+        if share.holds(name):
+            share.add_range(out[model_key(name)], name, shapes[name], start, values)
     for name, param in module.named_parameters():
-        out.setdefault(model_key(name), param.detach())
-    return {**out, **buffers_state(module)}
+        if share.holds(name) and model_key(name) not in out:
+            out[model_key(name)] = share.whole(name, param)
+    return {**out, **buffers_state(module, share)}
 
 
-def buffers_state(module: nn.Module) -> dict[str, Any]:
-    """Every persistent buffer, whole (each rank holds it)."""
+def buffers_state(module: nn.Module, share: Share = WHOLE) -> dict[str, Any]:
+    """Every persistent buffer ``share`` holds, whole (each rank holds it)."""
     persistent = set(module.state_dict())
-    return {model_key(n): b.detach() for n, b in module.named_buffers() if n in persistent}
+    return {
+        model_key(n): b.detach()
+        for n, b in module.named_buffers()
+        if n in persistent and share.holds(n)
+    }
+
+
+def canonical_model_keys(module: nn.Module) -> set[str]:
+    """The model keys a sharded checkpoint of ``module`` has, whatever the
+    plugin and layout (every rank's share together)."""
+    persistent = set(module.state_dict())
+    names = [n for n, _ in module.named_parameters()]
+    names += [n for n, _ in module.named_buffers() if n in persistent]
+    return {model_key(n) for n in names}
 
 
 def saved_state_keys(metadata: Mapping[str, Any]) -> dict[str, dict[str, bool]]:
@@ -110,15 +218,17 @@ def torch_optimizer_targets(
     optimizer: Optimizer,
     names: Mapping[int, str],
     saved: Mapping[str, Mapping[str, bool]] | None,
+    share: Share = WHOLE,
 ) -> dict[str, Any]:
     """A plain torch optimizer's state by canonical key, its state tensors
-    themselves (DTensors under FSDP2). ``saved`` (loading): the keys the
-    checkpoint has; a parameter without state yet gets zeros to be filled."""
+    themselves (DTensors under FSDP2, tensor-parallel shards placed by
+    ``share``). ``saved`` (loading): the keys the checkpoint has; a
+    parameter without state yet gets zeros to be filled."""
     out: dict[str, Any] = {}
     for group in optimizer.param_groups:
         for param in group["params"]:
             name = names.get(id(param))
-            if name is None:
+            if name is None or not share.holds(name):
                 continue
             state = optimizer.state[param]
             if saved is not None:
@@ -131,20 +241,25 @@ def torch_optimizer_targets(
                         )
             for key, value in state.items():
                 if isinstance(value, torch.Tensor):
-                    out[optim_key(name, key)] = value
+                    whole = value.dim() > 0 and name in share.tp_specs
+                    out[optim_key(name, key)] = share.whole(name, value) if whole else value
                 else:  # a Python number: saved as a 0-dim tensor
                     out[optim_key(name, key)] = torch.tensor(float(value))
     return out
 
 
 def own_optimizer_state(
-    module: nn.Module, optimizer: Optimizer, saved: Mapping[str, Mapping[str, bool]] | None
+    module: nn.Module,
+    optimizer: Optimizer,
+    saved: Mapping[str, Mapping[str, bool]] | None,
+    share: Share = WHOLE,
 ) -> dict[str, Any]:
-    """The user's own optimizer over ``module``'s tensors (whole or
-    DTensors): its states and groups by canonical key."""
+    """The user's own optimizer over ``module``'s tensors (whole,
+    DTensors or tensor-parallel shards): its states and groups by
+    canonical key."""
     names = {id(p): n for n, p in module.named_parameters()}
     return {
-        **torch_optimizer_targets(optimizer, names, saved),
+        **torch_optimizer_targets(optimizer, names, saved, share),
         GROUPS: groups_state(optimizer, names),
     }
 
@@ -154,25 +269,44 @@ def after_own_optimizer_load(module: nn.Module, optimizer: Optimizer, state: Any
     apply_groups(optimizer, {id(p): n for n, p in module.named_parameters()}, state.get(GROUPS))
 
 
-def groups_state(optimizer: Any, names: Mapping[int, str]) -> list[dict[str, Any]]:
-    """The param groups' hyperparameters, with their parameters by name."""
+def groups_state(
+    optimizer: Any,
+    names: Mapping[int, str],
+    members: Sequence[Sequence[torch.Tensor]] | None = None,
+) -> list[dict[str, Any]]:
+    """The param groups' hyperparameters, with their parameters by name;
+    ``members``: each group's model parameters where the groups hold
+    something else (a ZeRO optimizer's master pieces)."""
+    members = members if members is not None else [g["params"] for g in optimizer.param_groups]
     return [
         {
             **{k: v for k, v in group.items() if k != "params"},
-            "params": [names[id(p)] for p in group["params"] if id(p) in names],
+            "params": [names[id(p)] for p in params if id(p) in names],
         }
-        for group in optimizer.param_groups
+        for group, params in zip(optimizer.param_groups, members, strict=True)
     ]
 
 
-def apply_groups(optimizer: Any, names: Mapping[int, str], saved: Any) -> None:
+def apply_groups(
+    optimizer: Any,
+    names: Mapping[int, str],
+    saved: Any,
+    members: Sequence[Sequence[torch.Tensor]] | None = None,
+) -> None:
     """Each group's hyperparameters from the saved group holding the same
-    parameters (as the canonical load does)."""
+    parameters (as the canonical load does); ``members`` as for
+    :func:`groups_state`."""
     if not isinstance(saved, list):
         return
-    order = [names.get(id(p)) for g in optimizer.param_groups for p in g["params"]]
+    members = members if members is not None else [g["params"] for g in optimizer.param_groups]
+    order = [names.get(id(p)) for params in members for p in params]
     canonical: CanonicalOptimizerState = {"state": {}, "param_groups": saved}
-    converted = canonical_to_torch(canonical, order, torch_groups(optimizer))
+    groups, offset = [], 0
+    for group, params in zip(optimizer.param_groups, members, strict=True):
+        hyper = {k: v for k, v in group.items() if k != "params"}
+        groups.append((list(range(offset, offset + len(params))), hyper))
+        offset += len(params)
+    converted = canonical_to_torch(canonical, order, groups)
     for group, new in zip(optimizer.param_groups, converted["param_groups"], strict=True):
         group.update({k: v for k, v in new.items() if k != "params"})
 

@@ -204,7 +204,7 @@ class TorchFSDPPlugin(Plugin, SupportsNoSync):
     # The parameters and their optimizer states are DTensors, which DCP
     # saves and reshards itself.
 
-    def sharded_model_state(self, model: nn.Module) -> dict[str, Any]:
+    def sharded_model_state(self, model: nn.Module, loading: bool = False) -> dict[str, Any]:
         return whole_state(self.boosted(model).module)
 
     def sharded_optimizer_state(
