@@ -1,27 +1,33 @@
 """``Booster``: one object that wraps a model, optimizer, criterion,
 dataloader and LR scheduler for a plugin's parallel strategy, runs the
 backward pass the strategy needs, and saves and loads checkpoints that any
-other plugin, at any world size, can load.
+other plugin, at any world size and tp / pp layout, can load.
 
-Checkpoint files (written by rank 0, atomically: a temporary name, then a
-rename; a save killed at any moment leaves the previous checkpoint loadable
-and the new one complete or absent, see [Note: sharded saves]):
+Checkpoints (each written so that a save killed at any moment leaves the
+previous checkpoint loadable and the new one complete or absent, see
+[Note: sharded saves]):
 
-- model: ``safetensors`` of the full state dict under the unwrapped
-  model's keys; with ``shard=True`` several files of at most
-  ``size_per_shard`` MiB plus ``model.safetensors.index.json``, the layout
-  ``transformers`` reads; a ``transformers`` model also gets its
-  ``config.json``, so ``from_pretrained(directory)`` loads it;
-- optimizer: the canonical form (state per parameter name, full tensors)
-  through ``torch.save``;
+- ``save_model(..., shard=True)`` / ``save_optimizer(..., shard=True)``:
+  a ``torch.distributed.checkpoint`` directory to which every rank writes
+  only its share; loads read only each rank's byte ranges. No rank holds
+  the whole model or optimizer state.
+- ``export_pretrained``: ``transformers``' layout (safetensors files of at
+  most ``size_per_shard`` MiB, ``model.safetensors.index.json``,
+  ``config.json``), streamed from a sharded save one tensor at a time.
+- ``shard=False``: one ``model.safetensors`` / ``optimizer.pt`` that rank 0
+  writes after every rank gathered the whole state: a convenience for
+  models that fit on one rank several times over (every rank then holds
+  the full fp32 model, and for the optimizer its full state).
 - LR scheduler: its ``state_dict`` through ``torch.save``.
+
+``load_model`` reads any of them, and a ``save_pretrained`` directory, by
+slices of each rank's share.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import uuid
+import shutil
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -31,6 +37,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from pc_booster.export import atomic_write as _atomic
+from pc_booster.export import indexed_files as _indexed_files
+from pc_booster.export import remove_files as _remove
 from pc_booster.plugin import Plugin, Precision, SupportsNoSync, SupportsPipeline
 from pc_booster.rules import TrainPrecision
 
@@ -41,42 +50,16 @@ _INDEX = "model.safetensors.index.json"
 _DCP_METADATA = ".metadata"  # torch.distributed.checkpoint's commit point
 
 
-def _atomic(path: Path, write: Any) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    write(tmp)
-    os.replace(tmp, path)
-
-
 # [Note: sharded saves]
-# The index is the commit point of a sharded model. New shards never take a
-# name the current index uses (they get a fresh token when the plain names
-# are taken), the index is replaced last, and only then are the files only
-# the old index named removed. A save killed before the index is replaced
-# leaves the old index and all its shards; after, the new ones. The single
-# file model.safetensors is replaced in one rename; a stale index next to it
-# (load_model prefers an index) is removed after that rename.
-
-
-def _indexed_files(out: Path) -> set[str]:
-    try:
-        return set(json.loads((out / _INDEX).read_text())["weight_map"].values())
-    except (OSError, ValueError, KeyError, TypeError):
-        return set()
-
-
-def _shard_names(out: Path, count: int) -> list[str]:
-    def names(prefix: str) -> list[str]:
-        return [f"{prefix}{k + 1:05d}-of-{count:05d}.safetensors" for k in range(count)]
-
-    plain = names("model-")
-    if not any((out / name).exists() for name in plain):
-        return plain
-    return names(f"model-{uuid.uuid4().hex[:8]}-")
-
-
-def _remove(out: Path, names: set[str]) -> None:
-    for name in names:
-        (out / name).unlink(missing_ok=True)
+# DCP's .metadata is the commit point of a sharded checkpoint; the index is
+# that of an exported one. New export files never take a name the current
+# index uses (they get a fresh token when the plain names are taken), the
+# index is replaced last, and only then are the files only the old index
+# named removed; loads read only the files the index names. A save killed
+# before the index is replaced leaves the old index and all its files;
+# after, the new ones. The single file model.safetensors is replaced in one
+# rename; a stale index next to it (load_model prefers an index) is removed
+# after that rename.
 
 
 def _distinct(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -206,16 +189,36 @@ class Booster:
                 self._write_config(model, Path(checkpoint))
             dist.barrier()
             return
-        self._save_full(model, Path(checkpoint), split=False, size_per_shard=size_per_shard)
+        self._save_full(model, Path(checkpoint))
 
     def export_pretrained(
         self, model: nn.Module, directory: str | os.PathLike[str], size_per_shard: int = 1024
     ) -> None:
-        """Write the full model as ``transformers``' ``save_pretrained`` does:
-        safetensors files of at most ``size_per_shard`` MiB, the index and
-        ``config.json``, for ``from_pretrained``. Every rank gathers the whole
-        fp32 model first (collective; rank 0 writes)."""
-        self._save_full(model, Path(directory), split=True, size_per_shard=size_per_shard)
+        """Write the model as ``transformers``' ``save_pretrained`` does:
+        safetensors files of at most ``size_per_shard`` MiB (fp32, the true
+        values), the index and ``config.json``, for ``from_pretrained``
+        (collective). No rank gathers the model [Note: streamed export in
+        ``pc_booster.export``]: every rank saves its share as a sharded
+        checkpoint in ``directory/.pc-export``, then writes its part of the
+        output files one tensor at a time; rank 0 writes the index last and
+        removes the staging checkpoint."""
+        from pc_booster.export import export_files, plan_export, shard_names, write_index
+
+        out = Path(directory)
+        staging = out / ".pc-export"
+        self.save_model(model, staging, shard=True)
+        plan = plan_export(staging, size_per_shard)
+        names = [shard_names(out, len(plan.files)) if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(names, src=0)  # a fresh token is drawn on rank 0
+        rank, world = dist.get_rank(), dist.get_world_size()
+        export_files(staging, out, plan, names[0], rank, world, atomic=_atomic)  # type: ignore[arg-type]
+        dist.barrier()
+        if rank == 0:
+            (out / _DCP_METADATA).unlink(missing_ok=True)  # a sharded save's commit point
+            write_index(out, plan, names[0], atomic=_atomic, remove=_remove)  # type: ignore[arg-type]
+            self._write_config(model, out)
+            shutil.rmtree(staging, ignore_errors=True)
+        dist.barrier()
 
     def _write_config(self, model: nn.Module, out: Path) -> None:
         module = self.plugin.boosted(model).module
@@ -249,104 +252,88 @@ class Booster:
 
         load(state, checkpoint_id=str(path), planner=PiecesLoadPlanner(flatten_state_dict=False))
 
-    def _save_full(self, model: nn.Module, out: Path, *, split: bool, size_per_shard: int) -> None:
+    def _save_full(self, model: nn.Module, out: Path) -> None:
         from safetensors.torch import save_file
 
         state = _distinct(self.plugin.model_state_dict(model))
         if dist.get_rank() == 0:
             out.mkdir(parents=True, exist_ok=True)
             (out / _DCP_METADATA).unlink(missing_ok=True)  # a sharded save's commit point
-            shard = split
-            if shard:
-                limit = size_per_shard * 2**20
-                files: list[dict[str, torch.Tensor]] = [{}]
-                used = 0
-                for key, value in state.items():
-                    size = value.numel() * value.element_size()
-                    if files[-1] and used + size > limit:
-                        files.append({})
-                        used = 0
-                    files[-1][key] = value
-                    used += size
-                old = _indexed_files(out)
-                weight_map = {}
-                for name, part in zip(_shard_names(out, len(files)), files, strict=True):
-                    _atomic(out / name, lambda p, part=part: save_file(part, str(p)))
-                    weight_map.update(dict.fromkeys(part, name))
-                total = sum(v.numel() * v.element_size() for v in state.values())
-                index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-                _atomic(out / _INDEX, lambda p: p.write_text(json.dumps(index, indent=2)))
-                _remove(out, (old - set(weight_map.values())) | {_WEIGHTS})
-            else:
-                old = _indexed_files(out)
-                _atomic(out / _WEIGHTS, lambda p: save_file(state, str(p)))
-                (out / _INDEX).unlink(missing_ok=True)  # first: the index points at the rest
-                _remove(out, old)
+            old = _indexed_files(out)
+            _atomic(out / _WEIGHTS, lambda p: save_file(state, str(p)))
+            (out / _INDEX).unlink(missing_ok=True)  # first: the index points at the rest
+            _remove(out, old)
             self._write_config(model, out)
         dist.barrier()
 
     def load_model(
         self, model: nn.Module, checkpoint: str | os.PathLike[str], strict: bool = True
     ) -> None:
-        """Load a directory written by :meth:`save_model` (under any plugin
-        and world size), or a ``transformers`` ``save_pretrained`` one."""
-        from safetensors.torch import load_file
-
+        """Load a directory written by :meth:`save_model` or
+        :meth:`export_pretrained` (under any plugin and world size), or a
+        ``transformers`` ``save_pretrained`` one. Each rank reads only the
+        byte ranges of its share (a single-file ``model.safetensors`` of
+        ``shard=False`` too: safetensors are read by slices)."""
         path = Path(checkpoint)
         if (path / _DCP_METADATA).exists():
-            self._load_model_sharded(model, path, strict)
-            return
-        if (path / _INDEX).exists():
-            index = json.loads((path / _INDEX).read_text())
-            state: dict[str, torch.Tensor] = {}
-            for name in sorted(set(index["weight_map"].values())):
-                state.update(load_file(str(path / name)))
-        elif (path / _WEIGHTS).exists():
-            state = load_file(str(path / _WEIGHTS))
+            self._load_model_sharded(model, path, strict, pretrained=False)
+        elif any(path.glob("*.safetensors")):
+            self._load_model_sharded(model, path, strict, pretrained=True)
         else:
             raise FileNotFoundError(
-                f"no model checkpoint in {path}: expected {_WEIGHTS} or {_INDEX} "
-                "(written by Booster.save_model or save_pretrained)."
+                f"no model checkpoint in {path}: expected a sharded checkpoint (.metadata), "
+                f"{_WEIGHTS} or {_INDEX} (written by Booster.save_model, export_pretrained "
+                "or save_pretrained)."
             )
+
+    def _load_model_sharded(
+        self, model: nn.Module, path: Path, strict: bool, *, pretrained: bool
+    ) -> None:
+        """Each rank reads only the byte ranges of its share, from a sharded
+        checkpoint (keys ``model/<name>``) or safetensors files (keys
+        ``<name>``, in any dtype; a tied weight may be saved once)."""
+        from torch.distributed.checkpoint.state_dict_loader import load
+
+        from pc_booster.export import pretrained_reader
+        from pc_booster.plugins.sharded import canonical_model_keys, model_key
+        from pc_zero import PiecesLoadPlanner
+
         module = self.plugin.boosted(model).module
-        expected = set(module.state_dict())
-        missing, unexpected = expected - set(state), set(state) - expected
-        # A tied weight may be saved once (transformers drops the copy).
-        sources = {k: self._tied_source(module, k, state) for k in missing}
-        tied = {k for k, source in sources.items() if source in state}
-        for key in tied:
-            state[key] = state[sources[key]]
-        missing -= tied
-        if strict and (missing or unexpected):
-            raise ValueError(
-                f"checkpoint {path} does not match the model: missing {sorted(missing)[:5]}, "
-                f"unexpected {sorted(unexpected)[:5]}. Was it saved from another model? "
-                "Pass strict=False to load the common keys."
-            )
-        if not strict and missing:
-            # The keys the checkpoint lacks keep their current (full) values.
-            current = self.plugin.model_state_dict(model)
-            state = {**current, **{k: v for k, v in state.items() if k in current}}
-        elif not strict:
-            state = {k: v for k, v in state.items() if k in expected}
-        self.plugin.load_model_state_dict(model, state)
-
-    def _load_model_sharded(self, model: nn.Module, path: Path, strict: bool) -> None:
-        """Each rank reads only the byte ranges of its share."""
-        from pc_booster.plugins.sharded import canonical_model_keys
-
         targets = self.plugin.sharded_model_state(model, loading=True)
-        saved = self._saved_keys(path)
-        expected = canonical_model_keys(self.plugin.boosted(model).module)
-        missing = sorted(k for k in expected if k not in saved)
-        unexpected = sorted(k for k in saved if k.startswith("model/") and k not in expected)
+        expected = canonical_model_keys(module)
+        reader: Any = pretrained_reader(path) if pretrained else None
+        if pretrained:
+            present = {model_key(k) for k in reader.read_metadata().state_dict_metadata}
+        else:
+            present = set(self._saved_keys(path))
+        names = {k.removeprefix("model/") for k in present}
+
+        def alias(key: str, among: set[str]) -> str:
+            """``key``, or the name of a weight tied to it that ``among`` has."""
+            return model_key(self._tied_source(module, key.removeprefix("model/"), among))
+
+        # A tied weight is read from whichever of its names was saved.
+        source = {k: alias(k, names) for k in expected if k not in present}
+        source = {k: v for k, v in source.items() if v in present}
+        missing = sorted(k for k in expected if k not in present and k not in source)
+        known = {k.removeprefix("model/") for k in expected}
+        unexpected = sorted(
+            k
+            for k in present
+            if k.startswith("model/") and k not in expected and alias(k, known) not in expected
+        )
         if strict and (missing or unexpected):
             raise ValueError(
                 f"checkpoint {path} does not match the model: missing {missing[:5]}, "
                 f"unexpected {unexpected[:5]}. Was it saved from another model? Pass "
                 "strict=False to load the common keys."
             )
-        self._load_sharded({k: v for k, v in targets.items() if k in saved}, path)
+        wanted = {source.get(k, k): v for k, v in targets.items() if source.get(k, k) in present}
+        if pretrained:
+            wanted = {k.removeprefix("model/"): v for k, v in wanted.items()}
+            load(wanted, storage_reader=reader, planner=PiecesLoadPlanner(flatten_state_dict=False))
+        else:
+            self._load_sharded(wanted, path)
         self.plugin.after_sharded_model_load(model)
 
     @staticmethod

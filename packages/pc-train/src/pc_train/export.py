@@ -1,0 +1,89 @@
+"""``pc-export``: a sharded checkpoint into a directory ``transformers``'
+``from_pretrained`` loads, or a ``transformers`` directory into a sharded
+checkpoint, offline on one machine, one tensor in memory at a time
+(pc-booster's [Note: streamed export]).
+
+    pc-export runs/pc-train/checkpoints/step-000200 exported/ --size-per-shard 2048
+    pc-export --to-sharded exported/ start/
+
+A pc-train checkpoint directory (its ``model/`` inside), a directory of
+``Booster.save_model(..., shard=True)`` and one of ``export_pretrained``'s
+staging are all accepted; ``config.json`` is carried over when there is one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+__all__ = ["main"]
+
+
+def _sharded_model_dir(path: Path) -> Path:
+    """The sharded model checkpoint in ``path``: itself, or a pc-train
+    checkpoint's ``model/``."""
+    if (path / ".metadata").exists():
+        return path
+    if (path / "model" / ".metadata").exists():
+        return path / "model"
+    raise ValueError(
+        f"{path} holds no sharded checkpoint (no .metadata, nor model/.metadata): pass a "
+        "directory written by Booster.save_model(..., shard=True) or a pc-train checkpoint."
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="pc-export",
+        description="Convert a sharded checkpoint into a transformers directory "
+        "(safetensors shards + index + config.json), or back with --to-sharded, "
+        "holding one tensor in memory at a time.",
+    )
+    parser.add_argument("source", help="a sharded checkpoint (or with --to-sharded, a "
+                        "transformers directory)")  # fmt: skip
+    parser.add_argument("out", help="the directory to write")
+    parser.add_argument(
+        "--size-per-shard", type=int, default=1024, help="MiB per safetensors file (default 1024)"
+    )
+    parser.add_argument(
+        "--to-sharded",
+        action="store_true",
+        help="convert a transformers directory into a sharded checkpoint that "
+        "Booster.load_model loads under any plugin",
+    )
+    args = parser.parse_args(argv)
+    from pc_booster.export import (
+        export_files,
+        import_pretrained,
+        plan_export,
+        shard_names,
+        write_index,
+    )
+
+    source, out = Path(args.source), Path(args.out)
+    try:
+        if args.to_sharded:
+            import_pretrained(source, out)
+            print(f"pc-export: wrote the sharded checkpoint {out}")
+            return
+        checkpoint = _sharded_model_dir(source)
+        plan = plan_export(checkpoint, args.size_per_shard)
+        names = shard_names(out, len(plan.files))
+        export_files(checkpoint, out, plan, names)
+        write_index(out, plan, names)
+        for config in (checkpoint / "config.json", source / "config.json"):
+            if config.exists():
+                shutil.copyfile(config, out / "config.json")
+                break
+    except ValueError as error:
+        print(f"pc-export: error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
+    size = plan.total_bytes() / 2**20
+    print(f"pc-export: wrote {len(plan.files)} file(s), {size:.1f} MiB, to {out}")
+
+
+if __name__ == "__main__":
+    main()
