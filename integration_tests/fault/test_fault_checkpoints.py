@@ -80,9 +80,9 @@ def _nothing_lost(out: Path) -> None:
 
 def test_a_truncated_checkpoint_is_refused(saved_run: Path, tmp_path: Path) -> None:
     out, latest = _copy(saved_run, tmp_path)
-    with open(latest / "model.safetensors", "r+b") as handle:
+    with open(latest / "model" / "__0_0.distcp", "r+b") as handle:
         handle.truncate(100)
-    _refused(out, "is corrupt: model.safetensors has 100 bytes")
+    _refused(out, "is corrupt: model/__0_0.distcp has 100 bytes")
     _nothing_lost(out)
 
 
@@ -119,7 +119,7 @@ def test_a_checkpoint_garbled_at_its_full_size_fails_every_rank(
     saved_run: Path, tmp_path: Path
 ) -> None:
     out, latest = _copy(saved_run, tmp_path)
-    optimizer = latest / "optimizer.pt"
+    optimizer = latest / "optimizer" / "__0_0.distcp"
     optimizer.write_bytes(os.urandom(optimizer.stat().st_size))  # sizes still match
     run_subtests(_resume_fails_on_every_rank, 2, {}, args=(str(out),), timeout=120)
     _nothing_lost(out)

@@ -29,7 +29,7 @@ from __future__ import annotations
 import os
 import shutil
 from collections.abc import Iterator
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +60,25 @@ _DCP_METADATA = ".metadata"  # torch.distributed.checkpoint's commit point
 # after, the new ones. The single file model.safetensors is replaced in one
 # rename; a stale index next to it (load_model prefers an index) is removed
 # after that rename.
+
+
+@contextmanager
+def _named_failures(what: str) -> Iterator[None]:
+    """DCP reports a rank's failure as a CheckpointException, a
+    BaseException that ``except Exception`` misses: raise it as the error
+    it wraps (an OSError stays one: a full disk), naming the rank."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        yield
+    except CheckpointException as error:
+        rank, failure = next(iter(error.failures.items()))
+        inner = failure[0] if isinstance(failure, tuple) else failure
+        lines = str(inner).strip().splitlines()
+        message = f"{what}: rank {rank}: {type(inner).__name__}: {lines[0] if lines else ''}"
+        if isinstance(inner, OSError):
+            raise OSError(inner.errno, message) from None
+        raise ValueError(message) from None
 
 
 def _distinct(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -235,7 +254,8 @@ class Booster:
         from pc_zero import PiecesSavePlanner
 
         out.mkdir(parents=True, exist_ok=True)
-        save(state, checkpoint_id=str(out), planner=PiecesSavePlanner(flatten_state_dict=False))
+        with _named_failures(f"the sharded save to {out}"):
+            save(state, checkpoint_id=str(out), planner=PiecesSavePlanner(flatten_state_dict=False))
 
     @staticmethod
     def _saved_keys(path: Path) -> dict[str, Any]:
@@ -250,7 +270,10 @@ class Booster:
 
         from pc_zero import PiecesLoadPlanner
 
-        load(state, checkpoint_id=str(path), planner=PiecesLoadPlanner(flatten_state_dict=False))
+        with _named_failures(f"checkpoint {path} does not load"):
+            load(
+                state, checkpoint_id=str(path), planner=PiecesLoadPlanner(flatten_state_dict=False)
+            )
 
     def _save_full(self, model: nn.Module, out: Path) -> None:
         from safetensors.torch import save_file
@@ -331,7 +354,9 @@ class Booster:
         wanted = {source.get(k, k): v for k, v in targets.items() if source.get(k, k) in present}
         if pretrained:
             wanted = {k.removeprefix("model/"): v for k, v in wanted.items()}
-            load(wanted, storage_reader=reader, planner=PiecesLoadPlanner(flatten_state_dict=False))
+            with _named_failures(f"checkpoint {path} does not load"):
+                planner = PiecesLoadPlanner(flatten_state_dict=False)
+                load(wanted, storage_reader=reader, planner=planner)
         else:
             self._load_sharded(wanted, path)
         self.plugin.after_sharded_model_load(model)

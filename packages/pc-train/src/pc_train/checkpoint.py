@@ -1,9 +1,11 @@
 """``pc-train``'s checkpoints: one directory per saved step,
-``<output_dir>/checkpoints/step-000040/``, holding the model
-(``model.safetensors`` + ``config.json``, loadable by ``from_pretrained``),
-``optimizer.pt``, ``scheduler.pt``, each rank's RNG state and
-``trainer_state.json`` (step, history, the settings, the size of every
-file).
+``<output_dir>/checkpoints/step-000040/``, holding the model and the
+optimizer as sharded checkpoints (``model/``, ``optimizer/``: every rank
+writes only its share, and a resume under any plugin, world size or
+layout reads only its own; ``pc-export`` turns ``model/`` into a
+directory ``from_pretrained`` loads), ``scheduler.pt``, each rank's RNG
+state and ``trainer_state.json`` (step, history, the settings, the size of
+every file).
 
 A save writes ``step-N.partial/`` and renames it to ``step-N`` once every
 file is complete, so a run killed mid-save leaves the previous checkpoint
@@ -30,6 +32,7 @@ __all__ = [
     "find_checkpoint",
     "has_checkpoint",
     "load_trainer_state",
+    "model_and_optimizer",
     "prune_checkpoints",
     "save_checkpoint",
 ]
@@ -110,15 +113,7 @@ def load_trainer_state(path: Path, config: Any) -> dict[str, Any]:
                 f"checkpoint {path} is corrupt: {name} has {part.stat().st_size} bytes, "
                 f"{size} were written. Resume from an earlier checkpoint."
             )
-    try:
-        from safetensors import safe_open
-
-        with safe_open(str(path / "model.safetensors"), framework="pt") as model_file:
-            model_file.keys()
-    except Exception as error:  # safetensors raises its own error types
-        raise CheckpointError(
-            f"checkpoint {path}: model.safetensors does not open: {error}"
-        ) from None
+    _check_model_opens(path)
     current = config.to_dict()
     differ = [k for k in _MUST_MATCH if saved.get(k) != current.get(k)]
     if differ:
@@ -130,6 +125,32 @@ def load_trainer_state(path: Path, config: Any) -> dict[str, Any]:
     if step > config.steps:
         raise CheckpointError(f"checkpoint {path} is at step {step}, past --steps {config.steps}.")
     return state
+
+
+def _check_model_opens(path: Path) -> None:
+    """The model's index opens: a sharded checkpoint's metadata, or the
+    safetensors header of a checkpoint of earlier pc-train versions."""
+    sharded = path / "model" / ".metadata"
+    try:
+        if sharded.exists() or not (path / "model.safetensors").exists():
+            from torch.distributed.checkpoint.filesystem import FileSystemReader
+
+            FileSystemReader(str(path / "model")).read_metadata()
+            return
+        from safetensors import safe_open
+
+        with safe_open(str(path / "model.safetensors"), framework="pt") as model_file:
+            model_file.keys()
+    except Exception as error:  # pickle and safetensors raise their own error types
+        raise CheckpointError(f"checkpoint {path}: the model does not open: {error}") from None
+
+
+def model_and_optimizer(path: Path) -> tuple[Path, Path]:
+    """Where checkpoint ``path`` keeps the model and the optimizer (sharded
+    directories; one file each in checkpoints of earlier versions)."""
+    if (path / "model").is_dir():
+        return path / "model", path / "optimizer"
+    return path, path / "optimizer.pt"
 
 
 def save_checkpoint(
@@ -153,15 +174,19 @@ def save_checkpoint(
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
     dist.barrier()
-    booster.save_model(model, partial)
-    booster.save_optimizer(optimizer, partial / "optimizer.pt")
+    booster.save_model(model, partial / "model", shard=True)
+    booster.save_optimizer(optimizer, partial / "optimizer", shard=True)
     booster.save_lr_scheduler(schedule, partial / "scheduler.pt")
     torch.save(rng, partial / f"rng-rank{rank}.pt")
     if written is not None:
         written()
     dist.barrier()
     if rank == 0:
-        files = {p.name: p.stat().st_size for p in sorted(partial.iterdir()) if p.is_file()}
+        files = {
+            str(p.relative_to(partial)): p.stat().st_size
+            for p in sorted(partial.rglob("*"))
+            if p.is_file()
+        }
         (partial / _STATE).write_text(json.dumps({**state, "files": files}))
         _fsync_dir(partial)
         if final.exists():
@@ -174,7 +199,9 @@ def save_checkpoint(
 
 def _fsync_dir(path: Path) -> None:
     for file in path.iterdir():
-        if file.is_file():
+        if file.is_dir():
+            _fsync_dir(file)
+        elif file.is_file():
             with open(file, "rb") as handle:
                 os.fsync(handle.fileno())
     fd = os.open(path, os.O_RDONLY)

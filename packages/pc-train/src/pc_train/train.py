@@ -42,6 +42,7 @@ from pc_train.checkpoint import (
     find_checkpoint,
     has_checkpoint,
     load_trainer_state,
+    model_and_optimizer,
     prune_checkpoints,
     save_checkpoint,
 )
@@ -417,8 +418,9 @@ class Trainer:
         path = find_checkpoint(config.checkpoint_dir, config.resume)
         state = load_trainer_state(path, config)
         try:
-            self.booster.load_model(self.model, path)
-            self.booster.load_optimizer(self.optimizer, path / "optimizer.pt")
+            model_path, optimizer_path = model_and_optimizer(path)
+            self.booster.load_model(self.model, model_path)
+            self.booster.load_optimizer(self.optimizer, optimizer_path)
             self.booster.load_lr_scheduler(self.schedule, path / "scheduler.pt")
         except Exception as error:  # a checkpoint that passed the checks but will not load
             raise CheckpointError(f"checkpoint {path} does not load: {error}") from None
