@@ -337,6 +337,16 @@ def _gib(nbytes: float) -> str:
     return f"{nbytes / 2**20:.2f} MiB"
 
 
+def _accepts(options: PluginOptions, world: int, precision: str) -> bool:
+    """Whether the plugin's own rules accept a run of ``precision`` on
+    ``world`` ranks (what else they check is not known yet)."""
+    try:
+        options.check(world, precision)
+    except ValueError:
+        return False
+    return True
+
+
 def recommend(
     spec: ModelSpec | ModelShape,
     world: int,
@@ -360,9 +370,12 @@ def recommend(
     would save."""
     shape = spec if isinstance(spec, ModelShape) else model_shape(spec)
     device = device or DeviceInfo.detect(world, precision)
-    kinds = [PluginKind.ZERO2, PluginKind.GEMINI]
-    if precision == "fp32":
-        kinds.insert(0, PluginKind.DDP)
+    # Only the plugins whose rules accept this run (DDP trains fp32 only).
+    kinds = [
+        kind
+        for kind in (PluginKind.DDP, PluginKind.ZERO2, PluginKind.GEMINI)
+        if _accepts(PluginOptions(kind), world, precision)
+    ]
     results = {
         kind: estimate(shape, PluginOptions(kind), world, micro_batch, seq_len, precision, device)
         for kind in kinds
@@ -376,7 +389,7 @@ def recommend(
             f"{_gib(result.activation_bytes)} per rank fit in {budget}."
         )
 
-    if world == 1 and precision == "fp32" and results[PluginKind.DDP].fits:
+    if world == 1 and PluginKind.DDP in results and results[PluginKind.DDP].fits:
         reason = "one process: nothing to shard or communicate; " + fits_text(
             results[PluginKind.DDP]
         )
@@ -410,8 +423,8 @@ def recommend(
     needs = "it needs --clip-norm 0 and --accumulation 1 (each chunk steps before the others' "
     needs += "gradients exist), with the same update as stepping after backward"
     in_bwd = None
-    if precision != "fp16":  # an fp16 overflow found late could not skip the step
-        in_bwd_options = PluginOptions(PluginKind.GEMINI, step_in_backward=True)
+    in_bwd_options = PluginOptions(PluginKind.GEMINI, step_in_backward=True)
+    if _accepts(in_bwd_options, world, precision):  # not fp16: an overflow found late
         in_bwd = estimate(shape, in_bwd_options, world, micro_batch, seq_len, precision, device)
     if step_in_backward and in_bwd is not None and in_bwd.fits:
         reasons = [

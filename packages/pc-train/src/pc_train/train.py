@@ -305,7 +305,7 @@ class Trainer:
         reasons: Sequence[str] = (),
         phases: _Phases | None = None,
     ) -> None:
-        from pc_booster import Booster, HybridParallelPlugin
+        from pc_booster import Booster
         from pc_train.estimate import DeviceInfo, estimate, model_shape
 
         self.config = config
@@ -325,7 +325,7 @@ class Trainer:
             mixed_precision=None if config.precision == "fp32" else config.precision,
         )
         # A pipeline step runs forward and backward together, through the booster.
-        self.pipeline = isinstance(self.plugin, HybridParallelPlugin) and self.plugin.pp_size > 1
+        self.pipeline = self.options.pp > 1  # only hybrid takes --pp
         # The corpus' size goes in the header; 95% trains, the rest is held out.
         self.corpus_tokens, self.train_tokens, self.eval_tokens = self._load_tokens()
         self.model, self.optimizer, self.schedule = self._boost()
