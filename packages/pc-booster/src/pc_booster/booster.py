@@ -29,6 +29,7 @@ from __future__ import annotations
 import os
 import shutil
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any
@@ -122,6 +123,13 @@ class Booster:
             plugin.validate_later(precision=TrainPrecision.parse(mixed_precision))
         self.plugin = plugin
         self.mixed_precision: Precision | str = mixed_precision
+        # Async saves [Note: async saves]: one background writer, so saves
+        # land in the order they were asked, over a gloo group of their own
+        # (training's collectives run on the default group meanwhile), both
+        # made on the first async save; and the writes not finished yet.
+        self._writer: ThreadPoolExecutor | None = None
+        self._save_group: dist.ProcessGroup | None = None
+        self._pending: list[Future[None]] = []
 
     # -- training --------------------------------------------------------------
 
@@ -190,7 +198,8 @@ class Booster:
         checkpoint: str | os.PathLike[str],
         shard: bool = False,
         size_per_shard: int = 1024,
-    ) -> None:
+        use_async: bool = False,
+    ) -> Future[None] | None:
         """Write the model to directory ``checkpoint`` (collective: every rank
         calls it). ``shard=True``: every rank writes only its share, through
         ``torch.distributed.checkpoint`` ([Note: sharded canonical state] in
@@ -198,17 +207,30 @@ class Booster:
         rank 0 writes ``model.safetensors`` with the full model, which every
         rank gathers first: a convenience for models that fit on one rank
         several times over. ``size_per_shard`` applies to
-        :meth:`export_pretrained`."""
-        if shard:
-            self._save_sharded(self.plugin.sharded_model_state(model), Path(checkpoint))
-            if dist.get_rank() == 0:
-                old = _indexed_files(Path(checkpoint))
-                (Path(checkpoint) / _INDEX).unlink(missing_ok=True)
-                _remove(Path(checkpoint), old | {_WEIGHTS})
-                self._write_config(model, Path(checkpoint))
-            dist.barrier()
-            return
-        self._save_full(model, Path(checkpoint))
+        :meth:`export_pretrained`.
+
+        ``use_async=True`` (sharded only): each rank copies its share to
+        host memory and returns; the write goes on in the background while
+        training continues [Note: async saves]. Returns a future that is
+        done when the checkpoint is (:meth:`wait_for_saves` waits for all)."""
+        out = Path(checkpoint)
+        if not shard:
+            if use_async:
+                raise ValueError(
+                    "use_async=True writes the sharded form, each rank's share in the "
+                    "background: pass shard=True as well (the single-file form is gathered "
+                    "whole, with nothing to stage)."
+                )
+            self._save_full(model, out)
+            return None
+
+        def tidy() -> None:  # rank 0, after the save: what a sharded save replaces
+            old = _indexed_files(out)
+            (out / _INDEX).unlink(missing_ok=True)
+            _remove(out, old | {_WEIGHTS})
+            self._write_config(model, out)
+
+        return self._write_sharded(self.plugin.sharded_model_state(model), out, tidy, use_async)
 
     def export_pretrained(
         self, model: nn.Module, directory: str | os.PathLike[str], size_per_shard: int = 1024
@@ -246,7 +268,9 @@ class Booster:
             _atomic(out / "config.json", lambda p: config.to_json_file(str(p)))
 
     @staticmethod
-    def _save_sharded(state: dict[str, Any], out: Path) -> None:
+    def _save_sharded(
+        state: dict[str, Any], out: Path, group: dist.ProcessGroup | None = None
+    ) -> None:
         """DCP writes every rank's items in parallel and the metadata last
         (the commit point)."""
         from torch.distributed.checkpoint.state_dict_saver import save
@@ -255,7 +279,54 @@ class Booster:
 
         out.mkdir(parents=True, exist_ok=True)
         with _named_failures(f"the sharded save to {out}"):
-            save(state, checkpoint_id=str(out), planner=PiecesSavePlanner(flatten_state_dict=False))
+            planner = PiecesSavePlanner(flatten_state_dict=False)
+            save(state, checkpoint_id=str(out), planner=planner, process_group=group)
+
+    # [Note: async saves]
+    # An async save stages this rank's share in host memory (copies of its
+    # tensors and pieces: the stall the caller sees) and hands the write to
+    # one background thread, which runs DCP's save over a gloo group made
+    # for saves only, so its collectives never interleave with training's on
+    # the default group. Writes land in the order they were asked. DCP's
+    # .metadata is written last, so a process killed mid-write leaves the
+    # directory without a commit point (not loadable) and every other
+    # checkpoint as it was. Loads wait for the writes still going.
+
+    def _write_sharded(
+        self, state: dict[str, Any], out: Path, tidy: Any, use_async: bool
+    ) -> Future[None] | None:
+        """Save ``state`` to ``out``, then ``tidy()`` on rank 0 (collective),
+        now or in the background."""
+        if not use_async:
+            self._save_sharded(state, out)
+            if dist.get_rank() == 0:
+                tidy()
+            dist.barrier()
+            return None
+        from pc_booster.plugins.sharded import staged
+
+        copy = staged(state)
+        if self._writer is None:
+            self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pc-save")
+            self._save_group = dist.new_group(backend="gloo")
+        group = self._save_group
+
+        def write() -> None:
+            self._save_sharded(copy, out, group)
+            if dist.get_rank() == 0:
+                tidy()
+            dist.barrier(group=group)
+
+        future = self._writer.submit(write)
+        self._pending = [f for f in self._pending if not f.done()] + [future]
+        return future
+
+    def wait_for_saves(self) -> None:
+        """Wait until every async save has been written; raise the first
+        one's error, if one failed."""
+        pending, self._pending = self._pending, []
+        for future in pending:
+            future.result()
 
     @staticmethod
     def _saved_keys(path: Path) -> dict[str, Any]:
@@ -297,6 +368,7 @@ class Booster:
         ``transformers`` ``save_pretrained`` one. Each rank reads only the
         byte ranges of its share (a single-file ``model.safetensors`` of
         ``shard=False`` too: safetensors are read by slices)."""
+        self.wait_for_saves()
         path = Path(checkpoint)
         if (path / _DCP_METADATA).exists():
             self._load_model_sharded(model, path, strict, pretrained=False)
@@ -374,29 +446,38 @@ class Booster:
         return aliases[0] if aliases else key
 
     def save_optimizer(
-        self, optimizer: Any, checkpoint: str | os.PathLike[str], shard: bool = False
-    ) -> None:
+        self,
+        optimizer: Any,
+        checkpoint: str | os.PathLike[str],
+        shard: bool = False,
+        size_per_shard: int = 1024,
+        use_async: bool = False,
+    ) -> Future[None] | None:
         """Write the optimizer's state (canonical form) to ``checkpoint``
         (collective). ``shard=True``: a directory to which every rank writes
         only its share of the state, through ``torch.distributed.checkpoint``;
         else one file that rank 0 writes after every rank gathered the whole
-        state (for optimizers that fit on one rank several times over)."""
+        state (for optimizers that fit on one rank several times over).
+        ``size_per_shard`` is accepted for Colossal-AI's call shape (DCP
+        writes one file per rank). ``use_async``: as for :meth:`save_model`."""
         if shard:
             state = self.plugin.sharded_optimizer_state(optimizer, None)
-            self._save_sharded(state, Path(checkpoint))
-            dist.barrier()
-            return
+            return self._write_sharded(state, Path(checkpoint), lambda: None, use_async)
+        if use_async:
+            raise ValueError("use_async=True writes the sharded form: pass shard=True as well.")
         state = self.plugin.optimizer_state_dict(optimizer)
         if dist.get_rank() == 0:
             path = Path(checkpoint)
             path.parent.mkdir(parents=True, exist_ok=True)
             _atomic(path, lambda p: torch.save(state, p))
         dist.barrier()
+        return None
 
     def load_optimizer(self, optimizer: Any, checkpoint: str | os.PathLike[str]) -> None:
         """Load a file written by :meth:`save_optimizer`, under any plugin
         and world size (a directory: the sharded form, each rank reading only
         its share). Load the model first."""
+        self.wait_for_saves()
         path = Path(checkpoint)
         if (path / _DCP_METADATA).exists():
             from pc_booster.plugins.sharded import saved_state_keys

@@ -53,6 +53,7 @@ __all__ = [
     "own_optimizer_state",
     "restore_scalars",
     "saved_state_keys",
+    "staged",
     "torch_optimizer_targets",
     "whole_state",
     "zero_model_state",
@@ -322,3 +323,37 @@ def restore_scalars(entry: dict[str, Any], state: Mapping[str, Any], name: str) 
         entry[key] = (
             loaded.clone() if isinstance(value, torch.Tensor) else type(value)(loaded.item())
         )
+
+
+def staged(state: dict[str, Any]) -> dict[str, Any]:
+    """A copy of a sharded state in host memory that training may run on
+    beside (an async save writes it): each tensor, each piece of a
+    :class:`~pc_zero.Pieces` and each DTensor's local shard copied, every
+    other value deep-copied. Costs this rank's share once, nothing more."""
+    import copy
+
+    from torch.distributed.tensor import DTensor
+
+    def host(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.detach().to("cpu", copy=True)
+
+    out: dict[str, Any] = {}
+    for key, value in state.items():
+        if isinstance(value, Pieces):
+            twin = Pieces(value.shape, value.dtype)
+            twin.boxes = [(box, host(values)) for box, values in value.boxes]
+            out[key] = twin
+        elif isinstance(value, DTensor):
+            out[key] = DTensor.from_local(
+                host(value.to_local()),
+                value.device_mesh,
+                value.placements,
+                run_check=False,
+                shape=value.shape,
+                stride=value.stride(),
+            )
+        elif isinstance(value, torch.Tensor):
+            out[key] = host(value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
