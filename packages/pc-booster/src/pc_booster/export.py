@@ -24,6 +24,7 @@ import json
 import math
 import os
 import struct
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -142,12 +143,14 @@ def _read_tensor(checkpoint: Path, name: str, shape: torch.Size, dtype: torch.dt
     from torch.distributed.checkpoint.state_dict_loader import load
 
     tensor = torch.empty(shape, dtype=dtype)
-    load(
-        {_PREFIX + name: tensor},
-        checkpoint_id=str(checkpoint),
-        planner=PiecesLoadPlanner(flatten_state_dict=False),
-        no_dist=True,
-    )
+    with warnings.catch_warnings():  # "assuming ... a single process": it is one
+        warnings.simplefilter("ignore", UserWarning)
+        load(
+            {_PREFIX + name: tensor},
+            checkpoint_id=str(checkpoint),
+            planner=PiecesLoadPlanner(flatten_state_dict=False),
+            no_dist=True,
+        )
     return tensor
 
 
@@ -313,12 +316,14 @@ def import_pretrained(directory: str | os.PathLike[str], out: str | os.PathLike[
                 state[_PREFIX + name] = _FileTensor(file, name, torch.Size(view.get_shape()), dtype)
     target = Path(out)
     target.mkdir(parents=True, exist_ok=True)
-    save(
-        state,
-        checkpoint_id=str(target),
-        planner=PiecesSavePlanner(flatten_state_dict=False),
-        no_dist=True,
-    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        save(
+            state,
+            checkpoint_id=str(target),
+            planner=PiecesSavePlanner(flatten_state_dict=False),
+            no_dist=True,
+        )
     config = source / "config.json"
     if config.exists():
         (target / "config.json").write_text(config.read_text())

@@ -20,7 +20,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import threading
 from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -163,10 +165,19 @@ def save_checkpoint(
     state: dict[str, Any],
     rng: dict[str, Any],
     written: Callable[[], None] | None = None,
-) -> Path:
-    """Save step ``step`` (collective: every rank calls it). ``written`` is
-    called once every file is written and before the rename (the fault
-    tests kill a rank there)."""
+    use_async: bool = False,
+    keep_last: int | None = None,
+) -> Future[Path]:
+    """Save step ``step`` (collective: every rank calls it), then (rank 0)
+    keep the newest ``keep_last``. ``written`` is called once every file is
+    written and before the rename (the fault tests kill a rank there).
+
+    Returns a future of the checkpoint's directory, done at once, or with
+    ``use_async`` once the background writes are done and the directory
+    renamed: each rank has then only copied its share of the model and
+    optimizer to host memory [Note: async saves in ``pc_booster.booster``].
+    A run killed before that leaves ``step-N.partial``, never loaded, and
+    the earlier checkpoints as they were. Wait for one save before the next."""
     final = root / f"step-{step:06d}"
     partial = root / f"step-{step:06d}.partial"
     rank = dist.get_rank()
@@ -174,27 +185,61 @@ def save_checkpoint(
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
     dist.barrier()
-    booster.save_model(model, partial / "model", shard=True)
-    booster.save_optimizer(optimizer, partial / "optimizer", shard=True)
+    # The small files first: every rank's are on disk before any rank's
+    # background write starts, so the rename after those writes moves them.
     booster.save_lr_scheduler(schedule, partial / "scheduler.pt")
     torch.save(rng, partial / f"rng-rank{rank}.pt")
-    if written is not None:
-        written()
     dist.barrier()
-    if rank == 0:
-        files = {
-            str(p.relative_to(partial)): p.stat().st_size
-            for p in sorted(partial.rglob("*"))
-            if p.is_file()
-        }
-        (partial / _STATE).write_text(json.dumps({**state, "files": files}))
-        _fsync_dir(partial)
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(partial, final)
-        _fsync_dir(root)
-    dist.barrier()
-    return final
+    writes = [
+        booster.save_model(model, partial / "model", shard=True, use_async=use_async),
+        booster.save_optimizer(optimizer, partial / "optimizer", shard=True, use_async=use_async),
+    ]
+
+    def commit() -> Path:
+        for write in writes:
+            if write is not None:
+                write.result()  # an async write's barrier: every rank's share is written
+        if written is not None:
+            written()
+        if not use_async:
+            dist.barrier()
+        if rank == 0:
+            _commit(partial, final, root, state)
+            if keep_last is not None:
+                prune_checkpoints(root, keep_last)
+        if not use_async:
+            dist.barrier()
+        return final
+
+    done: Future[Path] = Future()
+    if not use_async:
+        done.set_result(commit())
+        return done
+
+    def run() -> None:
+        try:
+            done.set_result(commit())
+        except BaseException as error:  # handed to whoever waits for the save
+            done.set_exception(error)
+
+    threading.Thread(target=run, name=f"pc-train-commit-{step}", daemon=True).start()
+    return done
+
+
+def _commit(partial: Path, final: Path, root: Path, state: dict[str, Any]) -> None:
+    """Rank 0: the trainer state (with every file's size), then the rename
+    that makes the checkpoint one."""
+    files = {
+        str(p.relative_to(partial)): p.stat().st_size
+        for p in sorted(partial.rglob("*"))
+        if p.is_file()
+    }
+    (partial / _STATE).write_text(json.dumps({**state, "files": files}))
+    _fsync_dir(partial)
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(partial, final)
+    _fsync_dir(root)
 
 
 def _fsync_dir(path: Path) -> None:

@@ -18,7 +18,14 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["FAMILIES", "MODEL_PRESETS", "ModelSpec", "build_model", "resolve_model"]
+__all__ = [
+    "FAMILIES",
+    "MODEL_PRESETS",
+    "ModelSpec",
+    "build_model",
+    "reads_pretrained_after_boost",
+    "resolve_model",
+]
 
 FAMILIES = ("gpt2", "llama", "opt", "bloom")
 
@@ -148,15 +155,27 @@ def resolve_model(model: str, seq_len: int) -> ModelSpec:
     return ModelSpec(str(path), config, path if weights else None)
 
 
-def build_model(spec: ModelSpec, seed: int, device: torch.device | str = "cpu") -> nn.Module:
+def build_model(
+    spec: ModelSpec, seed: int, device: torch.device | str = "cpu", lazy: bool = False
+) -> nn.Module:
     """The causal LM of ``spec``, its random weights drawn from ``seed``
-    (the same on every rank), or loaded from its pretrained directory."""
+    (the same on every rank), or loaded from its pretrained directory.
+    ``lazy``: built under ``pc_chunk.LazyInitContext``, which allocates
+    nothing; ``Booster.boost`` then materialises only each rank's share,
+    with the values eager construction gives, and a pretrained
+    directory's safetensors are read after boost, each rank its slices
+    (:func:`reads_pretrained_after_boost`)."""
     tf = _transformers()
-    if spec.pretrained is not None:
+    if spec.pretrained is not None and not (lazy and reads_pretrained_after_boost(spec)):
         model: nn.Module = tf.AutoModelForCausalLM.from_pretrained(str(spec.pretrained))
         return _causal_loss(model).to(device)
     torch.manual_seed(seed)
-    with torch.device(device):
+    context: Any = torch.device(device)
+    if lazy:
+        from pc_chunk import LazyInitContext
+
+        context = LazyInitContext()
+    with context:
         try:
             model = tf.AutoModelForCausalLM.from_config(spec.config)
         except ValueError as error:
@@ -165,6 +184,14 @@ def build_model(spec: ModelSpec, seed: int, device: torch.device | str = "cpu") 
                 f"transformers can build: {error}"
             ) from None
     return _causal_loss(model)
+
+
+def reads_pretrained_after_boost(spec: ModelSpec) -> bool:
+    """Whether ``spec``'s pretrained weights are safetensors, which
+    ``Booster.load_model`` reads by slices into a sharded model (a
+    ``pytorch_model.bin`` is loaded whole by ``from_pretrained``)."""
+    path = spec.pretrained
+    return path is not None and any(Path(path).glob("*.safetensors"))
 
 
 def _causal_loss(model: nn.Module) -> nn.Module:

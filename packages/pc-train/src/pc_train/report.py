@@ -101,6 +101,27 @@ def write_report(out: Path, summary: dict[str, Any], history: dict[str, Any]) ->
             f"- peak memory per rank ({last['memory_kind']}): "
             + ", ".join(f"{m / 2**20:,.0f} MiB" for m in last["peak_memory"]),
         ]
+    by_phase = summary.get("memory_by_phase") or []
+    if by_phase:
+        from pc_train.memory import PHASES
+
+        def mib(phase: str) -> str:
+            values = [f"{rank.get(phase, 0.0) / 2**20:,.0f}" for rank in by_phase]
+            return "/".join(values)
+
+        seen = [phase for phase in PHASES if any(phase in rank for rank in by_phase)]
+        lines.append(
+            f"- peak memory by phase, MiB per rank ({summary.get('memory_kind', '')}): "
+            + "; ".join(f"{phase} {mib(phase)}" for phase in seen)
+        )
+    saves = history.get("save") or []
+    if saves:
+        stalls = [entry["stall_s"] for entry in saves]
+        kind = "async" if saves[-1]["async"] else "synchronous"
+        lines.append(
+            f"- checkpoint saves: {len(saves)} ({kind}), training stalled "
+            f"{sum(stalls) / len(stalls):.3f} s per save (at most {max(stalls):.3f} s)"
+        )
     states = summary.get("model_states")
     if states:
         lines.append(

@@ -12,6 +12,7 @@ bitwise. See docs/packages/pc-train.md for the tour.
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import os
@@ -26,6 +27,7 @@ import time
 import uuid
 import warnings
 from collections.abc import Sequence
+from concurrent.futures import Future
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import replace
 from datetime import timedelta
@@ -43,12 +45,18 @@ from pc_train.checkpoint import (
     has_checkpoint,
     load_trainer_state,
     model_and_optimizer,
-    prune_checkpoints,
     save_checkpoint,
 )
 from pc_train.data import batch_offsets, load_byte_corpus, load_corpus, windows
 from pc_train.faults import FaultInjector
-from pc_train.models import MODEL_PRESETS, ModelSpec, build_model, resolve_model
+from pc_train.memory import PhaseMemory
+from pc_train.models import (
+    MODEL_PRESETS,
+    ModelSpec,
+    build_model,
+    reads_pretrained_after_boost,
+    resolve_model,
+)
 from pc_train.train_config import TrainConfig, parse_args
 
 __all__ = [
@@ -328,7 +336,12 @@ class Trainer:
         self.pipeline = self.options.pp > 1  # only hybrid takes --pp
         # The corpus' size goes in the header; 95% trains, the rest is held out.
         self.corpus_tokens, self.train_tokens, self.eval_tokens = self._load_tokens()
-        self.model, self.optimizer, self.schedule = self._boost()
+        # Each rank's peak memory per phase (build, load, train, save), for the report.
+        self.memory = PhaseMemory(self.device)
+        with self.memory.phase("build"):
+            self.model, self.optimizer, self.schedule = self._boost()
+        # The checkpoint being written in the background (--async-save).
+        self.pending_save: Future[Path] | None = None
         # The batch is split over the data-parallel ranks (a pipeline's or a
         # tensor-parallel group's ranks see the same sequences).
         self.group = self.plugin.dp_group
@@ -399,7 +412,10 @@ class Trainer:
     def _boost(self) -> tuple[Any, Any, Any]:
         """The model, AdamW and the warm-up + cosine LR schedule, boosted."""
         config = self.config
-        model = build_model(self.spec, config.seed, self.device)
+        # Built lazily: boost materialises each rank's share only, with the
+        # values eager construction gives; pretrained safetensors are then
+        # read by slices, each rank its share.
+        model = build_model(self.spec, config.seed, self.device, lazy=True)
         optimizer = torch.optim.AdamW(
             model.parameters(), lr=config.lr, weight_decay=config.weight_decay
         )
@@ -407,6 +423,8 @@ class Trainer:
         model, optimizer, _, _, schedule = self.booster.boost(
             model, optimizer, lr_scheduler=schedule
         )
+        if self.spec.pretrained is not None and reads_pretrained_after_boost(self.spec):
+            self.booster.load_model(model, self.spec.pretrained)
         return model, optimizer, schedule
 
     def resume(self) -> None:
@@ -417,6 +435,7 @@ class Trainer:
             return
         path = find_checkpoint(config.checkpoint_dir, config.resume)
         state = load_trainer_state(path, config)
+        self.memory.enter("load")
         try:
             model_path, optimizer_path = model_and_optimizer(path)
             self.booster.load_model(self.model, model_path)
@@ -464,6 +483,7 @@ class Trainer:
         self.writer = _writer(config, self.rank0)
         began = time.perf_counter()
         self.window_start, self.window_tokens = time.perf_counter(), 0
+        self.memory.enter("train")
         interrupted = False
         while self.step < config.steps:
             interrupted = self.train_step()
@@ -476,6 +496,11 @@ class Trainer:
             if interrupted:
                 break
         self.progress.close()
+        self.finish_save()
+        self.memory.close()
+        phases = [None] * self.env.world_size
+        dist.all_gather_object(phases, self.memory.peaks)
+        self.memory_by_phase = phases
         if interrupted:
             if self.rank0:
                 print(
@@ -670,19 +695,33 @@ class Trainer:
             self.writer.add_scalar("eval/loss", loss, self.step)
 
     def save(self) -> None:
-        """A checkpoint of this step (collective); rank 0 then keeps the
-        newest ``keep_last``."""
+        """A checkpoint of this step (collective), now or, with
+        --async-save, written in the background while training goes on
+        (one at a time); rank 0 then keeps the newest ``keep_last``. The
+        stall (how long training waited) goes into the history."""
         config, step = self.config, self.step
-        self.phases.enter("save", step)
-        state = {"step": step, "history": self.history, "config": config.to_dict(),
-                 "world": self.env.world_size, "resumed_at": self.resumed_at}  # fmt: skip
-        save_checkpoint(
-            self.booster, self.model, self.optimizer, self.schedule, config.checkpoint_dir,
-            step, state, _rng_state(), written=partial(self.fault.at, "save", step),
-        )  # fmt: skip
-        if self.rank0:
-            prune_checkpoints(config.checkpoint_dir, config.keep_last)
-        dist.barrier()
+        began = time.perf_counter()
+        with self.memory.phase("save", then="train"):
+            self.finish_save()
+            self.phases.enter("save", step)
+            state = {"step": step, "history": self.history, "config": config.to_dict(),
+                     "world": self.env.world_size, "resumed_at": self.resumed_at}  # fmt: skip
+            self.pending_save = save_checkpoint(
+                self.booster, self.model, self.optimizer, self.schedule, config.checkpoint_dir,
+                step, copy.deepcopy(state), _rng_state(),
+                written=partial(self.fault.at, "save", step), use_async=config.async_save,
+                keep_last=config.keep_last,
+            )  # fmt: skip
+        stall = time.perf_counter() - began
+        self.history.setdefault("save", []).append(
+            {"step": step, "stall_s": stall, "async": config.async_save}
+        )
+
+    def finish_save(self) -> None:
+        """Wait for the checkpoint being written (raises its error)."""
+        if self.pending_save is not None:
+            pending, self.pending_save = self.pending_save, None
+            pending.result()
 
     def report(self, seconds: float) -> None:
         """Rank 0's report (report.json, report.md, plots) and last lines."""
@@ -703,6 +742,8 @@ class Trainer:
             "peak_tflops": self.peak / 1e12,
             "peak_source": self.peak_source,
             "model_states": self.model_states,
+            "memory_by_phase": self.memory_by_phase,
+            "memory_kind": self.memory.kind,
             "resumed_at": self.resumed_at,
             "predicted_step_seconds": self.predicted.step_seconds,
             "config": config.to_dict(),

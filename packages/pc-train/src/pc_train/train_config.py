@@ -48,6 +48,7 @@ class TrainConfig:
     output_dir: str = "runs/pc-train"
     checkpoint_every: int = 50
     keep_last: int = 2
+    async_save: bool = False
     resume: str | None = None
     eval_every: int = 50
     log_every: int = 10
@@ -147,6 +148,8 @@ _HELP = {
     "output_dir": "checkpoints, TensorBoard logs and the report go here",
     "checkpoint_every": "save every N steps (0: only at the end)",
     "keep_last": "checkpoints to keep",
+    "async_save": "write checkpoints in the background: each rank copies its share to host "
+    "memory and training goes on (the report gives the stall per save)",
     "resume": "'latest' (a bare --resume), a checkpoint directory, or 'auto' (resume when a "
     "checkpoint exists, else start: for restarts of one command line)",
     "eval_every": "held-out loss every N steps (0: only at the start and end)",
