@@ -31,6 +31,9 @@ PLUGINS: dict[str, dict[str, object]] = {
     "gemini-step-in-backward": {"plugin": "gemini", "step_in_backward": True, "clip_norm": 0.0},
     "hybrid-tp2": {"plugin": "hybrid", "tp": 2},
     "hybrid-pp2": {"plugin": "hybrid", "pp": 2, "clip_norm": 0.0},
+    # Checkpoints written in the background while training goes on.
+    "zero2-async": {"plugin": "zero2", "async_save": True},
+    "hybrid-tp2-async": {"plugin": "hybrid", "tp": 2, "zero_stage": 1, "async_save": True},
 }
 
 
