@@ -94,7 +94,8 @@ def tests(session: nox.Session) -> None:
         # skeleton passes, and says so in the log.
         # The slowest tests are listed, so a CI log shows where the time went.
         session.run(
-            "python", "-m", "pytest", path, "-m", "not gpu", "--durations=8", *pytest_args,
+            "python", "-m", "pytest", path, "-m", "not gpu and not scale", "--durations=8",
+            *pytest_args,
             success_codes=[0, 5],
         )  # fmt: skip
 
@@ -282,6 +283,19 @@ def plugin_matrix(session: nox.Session) -> None:
     session.run(
         "python", "-m", "pytest", "-s", "-k", "every_combination or agree",
         "packages/pc-booster/tests", "integration_tests/test_rules_agree.py", *session.posargs,
+    )  # fmt: skip
+
+
+@nox.session
+def scale(session: nox.Session) -> None:
+    """No rank holds the whole model: every plugin trains, saves and resumes
+    (at another world size, under another plugin) with each rank under a
+    kernel-enforced memory cap of its share of the model states
+    (integration_tests/test_memory_capped.py; cgroup v1, as root). A few
+    minutes on 2 cores."""
+    _install_workspace(session, *TEST_DEPS)
+    session.run(
+        "python", "-m", "pytest", "-s", "-m", "scale", "integration_tests", *session.posargs
     )  # fmt: skip
 
 

@@ -43,8 +43,9 @@ at a time into its chunk, so no rank ever holds the whole model.
 
 from __future__ import annotations
 
+import mmap
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -483,16 +484,47 @@ def _advance(
     written_ids = {id(t) for t in written}
     replay = _Replay()
 
+    maps: list[mmap.mmap] = []
+
     def real(x: Any) -> Any:
         if not _recorded(x):
             return x
         if id(x) in written_ids:
-            return torch.empty_strided(x.size(), x.stride(), dtype=x.dtype, device=device)
+            return _scratch(x, device, maps)
         return replay.value(_ref(x))
 
     with torch.no_grad():
         func(*tree_map(real, args), **tree_map(real, kwargs))
+    for mapping in maps:  # [Note: scratch outside the heap]
+        with suppress(BufferError):  # still viewed somewhere: unmapped when that goes
+            mapping.close()
     return rng
+
+
+# [Note: scratch outside the heap]
+# A host scratch tensor as large as a parameter, freed at once, would come
+# from malloc's heap (glibc raises its mmap threshold as large blocks are
+# freed, and pc-comm's tune_host_allocator raises it for good): the small
+# records allocated between two parameters split the freed block, the next
+# scratch does not fit, and the heap grows by about the whole model over a
+# build, which the process keeps. Scratch tensors of 1 MiB and more are
+# therefore anonymous mappings of their own, unmapped when the operator is
+# done, so a lazy build's memory stays the records' and one tensor's.
+_SCRATCH_MAP_BYTES = 1 << 20
+
+
+def _scratch(x: torch.Tensor, device: torch.device, maps: list[mmap.mmap]) -> torch.Tensor:
+    """An uninitialised tensor of ``x``'s size, stride and dtype on ``device``."""
+    span = (
+        1 + sum((n - 1) * s for n, s in zip(x.size(), x.stride(), strict=True)) if x.numel() else 0
+    )
+    nbytes = span * x.element_size()
+    if device.type != "cpu" or nbytes < _SCRATCH_MAP_BYTES:
+        return torch.empty_strided(x.size(), x.stride(), dtype=x.dtype, device=device)
+    mapping = mmap.mmap(-1, nbytes)
+    maps.append(mapping)
+    flat = torch.frombuffer(mapping, dtype=x.dtype, count=span)
+    return flat.as_strided(x.size(), x.stride())
 
 
 def _eager(func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

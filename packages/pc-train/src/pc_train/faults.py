@@ -1,4 +1,5 @@
-"""The hook pc-train's fault tests use to make a rank die or stall.
+"""The hooks pc-train's fault and memory tests use: make a rank die or
+stall, or run each rank under a memory cap.
 
 :class:`FaultInjector` reads ``PC_TRAIN_FAULT=rank=1,step=3,phase=backward,
 action=kill`` (``action`` ``kill``: SIGKILL itself, ``stall``: sleep until
@@ -6,6 +7,12 @@ killed; ``phase`` one of :data:`PHASES`). It exists for the fault tests
 (integration_tests/fault/) and for trying the failure handling yourself; it
 does nothing without the variable. What a surviving rank reports about the
 others comes from pc-comm's health board (``pc_comm.health``).
+
+:func:`join_memory_cgroup` reads ``PC_TRAIN_CGROUP=<name>``: each rank
+joins the (cgroup v1) memory group ``<name>-rank<R>`` that the caller made
+and capped, once its imports and process group are up, so only what it
+allocates from then on counts against the cap; freed host memory is then
+given back rather than kept (the kernel charges what the process keeps).
 """
 
 from __future__ import annotations
@@ -16,7 +23,7 @@ import time
 
 import torch.distributed as dist
 
-__all__ = ["PHASES", "FaultInjector"]
+__all__ = ["PHASES", "FaultInjector", "join_memory_cgroup"]
 
 PHASES = ("forward", "backward", "step", "save", "eval")
 
@@ -50,3 +57,25 @@ class FaultInjector:
             os.kill(os.getpid(), signal.SIGKILL)
         while True:  # stall: a live rank that never arrives
             time.sleep(3600)
+
+
+def join_memory_cgroup(rank: int) -> bool:
+    """Join ``PC_TRAIN_CGROUP``'s group for ``rank``; False without it."""
+    name = os.environ.get("PC_TRAIN_CGROUP", "")
+    if not name:
+        return False
+    from pathlib import Path
+
+    from pc_comm import tune_host_allocator
+    from pc_comm.host_allocator import HostAllocatorSettings
+
+    group = Path("/sys/fs/cgroup/memory") / f"{name}-rank{rank}"
+    if not (group / "cgroup.procs").exists():
+        raise ValueError(
+            f"PC_TRAIN_CGROUP={name!r}: {group} is not a memory cgroup; make it (and cap it) "
+            "before starting pc-train."
+        )
+    mib = 1 << 20
+    tune_host_allocator(HostAllocatorSettings(mmap_threshold=mib, trim_threshold=mib, top_pad=0))
+    (group / "cgroup.procs").write_text(str(os.getpid()))
+    return True

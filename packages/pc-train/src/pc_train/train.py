@@ -48,7 +48,7 @@ from pc_train.checkpoint import (
     save_checkpoint,
 )
 from pc_train.data import batch_offsets, load_byte_corpus, load_corpus, windows
-from pc_train.faults import FaultInjector
+from pc_train.faults import FaultInjector, join_memory_cgroup
 from pc_train.memory import PhaseMemory
 from pc_train.models import (
     MODEL_PRESETS,
@@ -849,6 +849,7 @@ def _worker(config: TrainConfig, reasons: Sequence[str]) -> None:
         tune_host_allocator()  # no page faults for memory freed last step [Note: host allocator]
     phases = _Phases()
     try:
+        join_memory_cgroup(context.env.rank)  # PC_TRAIN_CGROUP: the memory tests' per-rank caps
         train(config, context, reasons, phases)
     except (ValueError, TypeError, FileNotFoundError) as error:  # CheckpointError and
         # NonFiniteLossError are ValueErrors
