@@ -189,3 +189,14 @@ def test_pc_train_auto_steps_in_backward_without_clipping(monkeypatch: pytest.Mo
     config, _, reasons = prepare(parse_args([*base, *accumulate]), 2)  # same micro-batch
     assert not config.step_in_backward
     assert config.offload_frac > 0
+
+
+def test_checkpoint_memory_is_counted() -> None:
+    """An async save copies a rank's share of the fp32 values and Adam
+    moments (12 bytes per parameter it holds optimizer states for); the
+    full form gathers the whole model's on every rank."""
+    shape = model_shape(resolve_model("gpt2-small", 64))
+    for kind, share in ((PluginKind.DDP, 1), (PluginKind.ZERO2, 4), (PluginKind.GEMINI, 4)):
+        result = estimate(shape, PluginOptions(kind), 4, 2, 64, "fp32")
+        assert result.full_save_bytes == 12 * shape.params
+        assert abs(result.async_save_bytes - 12 * shape.params / share) <= 12 * 4096, kind

@@ -247,6 +247,20 @@ class Estimate:
     def device_bytes(self) -> int:
         return self.model_state_bytes - self.host_bytes + self.activation_bytes
 
+    @property
+    def async_save_bytes(self) -> int:
+        """Host memory an async sharded save holds until written: a copy of
+        this rank's share of the fp32 values and Adam's moments (12 bytes
+        per parameter it keeps optimizer states for). A synchronous sharded
+        save writes from the plugin's own tensors and adds nothing."""
+        return self.optimizer_bytes * 3 // 2
+
+    @property
+    def full_save_bytes(self) -> int:
+        """Host memory the full (unsharded) form gathers on every rank: the
+        whole model's fp32 values and Adam moments."""
+        return 12 * self.params
+
 
 def _activation_bytes(
     shape: ModelShape, options: PluginOptions, micro_batch: int, seq: int, precision: str
@@ -466,14 +480,16 @@ def recommend(
 
 def _table(estimates: Sequence[Estimate]) -> str:
     rows = [
-        "| plugin | params/rank | model states | of which host | activations | step (s) | fits |",
-        "|---|---:|---:|---:|---:|---:|---|",
+        "| plugin | params/rank | model states | of which host | activations | step (s) "
+        "| fits | async save | full save |",
+        "|---|---:|---:|---:|---:|---:|---|---:|---:|",
     ]
     for e in estimates:
         rows.append(
             f"| {e.plugin} | {e.params_per_rank:,} | {_gib(e.model_state_bytes)} | "
             f"{_gib(e.host_bytes)} | {_gib(e.activation_bytes)} | {e.step_seconds:.3g} | "
-            f"{'yes' if e.fits else 'no'} |"
+            f"{'yes' if e.fits else 'no'} | {_gib(e.async_save_bytes)} | "
+            f"{_gib(e.full_save_bytes)} |"
         )
     return "\n".join(rows)
 
@@ -541,7 +557,16 @@ def main(argv: Sequence[str] | None = None) -> None:
                 shape, options, args.world, args.micro_batch, args.seq_len, args.precision, device
             )
             if args.json:
-                print(json.dumps({**asdict(result), "model_state_bytes": result.model_state_bytes}))
+                print(
+                    json.dumps(
+                        {
+                            **asdict(result),
+                            "model_state_bytes": result.model_state_bytes,
+                            "async_save_bytes": result.async_save_bytes,
+                            "full_save_bytes": result.full_save_bytes,
+                        }
+                    )
+                )
             else:
                 print(_table([result]))
             return
