@@ -130,6 +130,10 @@ class Booster:
         self._writer: ThreadPoolExecutor | None = None
         self._save_group: dist.ProcessGroup | None = None
         self._pending: list[Future[None]] = []
+        # Host copies kept per kind of state ("model", "optimizer") for the
+        # next async save of that kind, with the save that last wrote them.
+        self._staging: dict[str, dict[Any, torch.Tensor]] = {}
+        self._staged_by: dict[str, Future[None]] = {}
 
     # -- training --------------------------------------------------------------
 
@@ -230,7 +234,8 @@ class Booster:
             _remove(out, old | {_WEIGHTS})
             self._write_config(model, out)
 
-        return self._write_sharded(self.plugin.sharded_model_state(model), out, tidy, use_async)
+        state = self.plugin.sharded_model_state(model)
+        return self._write_sharded(state, out, tidy, use_async, "model")
 
     def export_pretrained(
         self, model: nn.Module, directory: str | os.PathLike[str], size_per_shard: int = 1024
@@ -284,7 +289,9 @@ class Booster:
 
     # [Note: async saves]
     # An async save stages this rank's share in host memory (copies of its
-    # tensors and pieces: the stall the caller sees) and hands the write to
+    # tensors and pieces: the stall the caller sees; the host buffers of the
+    # last save of the same kind are reused once it is written, so later
+    # saves copy into memory already mapped) and hands the write to
     # one background thread, which runs DCP's save over a gloo group made
     # for saves only, so its collectives never interleave with training's on
     # the default group. Writes land in the order they were asked. DCP's
@@ -293,10 +300,10 @@ class Booster:
     # checkpoint as it was. Loads wait for the writes still going.
 
     def _write_sharded(
-        self, state: dict[str, Any], out: Path, tidy: Any, use_async: bool
+        self, state: dict[str, Any], out: Path, tidy: Any, use_async: bool, kind: str
     ) -> Future[None] | None:
         """Save ``state`` to ``out``, then ``tidy()`` on rank 0 (collective),
-        now or in the background."""
+        now or in the background (``kind``: which host copies to reuse)."""
         if not use_async:
             self._save_sharded(state, out)
             if dist.get_rank() == 0:
@@ -305,7 +312,10 @@ class Booster:
             return None
         from pc_booster.plugins.sharded import staged
 
-        copy = staged(state)
+        previous = self._staged_by.get(kind)
+        if previous is not None:
+            previous.result()  # its copy is written: the buffers are free again
+        copy = staged(state, self._staging.setdefault(kind, {}))
         if self._writer is None:
             self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pc-save")
             self._save_group = dist.new_group(backend="gloo")
@@ -319,6 +329,7 @@ class Booster:
 
         future = self._writer.submit(write)
         self._pending = [f for f in self._pending if not f.done()] + [future]
+        self._staged_by[kind] = future
         return future
 
     def wait_for_saves(self) -> None:
@@ -462,7 +473,9 @@ class Booster:
         writes one file per rank). ``use_async``: as for :meth:`save_model`."""
         if shard:
             state = self.plugin.sharded_optimizer_state(optimizer, None)
-            return self._write_sharded(state, Path(checkpoint), lambda: None, use_async)
+            return self._write_sharded(
+                state, Path(checkpoint), lambda: None, use_async, "optimizer"
+            )
         if use_async:
             raise ValueError("use_async=True writes the sharded form: pass shard=True as well.")
         state = self.plugin.optimizer_state_dict(optimizer)

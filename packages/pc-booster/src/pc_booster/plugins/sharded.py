@@ -325,27 +325,43 @@ def restore_scalars(entry: dict[str, Any], state: Mapping[str, Any], name: str) 
         )
 
 
-def staged(state: dict[str, Any]) -> dict[str, Any]:
+def staged(state: dict[str, Any], buffers: dict[Any, torch.Tensor] | None = None) -> dict[str, Any]:
     """A copy of a sharded state in host memory that training may run on
     beside (an async save writes it): each tensor, each piece of a
     :class:`~pc_zero.Pieces` and each DTensor's local shard copied, every
-    other value deep-copied. Costs this rank's share once, nothing more."""
+    other value deep-copied. Costs this rank's share once. ``buffers``:
+    host tensors kept from an earlier staging of the same state, reused
+    where shape, stride and dtype match (the copy then touches no fresh
+    pages), and filled with the new ones; the caller must know the earlier
+    copy is written."""
     import copy
 
     from torch.distributed.tensor import DTensor
 
-    def host(tensor: torch.Tensor) -> torch.Tensor:
-        return tensor.detach().to("cpu", copy=True)
+    def host(key: Any, tensor: torch.Tensor) -> torch.Tensor:
+        tensor = tensor.detach()
+        kept = buffers.get(key) if buffers is not None else None
+        if (
+            kept is None
+            or kept.shape != tensor.shape
+            or kept.stride() != tensor.stride()
+            or kept.dtype != tensor.dtype
+        ):
+            kept = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype)
+            if buffers is not None:
+                buffers[key] = kept
+        kept.copy_(tensor)
+        return kept
 
     out: dict[str, Any] = {}
     for key, value in state.items():
         if isinstance(value, Pieces):
             twin = Pieces(value.shape, value.dtype)
-            twin.boxes = [(box, host(values)) for box, values in value.boxes]
+            twin.boxes = [(box, host((key, i), v)) for i, (box, v) in enumerate(value.boxes)]
             out[key] = twin
         elif isinstance(value, DTensor):
             out[key] = DTensor.from_local(
-                host(value.to_local()),
+                host(key, value.to_local()),
                 value.device_mesh,
                 value.placements,
                 run_check=False,
@@ -353,7 +369,7 @@ def staged(state: dict[str, Any]) -> dict[str, Any]:
                 stride=value.stride(),
             )
         elif isinstance(value, torch.Tensor):
-            out[key] = host(value)
+            out[key] = host(key, value)
         else:
             out[key] = copy.deepcopy(value)
     return out
