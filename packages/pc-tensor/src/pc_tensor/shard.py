@@ -25,6 +25,7 @@ gradient.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, TypeVar
@@ -112,6 +113,16 @@ def _shard_layer(
     if _is_conv1d(layer):
         return cls.from_conv1d(layer, group, **options)
     return cls.from_linear(layer, group, **options)  # type: ignore[arg-type]
+
+
+def _drop_split(layer: nn.Module, materialize: Callable[[nn.Module], None] | None) -> None:
+    """A lazily built layer's full weights, once split, are not kept: the
+    module stays (its parameters' identities are checked later), empty."""
+    if materialize is None:
+        return
+    with torch.no_grad():
+        for param in layer.parameters(recurse=False):
+            param.data = param.data.new_empty(0)
 
 
 def _unsupported(model: nn.Module) -> ValueError:
@@ -232,13 +243,20 @@ def shard_model(
     *,
     sequence_parallel: bool = False,
     pad_vocab: bool = True,
+    materialize: Callable[[nn.Module], None] | None = None,
 ) -> M:
     """Shard ``model`` over ``tp_group`` (default: the world) in place and
     return it. Every rank of the group must call it with the same model
     (same weights: build it from the same seed, or load the same
     checkpoint). ``policy`` defaults to the built-in one for the model's
     ``config.model_type``; ``pad_vocab=False`` turns a vocabulary tp does not
-    divide into an error instead of padding."""
+    divide into an error instead of padding.
+
+    ``materialize``: for a model built without memory (lazily), called on
+    each layer right before its weights are split, and on the whole model
+    at the end for what is left (norms, biases, position embeddings); each
+    split layer's full weights are dropped at once, so the whole model
+    never exists on a rank (pc-booster passes pc-chunk's materialisation)."""
     if not dist.is_initialized():
         raise RuntimeError(
             "shard_model needs torch.distributed initialised (torchrun, or "
@@ -297,7 +315,10 @@ def shard_model(
                 "input_gathered": inside,
                 "sequence_dim": 0 if path in policy.flat_tokens else 1,
             }
+            if materialize is not None:
+                materialize(old)
             new = _shard_layer(ColumnParallelLinear, old, group, options)
+            _drop_split(old, materialize)
             replaced.update(id(p) for p in old.parameters())
             originals.append(old)
             sharded.update(id(p) for p in new.parameters())
@@ -312,7 +333,10 @@ def shard_model(
                 "sequence_parallel": sequence_parallel,
                 "sequence_dim": 0 if path in policy.flat_tokens else 1,
             }
+            if materialize is not None:
+                materialize(old)
             row = _shard_layer(RowParallelLinear, old, group, row_options)
+            _drop_split(old, materialize)
             replaced.update(id(p) for p in old.parameters())
             originals.append(old)
             sharded.add(id(row.weight))
@@ -333,6 +357,8 @@ def shard_model(
 
     vocab = embedding.num_embeddings
     padded = -(-vocab // tp) * tp if pad_vocab else vocab
+    if materialize is not None:
+        materialize(embedding)
     new_embedding = VocabParallelEmbedding.from_embedding(embedding, group, padded_size=padded)
     replaced.add(id(embedding.weight))
     originals.append(embedding)
@@ -344,6 +370,8 @@ def shard_model(
     head_path = policy.lm_heads.get(type(model).__name__)
     if head_path is not None:
         head = _get(model, head_path)
+        if materialize is not None:
+            materialize(head)
         weight = head.weight.detach()
         bias = head.bias.detach() if head.bias is not None else None
         if padded != vocab:
@@ -381,6 +409,8 @@ def shard_model(
                 "other heads must not share the embedding or the block projections."
             )
 
+    if materialize is not None:  # what no layer split: norms, biases, position embeddings
+        materialize(model)
     names = {id(p): n for n, p in model.named_parameters()}
     for param in model.parameters():
         if id(param) in sharded:

@@ -92,6 +92,13 @@ def materialize_lazy(modules: Iterable[nn.Module], to: torch.device) -> None:
             materialize_(tensor, to)
 
 
+def materializer(to: torch.device) -> Callable[[nn.Module], None]:
+    """:func:`materialize_lazy` of one module on ``to``, for pc-tensor's
+    ``shard_model(..., materialize=...)``: a lazily built model's layers
+    are materialised one at a time, as each is split."""
+    return lambda module: materialize_lazy([module], to)
+
+
 def broadcast_module(module: nn.Module, group: dist.ProcessGroup | None = None) -> None:
     """Every rank of ``group`` starts from its first rank's parameters and buffers."""
     src = 0 if group is None else dist.get_global_rank(group, 0)

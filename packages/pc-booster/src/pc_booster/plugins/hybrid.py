@@ -33,8 +33,10 @@ from pc_booster.plugins.common import (
     cast_floating,
     clip_hook,
     device,
+    has_lazy,
     loss_scale_config,
     materialize_lazy,
+    materializer,
     require_initialized,
     values_a_cast_rounds,
 )
@@ -363,13 +365,26 @@ class HybridParallelPlugin(Plugin, SupportsNoSync, SupportsPipeline):
             return hybrid_pipeline.configure_pipeline(
                 self, model, names, optimizer, criterion, dataloader, lr_scheduler, precision
             )
-        materialize_lazy([model], device())
-        model = model.to(device())
-        broadcast_module(model)
-        if self.tp_size > 1:
+        if self.tp_size > 1 and has_lazy(model):
+            # Each layer materialised as it is split: the whole model never
+            # exists here. Every rank replays the same values (no broadcast).
             shard_model(
-                model, layout.tp_group, sequence_parallel=self.options.enable_sequence_parallelism
+                model,
+                layout.tp_group,
+                sequence_parallel=self.options.enable_sequence_parallelism,
+                materialize=materializer(device()),
             )
+            model = model.to(device())
+        else:
+            materialize_lazy([model], device())
+            model = model.to(device())
+            broadcast_module(model)
+            if self.tp_size > 1:
+                shard_model(
+                    model,
+                    layout.tp_group,
+                    sequence_parallel=self.options.enable_sequence_parallelism,
+                )
         built = values_a_cast_rounds([model], precision.dtype) if self.zero_stage else {}
         cast_floating(model, precision.dtype)
         wrapped: nn.Module = model

@@ -22,7 +22,9 @@ from pc_booster.plugins.common import (
     broadcast_module,
     cast_floating,
     device,
+    has_lazy,
     materialize_lazy,
+    materializer,
     values_a_cast_rounds,
 )
 from pc_booster.plugins.low_level_zero import masters_from_built
@@ -91,11 +93,17 @@ def configure_pipeline(
     layout, o = plugin.layout, plugin.options
     if o.tp_size > 1:
         # Tensor parallelism shards the whole model (replacing its layers),
-        # so it is materialised whole, and the stages are cut after.
-        materialize_lazy([model], device())
-        model.to(device())
-        broadcast_module(model)
-        shard_model(model, layout.tp_group, sequence_parallel=False)
+        # and the stages are cut after: a lazily built model is materialised
+        # layer by layer as each is split (every rank replays the same
+        # values), an eager one broadcast first.
+        if has_lazy(model):
+            materialize = materializer(device())
+            shard_model(model, layout.tp_group, sequence_parallel=False, materialize=materialize)
+            model.to(device())
+        else:
+            model.to(device())
+            broadcast_module(model)
+            shard_model(model, layout.tp_group, sequence_parallel=False)
     sequence, balance = _stage_layout(plugin, model)
     pp_rank, pp = layout.coord.pp, o.pp_size
 
