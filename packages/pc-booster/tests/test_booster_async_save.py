@@ -69,7 +69,7 @@ def check_async_save(root: str, plugin: str) -> None:
         assert gate.wait(60), "the test never opened the gate"
         write(*args)
 
-    Booster._save_sharded = staticmethod(held)  # type: ignore[method-assign]
+    Booster._save_sharded = staticmethod(held)  # type: ignore[method-assign, assignment]
     try:
         saves = [
             booster.save_model(model, out / "model", shard=True, use_async=True),

@@ -38,9 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pc_booster.export import atomic_write as _atomic
-from pc_booster.export import indexed_files as _indexed_files
-from pc_booster.export import remove_files as _remove
+from pc_booster.export import atomic_write, indexed_files, remove_files
 from pc_booster.plugin import Plugin, Precision, SupportsNoSync, SupportsPipeline
 from pc_booster.rules import TrainPrecision
 
@@ -49,6 +47,10 @@ __all__ = ["Booster"]
 _WEIGHTS = "model.safetensors"
 _INDEX = "model.safetensors.index.json"
 _DCP_METADATA = ".metadata"  # torch.distributed.checkpoint's commit point
+# Every write and removal of a save goes through these two (the atomic-save
+# test stops a save at each of them in turn).
+_atomic = atomic_write
+_remove = remove_files
 
 
 # [Note: sharded saves]
@@ -229,7 +231,7 @@ class Booster:
             return None
 
         def tidy() -> None:  # rank 0, after the save: what a sharded save replaces
-            old = _indexed_files(out)
+            old = indexed_files(out)
             (out / _INDEX).unlink(missing_ok=True)
             _remove(out, old | {_WEIGHTS})
             self._write_config(model, out)
@@ -364,7 +366,7 @@ class Booster:
         if dist.get_rank() == 0:
             out.mkdir(parents=True, exist_ok=True)
             (out / _DCP_METADATA).unlink(missing_ok=True)  # a sharded save's commit point
-            old = _indexed_files(out)
+            old = indexed_files(out)
             _atomic(out / _WEIGHTS, lambda p: save_file(state, str(p)))
             (out / _INDEX).unlink(missing_ok=True)  # first: the index points at the rest
             _remove(out, old)
