@@ -218,7 +218,8 @@ class Booster:
         ``use_async=True`` (sharded only): each rank copies its share to
         host memory and returns; the write goes on in the background while
         training continues [Note: async saves]. Returns a future that is
-        done when the checkpoint is (:meth:`wait_for_saves` waits for all)."""
+        done when the checkpoint is (:meth:`wait_for_saves` waits for all;
+        call it before destroying the process group)."""
         out = Path(checkpoint)
         if not shard:
             if use_async:
