@@ -311,6 +311,10 @@ class ChunkManager:
                     found.setdefault(self._where[param], None)
             if found:
                 self._hooked[mod] = list(found)
+        # Chunks holding a parameter that several modules use (a tied
+        # weight): reduced at the end of backward [Note: tied weights reduce
+        # last], however early their gradients seem complete.
+        self._shared: set[Chunk] = self._chunks_with_shared_parameters()
 
     def _shard_dtype(self, param: nn.Parameter) -> torch.dtype:
         return torch.float32 if self.expose_shards else param.dtype
@@ -515,11 +519,26 @@ class ChunkManager:
             chunk.access()
         self._advance(chunks, gathered, 1)
 
+    def _chunks_with_shared_parameters(self) -> set[Chunk]:
+        users: dict[int, int] = {}
+        for module in self.module.modules():
+            for param in module.parameters(recurse=False):
+                users[id(param)] = users.get(id(param), 0) + 1
+        return {chunk for param, chunk in self._where.items() if users.get(id(param), 0) > 1}
+
+    # [Note: tied weights reduce last]
+    # A weight two modules use (an LM head tied to the embedding) gets a
+    # gradient from each. Under mixed precision each use reads its own
+    # compute-dtype copy, and the gradient hook can fire once per use: a
+    # chunk reduced at the first would be reduced (and, stepping in
+    # backward, stepped) again at the second. Such chunks wait for the end
+    # of backward, when every use has contributed.
+
     def _on_grad(self, param: torch.Tensor) -> None:
         chunk = self._where[param]  # type: ignore[index]
         arrived = self._arrived.setdefault(chunk, set())
         arrived.add(param)  # type: ignore[arg-type]
-        if len(arrived) == len(chunk.slots):
+        if len(arrived) == len(chunk.slots) and chunk not in self._shared:
             self._reduce(chunk)
 
     def _reduce(self, chunk: Chunk) -> None:
