@@ -269,6 +269,8 @@ class ChunkManager:
                     self._where[param] = chunk
                 self._finish(chunk)
                 self._hooked[unit] = [chunk]
+            # [Note: tied weights reduce last]
+            self._shared: set[Chunk] = self._chunks_with_shared_parameters()
             return
         self.order = [p for p in execution_order(module, *example_inputs) if p.requires_grad]
         if chunk_size is None:
@@ -314,7 +316,7 @@ class ChunkManager:
         # Chunks holding a parameter that several modules use (a tied
         # weight): reduced at the end of backward [Note: tied weights reduce
         # last], however early their gradients seem complete.
-        self._shared: set[Chunk] = self._chunks_with_shared_parameters()
+        self._shared = self._chunks_with_shared_parameters()
 
     def _shard_dtype(self, param: nn.Parameter) -> torch.dtype:
         return torch.float32 if self.expose_shards else param.dtype
