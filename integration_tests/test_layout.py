@@ -23,8 +23,9 @@ LAYERS = {
     "pc_booster": {"pc_comm", "pc_offload", "pc_chunk", "pc_zero", "pc_pipeline", "pc_tensor"},
     # The application on the library: Booster and its plugins through
     # pc_booster, the launch and health board of pc_comm, pc_tensor's policies
-    # (pc-estimate counts what tensor parallelism shards).
-    "pc_train": {"pc_comm", "pc_tensor", "pc_booster"},
+    # (pc-estimate counts what tensor parallelism shards), pc_chunk's
+    # LazyInitContext (pc-train builds its model without memory).
+    "pc_train": {"pc_comm", "pc_chunk", "pc_tensor", "pc_booster"},
 }
 
 
