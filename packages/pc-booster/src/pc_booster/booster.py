@@ -464,7 +464,6 @@ class Booster:
         optimizer: Any,
         checkpoint: str | os.PathLike[str],
         shard: bool = False,
-        size_per_shard: int = 1024,
         use_async: bool = False,
     ) -> Future[None] | None:
         """Write the optimizer's state (canonical form) to ``checkpoint``
@@ -472,8 +471,7 @@ class Booster:
         only its share of the state, through ``torch.distributed.checkpoint``;
         else one file that rank 0 writes after every rank gathered the whole
         state (for optimizers that fit on one rank several times over).
-        ``size_per_shard`` is accepted for Colossal-AI's call shape (DCP
-        writes one file per rank). ``use_async``: as for :meth:`save_model`."""
+        ``use_async``: as for :meth:`save_model`."""
         if shard:
             state = self.plugin.sharded_optimizer_state(optimizer, None)
             return self._write_sharded(

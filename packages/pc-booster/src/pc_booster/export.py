@@ -73,14 +73,10 @@ class ExportPlan:
 
     def total_bytes(self) -> int:
         return sum(
-            math.prod(shape) * _itemsize(dtype)
+            math.prod(shape) * dtype.itemsize
             for entries in self.files
             for _, shape, dtype in entries
         )
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
 
 
 def _model_tensors(checkpoint: Path) -> list[tuple[str, torch.Size, torch.dtype]]:
@@ -112,7 +108,7 @@ def plan_export(checkpoint: str | os.PathLike[str], size_per_shard: int = 1024) 
     files: list[list[tuple[str, torch.Size, torch.dtype]]] = [[]]
     used = 0
     for name, shape, dtype in _model_tensors(Path(checkpoint)):
-        size = math.prod(shape) * _itemsize(dtype)
+        size = math.prod(shape) * dtype.itemsize
         if files[-1] and used + size > limit:
             files.append([])
             used = 0
@@ -127,7 +123,7 @@ def _header(entries: Sequence[tuple[str, torch.Size, torch.dtype]]) -> bytes:
     for name, shape, dtype in entries:
         if dtype not in _DTYPES:
             raise ValueError(f"{name}: safetensors has no dtype {dtype}.")
-        size = math.prod(shape) * _itemsize(dtype)
+        size = math.prod(shape) * dtype.itemsize
         table[name] = {
             "dtype": _DTYPES[dtype],
             "shape": list(shape),
@@ -139,7 +135,23 @@ def _header(entries: Sequence[tuple[str, torch.Size, torch.dtype]]) -> bytes:
     return struct.pack("<Q", len(raw)) + raw
 
 
-def _read_tensor(checkpoint: Path, name: str, shape: torch.Size, dtype: torch.dtype) -> Any:
+def _reader(checkpoint: Path) -> Any:
+    """A DCP reader of ``checkpoint`` that parses its metadata once, however
+    many tensors are read through it one by one."""
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+
+    class Reader(FileSystemReader):
+        metadata: Any = None
+
+        def read_metadata(self) -> Any:
+            if self.metadata is None:
+                self.metadata = super().read_metadata()
+            return self.metadata
+
+    return Reader(str(checkpoint))
+
+
+def _read_tensor(reader: Any, name: str, shape: torch.Size, dtype: torch.dtype) -> Any:
     from torch.distributed.checkpoint.state_dict_loader import load
 
     tensor = torch.empty(shape, dtype=dtype)
@@ -147,7 +159,7 @@ def _read_tensor(checkpoint: Path, name: str, shape: torch.Size, dtype: torch.dt
         warnings.simplefilter("ignore", UserWarning)
         load(
             {_PREFIX + name: tensor},
-            checkpoint_id=str(checkpoint),
+            storage_reader=reader,
             planner=PiecesLoadPlanner(flatten_state_dict=False),
             no_dist=True,
         )
@@ -196,10 +208,11 @@ def write_file(
 ) -> None:
     """One safetensors file of ``entries``, read from ``checkpoint`` one
     tensor at a time."""
+    reader = _reader(checkpoint)
     with open(path, "wb") as stream:
         stream.write(_header(entries))
         for name, shape, dtype in entries:
-            tensor = _read_tensor(checkpoint, name, shape, dtype)
+            tensor = _read_tensor(reader, name, shape, dtype)
             stream.write(tensor.contiguous().reshape(-1).view(torch.uint8).numpy().data)
             del tensor
 
