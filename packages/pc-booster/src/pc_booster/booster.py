@@ -28,8 +28,10 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+import time
+import weakref
+from collections.abc import Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any
@@ -51,6 +53,21 @@ _DCP_METADATA = ".metadata"  # torch.distributed.checkpoint's commit point
 # test stops a save at each of them in turn).
 _atomic = atomic_write
 _remove = remove_files
+
+
+def _fence_steps(booster: Booster) -> None:
+    """Make every optimizer step in this process wait for ``booster``'s
+    async-save copies first [Note: async saves] (for as long as it lives)."""
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    ref = weakref.ref(booster)
+
+    def fence(optimizer: Any, args: Any, kwargs: Any) -> None:
+        alive = ref()
+        if alive is not None:
+            alive.wait_for_copies()
+
+    register_optimizer_step_pre_hook(fence)
 
 
 # [Note: sharded saves]
@@ -125,13 +142,18 @@ class Booster:
             plugin.validate_later(precision=TrainPrecision.parse(mixed_precision))
         self.plugin = plugin
         self.mixed_precision: Precision | str = mixed_precision
-        # Async saves [Note: async saves]: one background writer, so saves
-        # land in the order they were asked, over a gloo group of their own
-        # (training's collectives run on the default group meanwhile), both
-        # made on the first async save; and the writes not finished yet.
+        # Async saves [Note: async saves]: a background stager and a
+        # background writer (one thread each, so copies and writes land in
+        # the order they were asked), the writes over a gloo group of their
+        # own (training's collectives run on the default group meanwhile),
+        # all made on the first async save; the writes not finished yet;
+        # the copies not finished yet, which every optimizer step waits for.
+        self._stager: ThreadPoolExecutor | None = None
         self._writer: ThreadPoolExecutor | None = None
         self._save_group: dist.ProcessGroup | None = None
         self._pending: list[Future[None]] = []
+        self._copying: list[Future[Any]] = []
+        self._copy_waits = 0.0
         # Host copies kept per kind of state ("model", "optimizer") for the
         # next async save of that kind, with the save that last wrote them.
         self._staging: dict[str, dict[Any, torch.Tensor]] = {}
@@ -238,7 +260,8 @@ class Booster:
             self._write_config(model, out)
 
         state = self.plugin.sharded_model_state(model)
-        return self._write_sharded(state, out, tidy, use_async, "model")
+        changing = [*model.buffers(), *self.plugin.boosted(model).module.buffers()]
+        return self._write_sharded(state, out, tidy, use_async, "model", changing)
 
     def export_pretrained(
         self, model: nn.Module, directory: str | os.PathLike[str], size_per_shard: int = 1024
@@ -291,53 +314,94 @@ class Booster:
             save(state, checkpoint_id=str(out), planner=planner, process_group=group)
 
     # [Note: async saves]
-    # An async save stages this rank's share in host memory (copies of its
-    # tensors and pieces: the stall the caller sees; the host buffers of the
-    # last save of the same kind are reused once it is written, so later
-    # saves copy into memory already mapped) and hands the write to
-    # one background thread, which runs DCP's save over a gloo group made
-    # for saves only, so its collectives never interleave with training's on
-    # the default group. Writes land in the order they were asked. DCP's
-    # .metadata is written last, so a process killed mid-write leaves the
-    # directory without a commit point (not loadable) and every other
-    # checkpoint as it was. Loads wait for the writes still going.
+    # An async save takes, at the call, what training could change before
+    # its next optimizer step (module buffers, small tensors, every
+    # non-tensor value) and copies the rest of this rank's share to host
+    # memory on a background thread while the next forward and backward run
+    # ([Note: staging beside training] in pc_booster.plugins.sharded); every
+    # optimizer step, anywhere in the process, waits until the copies asked
+    # for before it are done (a step pre-hook; under Gemini's
+    # step_in_backward that is the first chunk's update inside backward).
+    # The host buffers of the last save of the same kind are reused once it
+    # is written, so later saves copy into memory already mapped. A second
+    # thread then runs DCP's save of the copy over a gloo group made for
+    # saves only, so its collectives never interleave with training's on the
+    # default group. DCP's .metadata is written last, so a process killed
+    # mid-write leaves the directory without a commit point (not loadable)
+    # and every other checkpoint as it was. Loads wait for the writes still
+    # going. Parameters changed by hand (not by a step) before the copy is
+    # done would reach the checkpoint: call wait_for_saves() first.
 
     def _write_sharded(
-        self, state: dict[str, Any], out: Path, tidy: Any, use_async: bool, kind: str
+        self,
+        state: dict[str, Any],
+        out: Path,
+        tidy: Any,
+        use_async: bool,
+        kind: str,
+        changing: Iterable[torch.Tensor] = (),
     ) -> Future[None] | None:
         """Save ``state`` to ``out``, then ``tidy()`` on rank 0 (collective),
-        now or in the background (``kind``: which host copies to reuse)."""
+        now or in the background (``kind``: which host copies to reuse;
+        ``changing``: tensors training changes outside optimizer steps)."""
         if not use_async:
             self._save_sharded(state, out)
             if dist.get_rank() == 0:
                 tidy()
             dist.barrier()
             return None
-        from pc_booster.plugins.sharded import staged
+        from pc_booster.plugins import sharded
 
-        previous = self._staged_by.get(kind)
-        if previous is not None:
-            previous.result()  # its copy is written: the buffers are free again
-        copy = staged(state, self._staging.setdefault(kind, {}))
+        kept = sharded.held(state, changing)
         if self._writer is None:
+            self._stager = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pc-stage")
             self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pc-save")
             self._save_group = dist.new_group(backend="gloo")
-        group = self._save_group
+            _fence_steps(self)
+        assert self._stager is not None
+        group, previous = self._save_group, self._staged_by.get(kind)
+        buffers = self._staging.setdefault(kind, {})
+
+        def stage() -> dict[str, Any]:
+            if previous is not None:  # its copy is written: the buffers are free again
+                wait([previous])
+            return sharded.staged(kept, buffers)
+
+        copying = self._stager.submit(stage)
 
         def write() -> None:
-            self._save_sharded(copy, out, group)
+            self._save_sharded(copying.result(), out, group)
             if dist.get_rank() == 0:
                 tidy()
             dist.barrier(group=group)
 
         future = self._writer.submit(write)
+        self._copying = [f for f in self._copying if not f.done()] + [copying]
         self._pending = [f for f in self._pending if not f.done()] + [future]
         self._staged_by[kind] = future
         return future
 
+    def wait_for_copies(self) -> None:
+        """Wait until the host copies of every async save asked for so far
+        are made (what optimizer steps wait for); the writes may go on."""
+        copying = [f for f in self._copying if not f.done()]
+        if copying:
+            began = time.perf_counter()
+            wait(copying)
+            self._copy_waits += time.perf_counter() - began
+        self._copying = []
+
+    @property
+    def async_save_waits(self) -> float:
+        """Seconds training has waited, in all, for async saves' host copies
+        at its optimizer steps (the part of an async save's stall after the
+        call returned)."""
+        return self._copy_waits
+
     def wait_for_saves(self) -> None:
         """Wait until every async save has been written; raise the first
         one's error, if one failed."""
+        self.wait_for_copies()
         pending, self._pending = self._pending, []
         for future in pending:
             future.result()

@@ -342,6 +342,7 @@ class Trainer:
             self.model, self.optimizer, self.schedule = self._boost()
         # The checkpoint being written in the background (--async-save).
         self.pending_save: Future[Path] | None = None
+        self.copy_waits = 0.0  # the Booster's async_save_waits at the last save
         # The batch is split over the data-parallel ranks (a pipeline's or a
         # tensor-parallel group's ranks see the same sequences).
         self.group = self.plugin.dp_group
@@ -698,7 +699,9 @@ class Trainer:
         """A checkpoint of this step (collective), now or, with
         --async-save, written in the background while training goes on
         (one at a time); rank 0 then keeps the newest ``keep_last``. The
-        stall (how long training waited) goes into the history."""
+        stall (how long training waited: the call, and for an async save
+        the optimizer steps' waits for its host copy) goes into the
+        history."""
         config, step = self.config, self.step
         began = time.perf_counter()
         with self.memory.phase("save", then="train"):
@@ -716,12 +719,15 @@ class Trainer:
         self.history.setdefault("save", []).append(
             {"step": step, "stall_s": stall, "async": config.async_save}
         )
+        self.copy_waits = self.booster.async_save_waits
 
     def finish_save(self) -> None:
-        """Wait for the checkpoint being written (raises its error)."""
+        """Wait for the checkpoint being written (raises its error); the
+        steps' waits for its host copy join its stall."""
         if self.pending_save is not None:
             pending, self.pending_save = self.pending_save, None
             pending.result()
+            self.history["save"][-1]["stall_s"] += self.booster.async_save_waits - self.copy_waits
 
     def report(self, seconds: float) -> None:
         """Rank 0's report (report.json, report.md, plots) and last lines."""

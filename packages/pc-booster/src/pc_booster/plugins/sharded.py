@@ -325,7 +325,99 @@ def restore_scalars(entry: dict[str, Any], state: Mapping[str, Any], name: str) 
         )
 
 
-def staged(state: dict[str, Any], buffers: dict[Any, torch.Tensor] | None = None) -> dict[str, Any]:
+# [Note: staging beside training]
+# An async save copies this rank's share to host memory in two parts. At
+# the call (:func:`held`): the state's structure, every value that is not
+# a tensor (deep-copied: hyperparameters, the loss scale) and the tensors
+# that training may change before its next optimizer step (the module's
+# buffers, which a forward updates in place, e.g. batch-norm statistics)
+# or that are too small to be worth deferring (step counts, scalars); the
+# other tensors are kept as the live ones. Then, on a background thread
+# (:func:`staged`), those are copied into host buffers while the next
+# forward and backward run; only an optimizer step changes them, and the
+# Booster makes every step wait for the copy (on a GPU, host buffers are
+# pinned and the copies run on a side stream, ordered after the work queued
+# at the call).
+
+_COPY_NOW_BELOW = 1 << 16  # elements: tensors smaller than this are copied at the call
+
+
+@dataclass
+class Held:
+    """What :func:`held` takes at an async save's call: the state, part
+    copied, part live, and on a GPU an event after the work queued then."""
+
+    state: dict[str, Any]
+    ready: Any = None  # torch.cuda.Event, recorded on the caller's stream
+
+
+def held(state: dict[str, Any], changing: Iterable[torch.Tensor] = ()) -> Held:
+    """The call-time part of an async save ([Note: staging beside
+    training]): ``state`` with every non-tensor value deep-copied and the
+    tensors that share storage with one of ``changing`` (tensors training
+    may change before its next optimizer step: a module's buffers) or have
+    fewer than 65,536 elements cloned; the others stay live."""
+    import copy
+
+    from torch.distributed.tensor import DTensor
+
+    storages = {t.untyped_storage().data_ptr() for t in changing if t.numel()}
+
+    def now(tensor: torch.Tensor) -> torch.Tensor:
+        tensor = tensor.detach()
+        if tensor.numel() < _COPY_NOW_BELOW or tensor.untyped_storage().data_ptr() in storages:
+            return tensor.clone()
+        return tensor
+
+    out: dict[str, Any] = {}
+    cuda = False
+    for key, value in state.items():
+        if isinstance(value, Pieces):
+            twin = Pieces(value.shape, value.dtype)
+            twin.boxes = [(box, now(v)) for box, v in value.boxes]
+            cuda = cuda or any(v.is_cuda for _, v in value.boxes)
+            out[key] = twin
+        elif isinstance(value, DTensor):  # rebuilt around its copy by staged()
+            local = value.to_local()
+            cuda = cuda or local.is_cuda
+            out[key] = _Local(value, now(local))
+        elif isinstance(value, torch.Tensor):
+            cuda = cuda or value.is_cuda
+            out[key] = now(value)
+        else:
+            out[key] = copy.deepcopy(value)
+    ready = None
+    if cuda:
+        ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        ready.record()  # the caller's current stream: the copies go after it
+    return Held(out, ready)
+
+
+@dataclass
+class _Local:
+    """A DTensor's local shard (or its copy) kept apart from the DTensor,
+    which costs more to build than to copy a small shard."""
+
+    like: Any  # the DTensor
+    local: torch.Tensor
+
+
+def _dtensor_like(value: Any, local: torch.Tensor) -> Any:
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(
+        local,
+        value.device_mesh,
+        value.placements,
+        run_check=False,
+        shape=value.shape,
+        stride=value.stride(),
+    )
+
+
+def staged(
+    state: dict[str, Any] | Held, buffers: dict[Any, torch.Tensor] | None = None
+) -> dict[str, Any]:
     """A copy of a sharded state in host memory that training may run on
     beside (an async save writes it): each tensor, each piece of a
     :class:`~pc_zero.Pieces` and each DTensor's local shard copied, every
@@ -333,10 +425,19 @@ def staged(state: dict[str, Any], buffers: dict[Any, torch.Tensor] | None = None
     host tensors kept from an earlier staging of the same state, reused
     where shape, stride and dtype match (the copy then touches no fresh
     pages), and filled with the new ones; the caller must know the earlier
-    copy is written."""
+    copy is written. From a :class:`Held` (any thread): the copies of GPU
+    tensors go into pinned buffers on a side stream after the held event,
+    and this returns once they are done."""
     import copy
 
     from torch.distributed.tensor import DTensor
+
+    ready = state.ready if isinstance(state, Held) else None
+    values = state.state if isinstance(state, Held) else state
+    stream = None
+    if ready is not None:
+        stream = torch.cuda.Stream(device=ready.device)  # type: ignore[no-untyped-call]
+        stream.wait_event(ready)
 
     def host(key: Any, tensor: torch.Tensor) -> torch.Tensor:
         tensor = tensor.detach()
@@ -347,29 +448,33 @@ def staged(state: dict[str, Any], buffers: dict[Any, torch.Tensor] | None = None
             or kept.stride() != tensor.stride()
             or kept.dtype != tensor.dtype
         ):
-            kept = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype)
+            kept = torch.empty_strided(
+                tensor.shape, tensor.stride(), dtype=tensor.dtype, pin_memory=tensor.is_cuda
+            )
             if buffers is not None:
                 buffers[key] = kept
-        kept.copy_(tensor)
+        if tensor.is_cuda and stream is not None:
+            with torch.cuda.stream(stream):
+                tensor.record_stream(stream)  # held until the copy is done
+                kept.copy_(tensor, non_blocking=True)
+        else:
+            kept.copy_(tensor)
         return kept
 
     out: dict[str, Any] = {}
-    for key, value in state.items():
+    for key, value in values.items():
         if isinstance(value, Pieces):
             twin = Pieces(value.shape, value.dtype)
             twin.boxes = [(box, host((key, i), v)) for i, (box, v) in enumerate(value.boxes)]
             out[key] = twin
         elif isinstance(value, DTensor):
-            out[key] = DTensor.from_local(
-                host(key, value.to_local()),
-                value.device_mesh,
-                value.placements,
-                run_check=False,
-                shape=value.shape,
-                stride=value.stride(),
-            )
+            out[key] = _dtensor_like(value, host(key, value.to_local()))
+        elif isinstance(value, _Local):
+            out[key] = _dtensor_like(value.like, host(key, value.local))
         elif isinstance(value, torch.Tensor):
             out[key] = host(key, value)
         else:
             out[key] = copy.deepcopy(value)
+    if stream is not None:
+        stream.synchronize()
     return out
