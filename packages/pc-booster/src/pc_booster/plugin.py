@@ -36,10 +36,16 @@ if TYPE_CHECKING:
 __all__ = [
     "Boosted",
     "CanonicalOptimizerState",
+    "DDPPlugin",
+    "GeminiPlugin",
+    "HybridParallelPlugin",
+    "LowLevelZeroPlugin",
     "Plugin",
     "Precision",
     "SupportsNoSync",
     "SupportsPipeline",
+    "TorchDDPPlugin",
+    "TorchFSDPPlugin",
     "rebuild_optimizer",
 ]
 
@@ -139,6 +145,42 @@ class Plugin(ABC):
         assert group is not None
         return group
 
+    # Colossal-AI's attribute names, on every plugin: a script reads them
+    # to count throughput (samples per step = batch x dp_size) or to pick
+    # the rank that prints. Plugins without tensor or pipeline parallelism
+    # have sizes 1 and no such groups.
+
+    @property
+    def dp_size(self) -> int:
+        """How many data-parallel replicas (ranks in :attr:`dp_group`)."""
+        return dist.get_world_size(self.dp_group)
+
+    @property
+    def tp_size(self) -> int:
+        return 1
+
+    @property
+    def pp_size(self) -> int:
+        return 1
+
+    @property
+    def sp_size(self) -> int:
+        return 1
+
+    @property
+    def tp_group(self) -> dist.ProcessGroup | None:
+        return None
+
+    @property
+    def pp_group(self) -> dist.ProcessGroup | None:
+        return None
+
+    @property
+    def stage_manager(self) -> Any:
+        """The pipeline's :class:`~pc_booster.plugins.layout.PipelineStageManager`,
+        or None without pipeline parallelism."""
+        return None
+
     # -- boosting --------------------------------------------------------------
 
     @abstractmethod
@@ -185,6 +227,9 @@ class Plugin(ABC):
                     "the model you pass to boost() (model.parameters(), or param groups of it)."
                 )
         boosted = self.configure(model, optimizer, criterion, dataloader, lr_scheduler, effective)
+        from pc_booster.wrappers import mark_boosted
+
+        mark_boosted(boosted.model, boosted.module, boosted.optimizer, self)
         self._boosted[id(boosted.model)] = boosted
         if boosted.optimizer is not None:
             self._boosted[id(boosted.optimizer)] = boosted
@@ -202,10 +247,27 @@ class Plugin(ABC):
 
     def backward(self, loss: torch.Tensor, optimizer: Any) -> None:
         """``loss.backward()``, through the optimizer when it scales losses."""
-        if isinstance(optimizer, ScalesLoss):
+        from pc_booster.wrappers import runs_own_backward
+
+        if isinstance(optimizer, ScalesLoss) and runs_own_backward(optimizer):
             optimizer.backward(loss)
         else:
             loss.backward()  # type: ignore[no-untyped-call, unused-ignore]
+
+    def clip_grad_by_norm(self, optimizer: Any, max_norm: float) -> None:
+        """``optimizer.clip_grad_by_norm(max_norm)`` after backward: here
+        every rank holds whole gradients (after DDP's all-reduce) or FSDP2's
+        DTensor shards, whose norm torch reduces over the shards; plugins
+        that shard or scale gradients override it."""
+        from pc_booster.plugins.common import clip_replicated
+
+        if self.setting.precision is TrainPrecision.FP16:
+            raise ValueError(
+                f"{type(self).__name__}: clip_grad_by_norm under fp16 would clip scaled "
+                "gradients; pass max_norm to the plugin instead, which clips after unscaling."
+            )
+        params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        clip_replicated(params, max_norm)
 
     def prepare_dataloader(
         self,
@@ -429,3 +491,16 @@ def without(state: CanonicalOptimizerState, *keys: str) -> CanonicalOptimizerSta
 def optimizer_names(optimizer: Optimizer, names: dict[int, str]) -> list[str | None]:
     """Each parameter's name, in the optimizer's param-group order."""
     return [names.get(id(p)) for g in optimizer.param_groups for p in g["params"]]
+
+
+# Colossal-AI's ``colossalai.booster.plugin`` exports every plugin, so this
+# module does too (``from pc_booster.plugin import GeminiPlugin``). Imported
+# last: the plugins build on the base classes above.
+from pc_booster.plugins import (  # noqa: E402
+    DDPPlugin,
+    GeminiPlugin,
+    HybridParallelPlugin,
+    LowLevelZeroPlugin,
+    TorchDDPPlugin,
+    TorchFSDPPlugin,
+)

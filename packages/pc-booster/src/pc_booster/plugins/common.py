@@ -26,6 +26,7 @@ from pc_zero import LossScaleConfig
 
 __all__ = [
     "broadcast_module",
+    "clip_at_next_step",
     "clip_hook",
     "clone_state",
     "device",
@@ -186,3 +187,24 @@ def clip_replicated(params: Sequence[torch.Tensor], max_norm: float) -> float:
     norm = torch.nn.utils.clip_grad_norm_(list(params), max_norm)
     full = getattr(norm, "full_tensor", None)
     return float(full() if full is not None else norm)
+
+
+def clip_at_next_step(optimizer: Any, attribute: str, max_norm: float) -> None:
+    """``optimizer.clip_grad_by_norm(max_norm)`` for an optimizer that
+    clips inside its step (a pc-zero optimizer: its gradients are sharded
+    or still being reduced when backward returns): its ``attribute`` (the
+    max norm it clips by, 0 for none) becomes ``max_norm`` for the next
+    step only (the smaller of the two when it already clips)."""
+    restore = optimizer.__dict__.get("_pc_clip_restore")
+    if restore is None:
+        before = float(getattr(optimizer, attribute))
+
+        def put_back(opt: Any, args: Any, kwargs: Any) -> None:
+            setattr(optimizer, attribute, before)
+            del optimizer.__dict__["_pc_clip_restore"]
+            handle.remove()
+
+        handle = optimizer.register_step_post_hook(put_back)
+        optimizer.__dict__["_pc_clip_restore"] = before
+        restore = before
+    setattr(optimizer, attribute, min(max_norm, restore) if restore > 0 else max_norm)

@@ -27,7 +27,12 @@ from pc_booster.plugin import (
     torch_groups,
     torch_to_canonical,
 )
-from pc_booster.plugins.common import device, loss_scale_config, require_initialized
+from pc_booster.plugins.common import (
+    clip_at_next_step,
+    device,
+    loss_scale_config,
+    require_initialized,
+)
 from pc_booster.plugins.sharded import (
     GROUPS,
     SCALER,
@@ -259,6 +264,16 @@ class GeminiPlugin(Plugin, SupportsNoSync):
         scale = loss_scale_config(o.initial_scale, o.growth_interval, o.hysteresis)
         zero = GeminiOptimizer(inner, wrapped, max_norm=o.max_norm, loss_scale=scale)
         return Boosted(wrapped, zero, criterion, dataloader, lr_scheduler, module=model)
+
+    def clip_grad_by_norm(self, optimizer: Any, max_norm: float) -> None:
+        if self.options.step_in_backward:
+            raise ValueError(
+                "GeminiPlugin(step_in_backward=True) has stepped each chunk by the time "
+                "backward returns, so there is nothing left to clip; clip with "
+                "step_in_backward=False."
+            )
+        # The chunks' gradient shards are unscaled and clipped inside the step.
+        clip_at_next_step(optimizer, "max_norm", max_norm)
 
     def no_sync(self, model: nn.Module, optimizer: Any) -> AbstractContextManager[None]:
         # No rank holds a full gradient to accumulate locally: each backward

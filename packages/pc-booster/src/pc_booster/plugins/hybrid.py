@@ -31,6 +31,7 @@ from pc_booster.plugins import hybrid_pipeline, hybrid_state
 from pc_booster.plugins.common import (
     broadcast_module,
     cast_floating,
+    clip_at_next_step,
     clip_hook,
     device,
     has_lazy,
@@ -40,7 +41,7 @@ from pc_booster.plugins.common import (
     require_initialized,
     values_a_cast_rounds,
 )
-from pc_booster.plugins.layout import ParallelLayout
+from pc_booster.plugins.layout import ParallelLayout, PipelineStageManager
 from pc_booster.plugins.low_level_zero import (
     masters_from_built,
     zero_after_sharded_optimizer_load,
@@ -318,6 +319,9 @@ class HybridParallelPlugin(Plugin, SupportsNoSync, SupportsPipeline):
         self.stage_params: frozenset[str] | None = None
         self.tied: list[tuple[nn.Parameter, dist.ProcessGroup]] = []
         self.loss_kind = "causal"
+        # zero_stage=0: each boosted optimizer's clipping across the tp and
+        # pp groups, by id (clip_grad_by_norm calls it).
+        self.clippers: dict[int, Callable[[Sequence[torch.Tensor], float], float]] = {}
 
     # Colossal-AI's attribute names.
     @property
@@ -344,8 +348,26 @@ class HybridParallelPlugin(Plugin, SupportsNoSync, SupportsPipeline):
         return self.layout.dp_group
 
     @property
-    def dp_size(self) -> int:
-        return dist.get_world_size(self.dp_group)
+    def tp_group(self) -> dist.ProcessGroup:
+        return self.layout.tp_group
+
+    @property
+    def pp_group(self) -> dist.ProcessGroup:
+        return self.layout.pp_group
+
+    @property
+    def pg_mesh(self) -> ParallelLayout:
+        """The process groups (Colossal-AI's ``ProcessGroupMesh``): pc's
+        :class:`ParallelLayout`, with ``dp_group`` / ``tp_group`` /
+        ``pp_group`` and the coordinates of this rank."""
+        return self.layout
+
+    @property
+    def stage_manager(self) -> PipelineStageManager | None:
+        if self.pp_size == 1:
+            return None
+        chunks = 2 if self.options.pp_style in ("interleaved", "zbv") else 1
+        return PipelineStageManager(self.layout.pp_group, num_model_chunks=chunks)
 
     def configure(
         self,
@@ -452,9 +474,9 @@ class HybridParallelPlugin(Plugin, SupportsNoSync, SupportsPipeline):
 
     def clip_own_optimizer(self, optimizer: Optimizer, names: dict[int, str] | None = None) -> None:
         """zero_stage=0: clip the user's optimizer's gradients (whole on
-        each data-parallel rank after DDP) by the global norm before each step."""
-        if self.options.max_norm <= 0:
-            return
+        each data-parallel rank after DDP) by the global norm before each
+        step (with ``max_norm``; ``optimizer.clip_grad_by_norm`` uses the
+        same clipping)."""
         from pc_zero import unscale_clip_and_check
 
         by_id = names or {}
@@ -477,7 +499,21 @@ class HybridParallelPlugin(Plugin, SupportsNoSync, SupportsPipeline):
             )
             return norm
 
-        optimizer.register_step_pre_hook(clip_hook(self.options.max_norm, clip))
+        self.clippers[id(optimizer)] = clip
+        if self.options.max_norm > 0:
+            optimizer.register_step_pre_hook(clip_hook(self.options.max_norm, clip))
+
+    def clip_grad_by_norm(self, optimizer: Any, max_norm: float) -> None:
+        if self.zero_stage:
+            clip_at_next_step(optimizer, "clip_grad_norm", max_norm)
+            return
+        if self.setting.precision is TrainPrecision.FP16:
+            raise ValueError(
+                "HybridParallelPlugin: clip_grad_by_norm under fp16 with zero_stage=0 would "
+                "clip scaled gradients; pass max_norm to the plugin instead."
+            )
+        params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        self.clippers[id(optimizer)](params, max_norm)
 
     # -- steps -------------------------------------------------------------------------
 

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from pc_comm import Coord, ParallelDims, Subgroups, make_subgroups
 
-__all__ = ["ParallelLayout"]
+__all__ = ["ParallelLayout", "PipelineStageManager"]
 
 
 @dataclass
@@ -66,3 +66,44 @@ class ParallelLayout:
             assert group is not None
             self.extra[ranks] = group
         return self.extra[ranks]
+
+
+@dataclass(frozen=True)
+class PipelineStageManager:
+    """Where this rank sits in the pipeline, under Colossal-AI's names
+    (``plugin.stage_manager``): ``stage`` (this rank's stage, 0-based),
+    ``num_stages``, ``is_first_stage()``, ``is_last_stage()``, the
+    neighbouring ranks and the pipeline's group."""
+
+    pp_group: dist.ProcessGroup
+    num_model_chunks: int = 1
+
+    @property
+    def stage(self) -> int:
+        return dist.get_rank(self.pp_group)
+
+    @property
+    def num_stages(self) -> int:
+        return dist.get_world_size(self.pp_group)
+
+    @property
+    def is_interleave(self) -> bool:
+        return self.num_model_chunks > 1
+
+    def is_first_stage(self, ignore_chunk: bool = False) -> bool:
+        """This rank holds the first stage (the model's input side)."""
+        return self.stage == 0
+
+    def is_last_stage(self, ignore_chunk: bool = False) -> bool:
+        """This rank holds the last stage (it computes the loss)."""
+        return self.stage == self.num_stages - 1
+
+    @property
+    def prev_rank(self) -> int:
+        """The global rank of the previous stage (wrapping around)."""
+        return dist.get_global_rank(self.pp_group, (self.stage - 1) % self.num_stages)
+
+    @property
+    def next_rank(self) -> int:
+        """The global rank of the next stage (wrapping around)."""
+        return dist.get_global_rank(self.pp_group, (self.stage + 1) % self.num_stages)

@@ -26,6 +26,7 @@ from pc_booster.plugin import (
 from pc_booster.plugins.common import (
     broadcast_module,
     cast_floating,
+    clip_at_next_step,
     clone_state,
     device,
     load_cast,
@@ -354,6 +355,10 @@ class LowLevelZeroPlugin(Plugin, SupportsNoSync):
     def _no_sync(self, optimizer: Any) -> Iterator[None]:
         with optimizer.no_sync():
             yield
+
+    def clip_grad_by_norm(self, optimizer: Any, max_norm: float) -> None:
+        # The gradients are reduced (and unscaled) inside the step.
+        clip_at_next_step(optimizer, "clip_grad_norm", max_norm)
 
     def no_sync(self, model: nn.Module, optimizer: Any) -> AbstractContextManager[None]:
         if optimizer is None:
