@@ -147,3 +147,51 @@ def check_deepcopy_keeps_methods() -> None:
 
 def test_deepcopy_of_unwrapped() -> None:
     run_subtests(check_deepcopy_keeps_methods, 2, {}, timeout=120)
+
+
+SCALE_PLUGINS: dict[str, Callable[..., Plugin]] = {
+    "zero2": lambda **kw: LowLevelZeroPlugin(stage=2, **kw),
+    "gemini": lambda **kw: GeminiPlugin(**kw),
+    "hybrid-tp2-zero1": lambda **kw: HybridParallelPlugin(tp_size=2, zero_stage=1, **kw),
+}
+
+
+def _scales(plugin: Plugin, losses: Callable[[torch.Tensor], torch.Tensor]) -> list[float]:
+    """The loss scale after each of four steps (``losses`` shapes the loss)."""
+    booster = Booster(plugin=plugin)
+    built = _gpt2()
+    model, optimizer, *_ = booster.boost(built, torch.optim.AdamW(built.parameters(), lr=1e-3))
+    out = []
+    for step in range(4):
+        ids = _batch(step, 2)
+        booster.backward(losses(model(input_ids=ids, labels=ids).loss), optimizer)
+        optimizer.step()
+        optimizer.zero_grad()
+        out.append(float(optimizer.scaler.scale))
+    return out
+
+
+def check_precision_and_scale(plugin: str) -> None:
+    make = SCALE_PLUGINS[plugin]
+    # precision= trains in fp16 with the scale as given: growth every good
+    # step (growth_interval 1) by growth_factor 4, capped at max_scale.
+    grow = make(precision="fp16", initial_scale=2.0**8, growth_interval=1, growth_factor=4.0,
+                max_scale=2.0**14)  # fmt: skip
+    assert _scales(grow, lambda loss: loss) == [2.0**10, 2.0**12, 2.0**14, 2.0**14]
+    # Overflowing steps back off by backoff_factor (hysteresis 1) down to min_scale.
+    shrink = make(precision="fp16", initial_scale=2.0**8, backoff_factor=0.25, min_scale=2.0**5,
+                  hysteresis=1)  # fmt: skip
+    assert _scales(shrink, lambda loss: loss * float("inf")) == [2.0**6, 2.0**5, 2.0**5, 2.0**5]
+    with pytest.raises(ValueError, match="min_scale <= initial_scale <= max_scale"):
+        make(precision="fp16", initial_scale=2.0**20, max_scale=2.0**10)
+    with pytest.raises(ValueError, match="precision must be 'fp16', 'bf16' or 'fp32', got 'fp8'"):
+        make(precision="fp8")
+    booster = Booster(plugin=make(precision="fp16"), mixed_precision="bf16")
+    built = _gpt2()
+    with pytest.raises(ValueError, match="disagree; give the precision once"):
+        booster.boost(built, torch.optim.AdamW(built.parameters()))
+    dist.barrier()
+
+
+def test_precision_and_loss_scale_arguments() -> None:
+    run_subtests(check_precision_and_scale, 2, {"plugin": list(SCALE_PLUGINS)}, timeout=300)

@@ -16,6 +16,7 @@ at any world size load under any other:
 from __future__ import annotations
 
 import inspect
+import sys
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager
@@ -114,12 +115,40 @@ class ScalesLoss(Protocol):
     def backward(self, loss: torch.Tensor) -> None: ...
 
 
+# [Note: precision default]
+# Colossal-AI's LowLevelZeroPlugin, GeminiPlugin and HybridParallelPlugin
+# train in fp16 unless told otherwise. pc trains in the precision asked
+# for (the plugin's ``precision=`` or the Booster's ``mixed_precision=``),
+# else in the dtype the model was built in: a model built in fp32 trains in
+# fp32, as it would without a plugin, and matches single-process training.
+# So that a script written for Colossal-AI learns the difference, those
+# plugins say once, on rank 0, which precision runs when none was asked.
+_SAID: set[str] = set()
+
+
+def _say_precision_once(plugin: str, precision: TrainPrecision) -> None:
+    if plugin in _SAID:
+        return
+    _SAID.add(plugin)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(
+            f"pc: {plugin} trains in {precision.value} (no precision given: pc's default is the "
+            "model's dtype; Colossal-AI's is fp16). Pass precision='fp16' or 'bf16' for mixed "
+            "precision.",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
 class Plugin(ABC):
     """Base of every plugin: built over its frozen options, which own its
     rules [Note: one place for every rule]. Subclasses implement
     :meth:`configure` and the four canonical state conversions."""
 
     options: PluginConfig
+    # Whether the plugin takes ``precision=`` (Colossal-AI's default for it
+    # is fp16 [Note: precision default]).
+    takes_precision: bool = False
 
     def __init__(self, options: PluginConfig) -> None:
         # The plugin's settings; every rule is theirs.
@@ -129,6 +158,23 @@ class Plugin(ABC):
         self.setting = RunSetting(world=dist.get_world_size() if dist.is_initialized() else None)
         options.validate(self.setting)
         self._boosted: dict[int, Boosted] = {}
+        # The precision given to the plugin (Colossal-AI's ``precision=``),
+        # or None: then the Booster's, else the model's dtype.
+        self.precision: TrainPrecision | None = None
+
+    def set_precision(self, precision: str | None) -> None:
+        """``precision=`` of the plugins that take it, as Colossal-AI's do:
+        'fp16', 'bf16' or 'fp32' (None: the Booster's ``mixed_precision``,
+        else the dtype the model was built in) [Note: precision default]."""
+        if precision is None:
+            return
+        if precision not in ("fp16", "bf16", "fp32"):
+            raise ValueError(
+                f"{type(self).__name__}: precision must be 'fp16', 'bf16' or 'fp32', got "
+                f"{precision!r}."
+            )
+        self.precision = TrainPrecision.parse(precision)
+        self.validate_later(precision=self.precision)
 
     def validate_later(self, **known: Any) -> None:
         """Check the rules again now that ``known`` (fields of
@@ -208,11 +254,18 @@ class Plugin(ABC):
         else in the dtype the model was built in."""
         _refuse_meta(model, type(self).__name__)
         dtype = _model_dtype(model)
+        asked = TrainPrecision.parse(precision) if precision is not None else None
+        if asked is not None and self.precision is not None and asked is not self.precision:
+            raise ValueError(
+                f"Booster(mixed_precision={precision!r}) and {type(self).__name__}(precision="
+                f"{self.precision.value!r}) disagree; give the precision once."
+            )
+        asked = asked or self.precision
         effective = (
-            TrainPrecision.parse(precision)
-            if precision is not None
-            else TrainPrecision.of_model(dtype) or TrainPrecision.FP32
+            asked if asked is not None else TrainPrecision.of_model(dtype) or TrainPrecision.FP32
         )
+        if asked is None and self.takes_precision:
+            _say_precision_once(type(self).__name__, effective)
         self.validate_later(
             world=dist.get_world_size() if dist.is_initialized() else None,
             precision=effective,

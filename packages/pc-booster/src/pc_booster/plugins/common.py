@@ -56,12 +56,17 @@ def require_initialized(plugin: str) -> None:
         )
 
 
-def loss_scale_config(
-    initial_scale: float, growth_interval: int, hysteresis: int
-) -> LossScaleConfig:
-    """The fp16 dynamic loss scale's settings (unused for fp32 and bf16)."""
+def loss_scale_config(options: Any) -> LossScaleConfig:
+    """The fp16 dynamic loss scale's settings from a plugin's options
+    (their fields of the same names; unused for fp32 and bf16)."""
     return LossScaleConfig(
-        initial_scale=initial_scale, growth_interval=growth_interval, hysteresis=hysteresis
+        initial_scale=options.initial_scale,
+        min_scale=options.min_scale,
+        max_scale=options.max_scale,
+        growth_factor=options.growth_factor,
+        backoff_factor=options.backoff_factor,
+        growth_interval=options.growth_interval,
+        hysteresis=options.hysteresis,
     )
 
 

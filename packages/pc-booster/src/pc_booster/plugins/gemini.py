@@ -139,6 +139,10 @@ class GeminiOptions(PluginConfig):
     initial_scale: float = 2.0**16
     growth_interval: int = 1000
     hysteresis: int = 2
+    min_scale: float = 1.0
+    max_scale: float = 2.0**32
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
     step_in_backward: bool = False
 
     def describe(self) -> str:
@@ -189,6 +193,8 @@ class GeminiPlugin(Plugin, SupportsNoSync):
 
     options: GeminiOptions
 
+    takes_precision = True
+
     def __init__(
         self,
         placement_policy: str = "static",
@@ -203,6 +209,11 @@ class GeminiPlugin(Plugin, SupportsNoSync):
         initial_scale: float = 2.0**16,
         growth_interval: int = 1000,
         hysteresis: int = 2,
+        min_scale: float = 1.0,
+        max_scale: float = 2.0**32,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        precision: str | None = None,
         step_in_backward: bool = False,
     ) -> None:
         super().__init__(
@@ -218,9 +229,15 @@ class GeminiPlugin(Plugin, SupportsNoSync):
                 initial_scale=initial_scale,
                 growth_interval=growth_interval,
                 hysteresis=hysteresis,
+                min_scale=min_scale,
+                max_scale=max_scale,
+                growth_factor=growth_factor,
+                backoff_factor=backoff_factor,
                 step_in_backward=step_in_backward,
             )
         )
+        self.set_precision(precision)
+        loss_scale_config(self.options)  # a bad loss scale is refused here, not at boost
 
     def configure(
         self,
@@ -261,7 +278,7 @@ class GeminiPlugin(Plugin, SupportsNoSync):
         # Chunks hold trainable parameters only; frozen ones leave the optimizer.
         trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
         inner = rebuild_optimizer(optimizer, names, trainable, skip_missing=True)
-        scale = loss_scale_config(o.initial_scale, o.growth_interval, o.hysteresis)
+        scale = loss_scale_config(o)
         zero = GeminiOptimizer(inner, wrapped, max_norm=o.max_norm, loss_scale=scale)
         return Boosted(wrapped, zero, criterion, dataloader, lr_scheduler, module=model)
 

@@ -240,6 +240,10 @@ class HybridParallelOptions(PluginConfig):
     initial_scale: float = 2.0**16
     growth_interval: int = 1000
     hysteresis: int = 2
+    min_scale: float = 1.0
+    max_scale: float = 2.0**32
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
     pp_timeout: float = 300.0
 
     def chunks_per_rank(self) -> int:
@@ -273,6 +277,8 @@ class HybridParallelPlugin(Plugin, SupportsNoSync, SupportsPipeline):
 
     options: HybridParallelOptions
 
+    takes_precision = True
+
     def __init__(
         self,
         tp_size: int = 1,
@@ -286,6 +292,11 @@ class HybridParallelPlugin(Plugin, SupportsNoSync, SupportsPipeline):
         initial_scale: float = 2.0**16,
         growth_interval: int = 1000,
         hysteresis: int = 2,
+        min_scale: float = 1.0,
+        max_scale: float = 2.0**32,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        precision: str | None = None,
         pp_timeout: float = 300.0,
         layout: ParallelLayout | None = None,
     ) -> None:
@@ -301,9 +312,15 @@ class HybridParallelPlugin(Plugin, SupportsNoSync, SupportsPipeline):
                 initial_scale=initial_scale,
                 growth_interval=growth_interval,
                 hysteresis=hysteresis,
+                min_scale=min_scale,
+                max_scale=max_scale,
+                growth_factor=growth_factor,
+                backoff_factor=backoff_factor,
                 pp_timeout=pp_timeout,
             )
         )
+        self.set_precision(precision)
+        loss_scale_config(self.options)  # a bad loss scale is refused here, not at boost
         if layout is not None and (layout.tp_size, layout.pp_size) != (tp_size, pp_size):
             raise ValueError(
                 f"HybridParallelPlugin: layout has tp {layout.tp_size} x pp {layout.pp_size}, the "
@@ -469,7 +486,7 @@ class HybridParallelPlugin(Plugin, SupportsNoSync, SupportsPipeline):
             model_parallel_groups=self.norm_groups(),
             counts_toward_norm=lambda p: self.counts_toward_norm(p, by_id.get(id(p))),
             clip_grad_norm=o.max_norm,
-            loss_scale=loss_scale_config(o.initial_scale, o.growth_interval, o.hysteresis),
+            loss_scale=loss_scale_config(o),
         )
 
     def clip_own_optimizer(self, optimizer: Optimizer, names: dict[int, str] | None = None) -> None:

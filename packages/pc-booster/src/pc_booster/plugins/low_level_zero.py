@@ -112,6 +112,10 @@ class LowLevelZeroOptions(PluginConfig):
     initial_scale: float = 2.0**16
     growth_interval: int = 1000
     hysteresis: int = 2
+    min_scale: float = 1.0
+    max_scale: float = 2.0**32
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
 
     def describe(self) -> str:
         return f"zero{self.stage}" + (" cpu-offload" if self.cpu_offload else "")
@@ -290,6 +294,8 @@ class LowLevelZeroPlugin(Plugin, SupportsNoSync):
 
     options: LowLevelZeroOptions
 
+    takes_precision = True
+
     def __init__(
         self,
         stage: int = 1,
@@ -301,6 +307,11 @@ class LowLevelZeroPlugin(Plugin, SupportsNoSync):
         initial_scale: float = 2.0**16,
         growth_interval: int = 1000,
         hysteresis: int = 2,
+        min_scale: float = 1.0,
+        max_scale: float = 2.0**32,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        precision: str | None = None,
     ) -> None:
         super().__init__(
             LowLevelZeroOptions(
@@ -312,8 +323,14 @@ class LowLevelZeroPlugin(Plugin, SupportsNoSync):
                 initial_scale=initial_scale,
                 growth_interval=growth_interval,
                 hysteresis=hysteresis,
+                min_scale=min_scale,
+                max_scale=max_scale,
+                growth_factor=growth_factor,
+                backoff_factor=backoff_factor,
             )
         )
+        self.set_precision(precision)
+        loss_scale_config(self.options)  # a bad loss scale is refused here, not at boost
 
     @property
     def stage(self) -> int:
@@ -346,7 +363,7 @@ class LowLevelZeroPlugin(Plugin, SupportsNoSync):
             reduce_bucket_size=int(o.reduce_bucket_size_in_m * 1024 * 1024),
             overlap_communication=o.overlap_communication,
             clip_grad_norm=o.max_norm,
-            loss_scale=loss_scale_config(o.initial_scale, o.growth_interval, o.hysteresis),
+            loss_scale=loss_scale_config(o),
         )
         masters_from_built(model, zero, built)
         return Boosted(model, zero, criterion, dataloader, lr_scheduler, module=model)
