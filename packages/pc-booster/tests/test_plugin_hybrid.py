@@ -42,7 +42,8 @@ def check_pipeline_criterion_and_fp16_overflow(case: str) -> None:
         def criterion(outputs: object, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
             seen.append(set(inputs))
             logits = outputs.logits  # type: ignore[attr-defined]
-            assert outputs[0] is logits  # type: ignore[index]
+            assert outputs[1] is logits  # type: ignore[index]
+            assert outputs[0] is outputs.loss  # type: ignore[attr-defined, index]
             own = torch.nn.functional.cross_entropy(
                 logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
                 inputs["labels"][:, 1:].reshape(-1),

@@ -101,6 +101,76 @@ def _named_failures(what: str) -> Iterator[None]:
         raise ValueError(message) from None
 
 
+# [Note: checkpoint forms]
+# Colossal-AI's save_model(shard=False) writes one file at the path it is
+# given, which its users torch.load; pc did so only as a directory of
+# transformers' layout. Both are kept: a path with a file suffix is a file,
+# any other path a directory (model.safetensors + config.json). shard=True
+# is DCP's directory (every rank its share), or with use_safetensors=True
+# transformers' sharded safetensors streamed without gathering, which is
+# what Colossal-AI's sharded form is.
+_FILE_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".safetensors")
+
+
+def _is_file_name(path: Path) -> bool:
+    return not path.is_dir() and path.suffix in _FILE_SUFFIXES
+
+
+def _refuse_prefix(prefix: str | None) -> None:
+    if prefix is not None:
+        raise ValueError(
+            f"prefix={prefix!r}: pc names a sharded checkpoint's files as "
+            "torch.distributed.checkpoint (or transformers, for use_safetensors=True) does; "
+            "drop prefix, or save into a directory of its own."
+        )
+
+
+def _files(state: dict[str, Any], size_per_shard: int | None) -> int:
+    """How many files this rank's share goes into: about ``size_per_shard``
+    MiB each (one when None)."""
+    if size_per_shard is None:
+        return 1
+    if size_per_shard <= 0:
+        raise ValueError(f"size_per_shard must be a positive number of MiB, got {size_per_shard}.")
+    from torch.distributed.tensor import DTensor
+
+    from pc_zero import Pieces
+
+    total = 0
+    for value in state.values():
+        if isinstance(value, Pieces):
+            total += sum(t.numel() * t.element_size() for _, t in value.boxes)
+        elif isinstance(value, DTensor):
+            local = value.to_local()
+            total += local.numel() * local.element_size()
+        elif isinstance(value, torch.Tensor):
+            total += value.numel() * value.element_size()
+    return max(1, -(-total // (size_per_shard * 2**20)))
+
+
+def _read_file(path: Path) -> dict[str, torch.Tensor]:
+    """A single-file checkpoint: safetensors, or torch.save's state dict
+    (mapped, so its pages are read only as they are copied)."""
+    if path.suffix == ".safetensors" or _is_safetensors(path):
+        from safetensors.torch import load_file
+
+        return load_file(str(path))
+    state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise ValueError(
+            f"{path} is not a model checkpoint: expected a state dict of tensors (what "
+            "Booster.save_model or torch.save(model.state_dict()) writes)."
+        )
+    return state
+
+
+def _is_safetensors(path: Path) -> bool:
+    """safetensors files start with an 8-byte header length, then '{'."""
+    with open(path, "rb") as f:
+        head = f.read(9)
+    return len(head) == 9 and head[8:9] == b"{"
+
+
 def _distinct(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """safetensors refuses tensors sharing memory (tied weights): copies."""
     seen: set[int] = set()
@@ -225,24 +295,44 @@ class Booster:
         model: nn.Module,
         checkpoint: str | os.PathLike[str],
         shard: bool = False,
-        size_per_shard: int = 1024,
+        gather_dtensor: bool = True,
+        prefix: str | None = None,
+        size_per_shard: int | None = None,
+        use_safetensors: bool | None = None,
         use_async: bool = False,
     ) -> Future[None] | None:
-        """Write the model to directory ``checkpoint`` (collective: every rank
-        calls it). ``shard=True``: every rank writes only its share, through
-        ``torch.distributed.checkpoint`` ([Note: sharded canonical state] in
-        ``pc_booster.plugins.sharded``); no rank holds the whole model. Else
-        rank 0 writes ``model.safetensors`` with the full model, which every
-        rank gathers first: a convenience for models that fit on one rank
-        several times over. ``size_per_shard`` applies to
-        :meth:`export_pretrained`.
+        """Write the model (collective: every rank calls it), in Colossal-AI's
+        call shape [Note: checkpoint forms]:
 
-        ``use_async=True`` (sharded only): each rank copies its share to
-        host memory and returns; the write goes on in the background while
-        training continues [Note: async saves]. Returns a future that is
-        done when the checkpoint is (:meth:`wait_for_saves` waits for all;
-        call it before destroying the process group)."""
+        - ``shard=False`` and ``checkpoint`` a file name (``.pt``, ``.pth``,
+          ``.bin``, ``.ckpt``, ``.safetensors``): one file that rank 0 writes
+          after every rank gathered the whole model, for ``torch.load`` or
+          :meth:`load_model`; ``torch.save`` of the state dict, or
+          safetensors with ``use_safetensors=True`` or the ``.safetensors``
+          suffix. Any other path: a directory with ``model.safetensors`` and
+          ``config.json`` (what ``from_pretrained`` reads). Both hold the
+          whole model: a convenience for models that fit on one rank.
+        - ``shard=True``: every rank writes only its share, through
+          ``torch.distributed.checkpoint`` ([Note: sharded canonical state]
+          in ``pc_booster.plugins.sharded``); no rank holds the whole model.
+          ``size_per_shard`` (MiB) splits each rank's share over files of
+          about that size. With ``use_safetensors=True``: transformers'
+          safetensors files of at most ``size_per_shard`` MiB with their
+          index, streamed as :meth:`export_pretrained` does.
+
+        ``gather_dtensor``: the single-file forms hold full tensors (True);
+        ``shard=True`` never gathers. ``prefix`` is refused: pc names the
+        files as DCP or transformers do.
+
+        ``use_async=True`` (DCP form only): returns at once; the copy of
+        this rank's share to host memory is made during the next forward and
+        backward (the next optimizer step waits for it) and the write goes
+        on in the background while training continues [Note: async saves].
+        Returns a future that is done when the checkpoint is
+        (:meth:`wait_for_saves` waits for all; call it before destroying
+        the process group)."""
         out = Path(checkpoint)
+        _refuse_prefix(prefix)
         if not shard:
             if use_async:
                 raise ValueError(
@@ -250,7 +340,35 @@ class Booster:
                     "background: pass shard=True as well (the single-file form is gathered "
                     "whole, with nothing to stage)."
                 )
-            self._save_full(model, out)
+            if not gather_dtensor:
+                raise ValueError(
+                    "gather_dtensor=False with shard=False: the single-file form holds full "
+                    "tensors; shard=True writes each rank's share without gathering."
+                )
+            if size_per_shard is not None:
+                raise ValueError(
+                    "size_per_shard with shard=False: the single-file form is one file; pass "
+                    "shard=True for files of at most size_per_shard MiB."
+                )
+            if _is_file_name(out):
+                self._save_file(model, out, use_safetensors)
+            elif use_safetensors is False:
+                raise ValueError(
+                    f"{out} names a directory, which pc writes as model.safetensors (what "
+                    "from_pretrained reads); use_safetensors=False asks for a torch.save file: "
+                    "give a file name ending in .pt or .bin."
+                )
+            else:
+                self._save_full(model, out)
+            return None
+        if use_safetensors:
+            if use_async:
+                raise ValueError(
+                    "use_async=True with use_safetensors=True: the transformers form is "
+                    "streamed from a sharded save; save asynchronously with shard=True alone "
+                    "and convert later with pc-export."
+                )
+            self.export_pretrained(model, out, size_per_shard or 1024)
             return None
 
         def tidy() -> None:  # rank 0, after the save: what a sharded save replaces
@@ -261,7 +379,25 @@ class Booster:
 
         state = self.plugin.sharded_model_state(model)
         changing = [*model.buffers(), *self.plugin.boosted(model).module.buffers()]
-        return self._write_sharded(state, out, tidy, use_async, "model", changing)
+        return self._write_sharded(
+            state, out, tidy, use_async, "model", changing, _files(state, size_per_shard)
+        )
+
+    def _save_file(self, model: nn.Module, out: Path, use_safetensors: bool | None) -> None:
+        """The whole model in one file that rank 0 writes (every rank gathers it)."""
+        state = _distinct(self.plugin.model_state_dict(model))
+        if dist.get_rank() == 0:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            as_safetensors = use_safetensors or (
+                use_safetensors is None and out.suffix == ".safetensors"
+            )
+            if as_safetensors:
+                from safetensors.torch import save_file
+
+                _atomic(out, lambda p: save_file(state, str(p)))
+            else:
+                _atomic(out, lambda p: torch.save(state, p))
+        dist.barrier()
 
     def export_pretrained(
         self, model: nn.Module, directory: str | os.PathLike[str], size_per_shard: int = 1024
@@ -300,10 +436,12 @@ class Booster:
 
     @staticmethod
     def _save_sharded(
-        state: dict[str, Any], out: Path, group: dist.ProcessGroup | None = None
+        state: dict[str, Any], out: Path, group: dist.ProcessGroup | None = None, files: int = 1
     ) -> None:
         """DCP writes every rank's items in parallel and the metadata last
-        (the commit point)."""
+        (the commit point); each rank's items go into ``files`` files of
+        about equal size."""
+        from torch.distributed.checkpoint.filesystem import FileSystemWriter
         from torch.distributed.checkpoint.state_dict_saver import save
 
         from pc_zero import PiecesSavePlanner
@@ -311,7 +449,8 @@ class Booster:
         out.mkdir(parents=True, exist_ok=True)
         with _named_failures(f"the sharded save to {out}"):
             planner = PiecesSavePlanner(flatten_state_dict=False)
-            save(state, checkpoint_id=str(out), planner=planner, process_group=group)
+            writer = FileSystemWriter(str(out), thread_count=files)
+            save(state, storage_writer=writer, planner=planner, process_group=group)
 
     # [Note: async saves]
     # An async save takes, at the call, what training could change before
@@ -340,12 +479,13 @@ class Booster:
         use_async: bool,
         kind: str,
         changing: Iterable[torch.Tensor] = (),
+        files: int = 1,
     ) -> Future[None] | None:
         """Save ``state`` to ``out``, then ``tidy()`` on rank 0 (collective),
         now or in the background (``kind``: which host copies to reuse;
         ``changing``: tensors training changes outside optimizer steps)."""
         if not use_async:
-            self._save_sharded(state, out)
+            self._save_sharded(state, out, files=files)
             if dist.get_rank() == 0:
                 tidy()
             dist.barrier()
@@ -370,7 +510,7 @@ class Booster:
         copying = self._stager.submit(stage)
 
         def write() -> None:
-            self._save_sharded(copying.result(), out, group)
+            self._save_sharded(copying.result(), out, group, files)
             if dist.get_rank() == 0:
                 tidy()
             dist.barrier(group=group)
@@ -439,15 +579,35 @@ class Booster:
         dist.barrier()
 
     def load_model(
-        self, model: nn.Module, checkpoint: str | os.PathLike[str], strict: bool = True
+        self,
+        model: nn.Module,
+        checkpoint: str | os.PathLike[str],
+        strict: bool = True,
+        low_cpu_mem_mode: bool = True,
+        num_threads: int = 1,
     ) -> None:
-        """Load a directory written by :meth:`save_model` or
-        :meth:`export_pretrained` (under any plugin and world size), or a
-        ``transformers`` ``save_pretrained`` one. Each rank reads only the
-        byte ranges of its share (a single-file ``model.safetensors`` of
-        ``shard=False`` too: safetensors are read by slices)."""
+        """Load what :meth:`save_model` or :meth:`export_pretrained` wrote
+        (under any plugin and world size), or a ``transformers``
+        ``save_pretrained`` directory. From a directory each rank reads only
+        the byte ranges of its share (safetensors are read by slices); a
+        single file is mapped into memory and each rank copies its share.
+        ``model``: one ``boost`` returned, or a model that was not boosted
+        (it then loads the whole state). ``low_cpu_mem_mode``: pc always
+        reads this way, so both values load the same; ``num_threads``: 1
+        (one reader per rank)."""
+        if num_threads != 1:
+            raise ValueError(
+                f"load_model: num_threads={num_threads}; pc reads with one thread per rank, "
+                "each rank its own share in parallel. Pass num_threads=1."
+            )
         self.wait_for_saves()
         path = Path(checkpoint)
+        if not self.plugin.has_boosted(model):
+            self._load_unboosted(model, path, strict)
+            return
+        if path.is_file():
+            self.plugin.load_model_state_dict(model, _read_file(path))
+            return
         if (path / _DCP_METADATA).exists():
             self._load_model_sharded(model, path, strict, pretrained=False)
         elif any(path.glob("*.safetensors")):
@@ -511,6 +671,45 @@ class Booster:
             self._load_sharded(wanted, path)
         self.plugin.after_sharded_model_load(model)
 
+    def _load_unboosted(self, model: nn.Module, path: Path, strict: bool) -> None:
+        """Load into a model that was not boosted: the whole state, on every rank."""
+        if path.is_file():
+            state = _read_file(path)
+        elif (path / _DCP_METADATA).exists() or any(path.glob("*.safetensors")):
+            from torch.distributed.checkpoint.state_dict_loader import load
+
+            from pc_booster.export import pretrained_reader
+
+            own = model.state_dict()
+            pretrained = not (path / _DCP_METADATA).exists()
+            present = (
+                pretrained_reader(path).read_metadata().state_dict_metadata
+                if pretrained
+                else self._saved_keys(path)
+            )
+            prefix = "" if pretrained else "model/"
+            # A weight tied to another is saved once, under either name.
+            names = {k.removeprefix(prefix) for k in present}
+            source = {k: k if k in names else self._tied_source(model, k, names) for k in own}
+            state = {
+                k: torch.empty_like(v, device="cpu")
+                for k, v in own.items()
+                if f"{prefix}{k}" in present and source[k] == k
+            }
+            wanted = {f"{prefix}{k}": v for k, v in state.items()}
+            with _named_failures(f"checkpoint {path} does not load"):
+                if pretrained:
+                    load(wanted, storage_reader=pretrained_reader(path), no_dist=True)
+                else:
+                    load(wanted, checkpoint_id=str(path), no_dist=True)
+            state.update({k: state[v] for k, v in source.items() if k != v and v in state})
+        else:
+            raise FileNotFoundError(
+                f"no model checkpoint at {path}: expected a file, a sharded checkpoint "
+                f"(.metadata), {_WEIGHTS} or {_INDEX}."
+            )
+        model.load_state_dict(state, strict=strict)
+
     @staticmethod
     def _tied_source(module: nn.Module, key: str, present: Any = ()) -> str:
         """A key holding the same tensor as ``key`` (tied weights), one in
@@ -528,18 +727,39 @@ class Booster:
         optimizer: Any,
         checkpoint: str | os.PathLike[str],
         shard: bool = False,
+        gather_dtensor: bool = True,
+        prefix: str | None = None,
+        size_per_shard: int | None = None,
         use_async: bool = False,
     ) -> Future[None] | None:
         """Write the optimizer's state (canonical form) to ``checkpoint``
         (collective). ``shard=True``: a directory to which every rank writes
-        only its share of the state, through ``torch.distributed.checkpoint``;
-        else one file that rank 0 writes after every rank gathered the whole
+        only its share of the state, through ``torch.distributed.checkpoint``
+        (``size_per_shard``: files of about that many MiB per rank); else
+        one file that rank 0 writes after every rank gathered the whole
         state (for optimizers that fit on one rank several times over).
-        ``use_async``: as for :meth:`save_model`."""
+        ``gather_dtensor``, ``prefix``, ``use_async``: as for
+        :meth:`save_model`."""
+        _refuse_prefix(prefix)
         if shard:
             state = self.plugin.sharded_optimizer_state(optimizer, None)
             return self._write_sharded(
-                state, Path(checkpoint), lambda: None, use_async, "optimizer"
+                state,
+                Path(checkpoint),
+                lambda: None,
+                use_async,
+                "optimizer",
+                files=_files(state, size_per_shard),
+            )
+        if not gather_dtensor:
+            raise ValueError(
+                "gather_dtensor=False with shard=False: the single-file form holds the full "
+                "state; shard=True writes each rank's share without gathering."
+            )
+        if size_per_shard is not None:
+            raise ValueError(
+                "size_per_shard with shard=False: the single-file form is one file; pass "
+                "shard=True for files of about size_per_shard MiB per rank."
             )
         if use_async:
             raise ValueError("use_async=True writes the sharded form: pass shard=True as well.")
@@ -551,10 +771,22 @@ class Booster:
         dist.barrier()
         return None
 
-    def load_optimizer(self, optimizer: Any, checkpoint: str | os.PathLike[str]) -> None:
+    def load_optimizer(
+        self,
+        optimizer: Any,
+        checkpoint: str | os.PathLike[str],
+        low_cpu_mem_mode: bool = True,
+        num_threads: int = 1,
+    ) -> None:
         """Load a file written by :meth:`save_optimizer`, under any plugin
         and world size (a directory: the sharded form, each rank reading only
-        its share). Load the model first."""
+        its share). Load the model first. ``low_cpu_mem_mode`` /
+        ``num_threads``: as for :meth:`load_model`."""
+        if num_threads != 1:
+            raise ValueError(
+                f"load_optimizer: num_threads={num_threads}; pc reads with one thread per "
+                "rank, each rank its own share in parallel. Pass num_threads=1."
+            )
         self.wait_for_saves()
         path = Path(checkpoint)
         if (path / _DCP_METADATA).exists():

@@ -288,6 +288,10 @@ class Plugin(ABC):
             self._boosted[id(boosted.optimizer)] = boosted
         return boosted
 
+    def has_boosted(self, obj: Any) -> bool:
+        """Whether ``obj`` is a model or optimizer this plugin boosted."""
+        return id(obj) in self._boosted
+
     def boosted(self, obj: Any) -> Boosted:
         """The record of a model or optimizer this plugin boosted."""
         found = self._boosted.get(id(obj))

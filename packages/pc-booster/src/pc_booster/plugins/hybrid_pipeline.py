@@ -52,11 +52,15 @@ class StageOutput:
         return self._compute_loss()
 
     def __getitem__(self, key: int | str) -> torch.Tensor:
+        # As a transformers output computed with labels: (loss, logits).
         if key in (0, "loss"):
-            return self.loss if key == "loss" else self.logits
-        if key == "logits":
+            return self.loss
+        if key in (1, "logits"):
             return self.logits
-        raise KeyError(f"a pipeline stage's output has 'logits' and 'loss', not {key!r}")
+        raise KeyError(
+            f"a pipeline stage's output has 0 / 'loss' and 1 / 'logits' (a transformers "
+            f"output computed with labels), not {key!r}"
+        )
 
 
 def _stage_layout(plugin: HybridParallelPlugin, model: nn.Module) -> tuple[Any, list[int]]:
