@@ -18,7 +18,19 @@ faster than the multi-pass foreach implementation (see docs/benchmarks.md);
 calling it directly skips torch.optim's per-step regrouping of tensors by
 device and dtype, which we do once. The numbers are exactly those of
 ``torch.optim.AdamW(fused=True)``, and match the default implementation to
-fp32 rounding.
+fp32 rounding. The kernel always corrects the moments' bias, so a group with
+``bias_correction=False`` (Colossal-AI's option) takes the same update
+without the correction through foreach operations instead.
+
+[Note: Colossal-AI's call shape]
+``CPUAdam`` and ``HybridAdam`` take Colossal-AI's arguments in their
+order: ``(params, lr, bias_correction, betas, eps, weight_decay, adamw_mode,
+nvme_offload_fraction, nvme_offload_dir)`` (DeepSpeed's CPU Adam shares the
+first six), with decoupled weight decay (AdamW) by default, so their
+programs run with only the import changed. ``amsgrad`` and ``maximize``,
+which Colossal-AI's lack, are keyword-only. ``CPUAdamW`` keeps torch's order ``(params, lr, betas,
+...)``. A tuple where ``bias_correction`` goes is a torch-ordered call and
+is refused rather than read as a flag.
 
 State entries are named as torch's (``step``, ``exp_avg``, ``exp_avg_sq``,
 ``max_exp_avg_sq``), plus ``master`` where the parameter is not its own
@@ -100,19 +112,22 @@ def _local_grad(param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
 class _MasterAdam(Optimizer):
     """Adam/AdamW over fp32 masters on a step device [Note: master weights]."""
 
-    _decoupled: bool = False
+    # Host masters (CPUAdam, CPUAdamW) or masters where each parameter lives
+    # (HybridAdam); a class constant, as the step device is what the class is.
     _on_host: bool = True
 
     def __init__(
         self,
         params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
-        lr: float = 1e-3,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        weight_decay: float = 0.0,
-        amsgrad: bool = False,
+        lr: float,
+        betas: tuple[float, float],
+        eps: float,
+        weight_decay: float,
         *,
-        maximize: bool = False,
+        amsgrad: bool,
+        maximize: bool,
+        decoupled: bool,
+        bias_correction: bool,
     ) -> None:
         if lr < 0.0:
             raise ValueError(f"invalid learning rate: {lr} (must be >= 0).")
@@ -122,6 +137,9 @@ class _MasterAdam(Optimizer):
             raise ValueError(f"invalid betas: {betas} (each must be in [0, 1)).")
         if weight_decay < 0.0:
             raise ValueError(f"invalid weight_decay: {weight_decay} (must be >= 0).")
+        # Decoupled (AdamW) or L2 (Adam) weight decay, for every group: one
+        # optimizer is one algorithm, as in Colossal-AI (its ``adamw_mode``).
+        self._decoupled = decoupled
         defaults = {
             "lr": lr,
             "betas": betas,
@@ -129,6 +147,7 @@ class _MasterAdam(Optimizer):
             "weight_decay": weight_decay,
             "amsgrad": amsgrad,
             "maximize": maximize,
+            "bias_correction": bias_correction,
         }
         super().__init__(params, defaults)
 
@@ -213,29 +232,79 @@ class _MasterAdam(Optimizer):
             # device-to-host gradient copies have landed, nor overwrite a
             # master that last step's host-to-device refresh still reads.
             torch.cuda.synchronize()
-        kernel = torch._fused_adamw_ if self._decoupled else torch._fused_adam_
-        beta1, beta2 = group["betas"]
-        for masters, grads, exp_avgs, exp_avg_sqs, max_sqs, steps in by_device.values():
-            torch._foreach_add_(steps, 1)
-            kernel(
-                masters,
-                grads,
-                exp_avgs,
-                exp_avg_sqs,
-                max_sqs,
-                steps,
-                amsgrad=amsgrad,
-                lr=float(group["lr"]),
-                beta1=float(beta1),
-                beta2=float(beta2),
-                weight_decay=float(group["weight_decay"]),
-                eps=float(group["eps"]),
-                maximize=bool(group["maximize"]),
-                grad_scale=None,
-                found_inf=None,
-            )
+        for lists in by_device.values():
+            torch._foreach_add_(lists[5], 1)
+            if group["bias_correction"]:
+                self._fused_step(group, *lists)
+            else:
+                self._uncorrected_step(group, *lists)
         for local, master in refresh:
             local.copy_(master, non_blocking=True)
+
+    def _fused_step(
+        self,
+        group: dict[str, Any],
+        masters: list[torch.Tensor],
+        grads: list[torch.Tensor],
+        exp_avgs: list[torch.Tensor],
+        exp_avg_sqs: list[torch.Tensor],
+        max_sqs: list[torch.Tensor],
+        steps: list[torch.Tensor],
+    ) -> None:
+        """One bias-corrected step of tensors on one device [Note: the kernel]."""
+        kernel = torch._fused_adamw_ if self._decoupled else torch._fused_adam_
+        beta1, beta2 = group["betas"]
+        kernel(
+            masters,
+            grads,
+            exp_avgs,
+            exp_avg_sqs,
+            max_sqs,
+            steps,
+            amsgrad=bool(group["amsgrad"]),
+            lr=float(group["lr"]),
+            beta1=float(beta1),
+            beta2=float(beta2),
+            weight_decay=float(group["weight_decay"]),
+            eps=float(group["eps"]),
+            maximize=bool(group["maximize"]),
+            grad_scale=None,
+            found_inf=None,
+        )
+
+    def _uncorrected_step(
+        self,
+        group: dict[str, Any],
+        masters: list[torch.Tensor],
+        grads: list[torch.Tensor],
+        exp_avgs: list[torch.Tensor],
+        exp_avg_sqs: list[torch.Tensor],
+        max_sqs: list[torch.Tensor],
+        steps: list[torch.Tensor],
+    ) -> None:
+        """The kernel's update without bias correction (``bias_correction=
+        False``): ``m / (sqrt(v) + eps)`` times ``lr``, the step count unused.
+        ``grads`` may be the parameters' own gradients: never written."""
+        del steps  # counted by the caller; the uncorrected update ignores it
+        lr, eps, decay = float(group["lr"]), float(group["eps"]), float(group["weight_decay"])
+        beta1, beta2 = (float(b) for b in group["betas"])
+        if group["maximize"]:
+            grads = list(torch._foreach_neg(grads))
+        if decay != 0.0:
+            if self._decoupled:
+                torch._foreach_mul_(masters, 1.0 - lr * decay)
+            else:
+                grads = list(torch._foreach_add(grads, masters, alpha=decay))
+        torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta1)
+        torch._foreach_mul_(exp_avg_sqs, beta2)
+        torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1.0 - beta2)
+        second = exp_avg_sqs
+        if group["amsgrad"]:
+            torch._foreach_maximum_(max_sqs, exp_avg_sqs)
+            second = max_sqs
+        denoms = torch._foreach_sqrt(second)
+        torch._foreach_add_(denoms, eps)
+        torch._foreach_addcdiv_(masters, exp_avgs, denoms, value=-lr)
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -250,6 +319,11 @@ class _MasterAdam(Optimizer):
         saved_keys = [k for g in state_dict["param_groups"] for k in g["params"]]
         super().load_state_dict(state_dict)
         params = [p for g in self.param_groups for p in g["params"]]
+        for group in self.param_groups:
+            # A state dict from torch's Adam, or from before an option
+            # existed, lacks this optimizer's extra keys: take the defaults.
+            for key, value in self.defaults.items():
+                group.setdefault(key, value)
         for saved_key, param in zip(saved_keys, params, strict=True):
             if saved_key not in saved:
                 continue
@@ -279,16 +353,75 @@ class _MasterAdam(Optimizer):
         return _like(param, local)
 
 
+def _refuse_nvme(name: str, fraction: float, directory: str | None) -> None:
+    """pc keeps optimizer states in memory; Colossal-AI's NVMe offload of a
+    fraction of them is not implemented, so asking for it is an error rather
+    than silently ignored."""
+    if fraction == 0.0:
+        return
+    where = f" (nvme_offload_dir={directory!r})" if directory is not None else ""
+    raise ValueError(
+        f"{name}: expected nvme_offload_fraction=0.0, got {fraction}{where}. pc does not "
+        "offload optimizer states to NVMe: they stay in host memory (CPUAdam) or beside each "
+        "parameter (HybridAdam). Drop nvme_offload_fraction, or shard the states over more "
+        "ranks (LowLevelZeroPlugin, GeminiPlugin) to fit them."
+    )
+
+
+def _check_flag(name: str, bias_correction: object) -> bool:
+    """``bias_correction`` as passed, refusing a torch-ordered call that put
+    ``betas`` there [Note: Colossal-AI's call shape]."""
+    if not isinstance(bias_correction, bool):
+        raise TypeError(
+            f"{name}: expected a bool for bias_correction (the third positional argument), got "
+            f"{bias_correction!r}. {name} takes Colossal-AI's order (params, lr, "
+            "bias_correction, betas, eps, weight_decay, adamw_mode); pass betas=... by keyword."
+        )
+    return bias_correction
+
+
 class CPUAdam(_MasterAdam):
-    """Adam (L2 weight decay added to the gradient, as ``torch.optim.Adam``)
-    with fp32 master weights and optimizer states in host memory."""
+    """AdamW (``adamw_mode=True``, the default, as Colossal-AI's and
+    DeepSpeed's CPU Adam) or Adam with L2 weight decay (``adamw_mode=False``, as
+    ``torch.optim.Adam``), with fp32 master weights and optimizer states in
+    host memory. Arguments in Colossal-AI's order [Note: Colossal-AI's call
+    shape]; ``bias_correction=False`` drops the moments' bias correction.
+    ``nvme_offload_fraction`` must be 0: pc keeps the states in memory."""
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        bias_correction: bool = True,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        adamw_mode: bool = True,
+        nvme_offload_fraction: float = 0.0,
+        nvme_offload_dir: str | None = None,
+        *,
+        amsgrad: bool = False,
+        maximize: bool = False,
+    ) -> None:
+        name = type(self).__name__
+        _refuse_nvme(name, nvme_offload_fraction, nvme_offload_dir)
+        super().__init__(
+            params,
+            lr,
+            betas,
+            eps,
+            weight_decay,
+            amsgrad=amsgrad,
+            maximize=maximize,
+            decoupled=adamw_mode,
+            bias_correction=_check_flag(name, bias_correction),
+        )
 
 
 class CPUAdamW(_MasterAdam):
-    """AdamW (decoupled weight decay, as ``torch.optim.AdamW``) with fp32
-    master weights and optimizer states in host memory."""
-
-    _decoupled = True
+    """AdamW (decoupled weight decay, as ``torch.optim.AdamW``, whose
+    argument order it keeps) with fp32 master weights and optimizer states
+    in host memory."""
 
     def __init__(
         self,
@@ -300,29 +433,24 @@ class CPUAdamW(_MasterAdam):
         amsgrad: bool = False,
         *,
         maximize: bool = False,
+        bias_correction: bool = True,
     ) -> None:
-        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize)
+        super().__init__(
+            params,
+            lr,
+            betas,
+            eps,
+            weight_decay,
+            amsgrad=amsgrad,
+            maximize=maximize,
+            decoupled=True,
+            bias_correction=bias_correction,
+        )
 
 
-class HybridAdam(_MasterAdam):
-    """Adam or AdamW (``adamw_mode=True``, the default, as Colossal-AI's)
-    that steps every parameter where it lives: device-resident ones with the
-    fused kernel on the device, host-resident ones on the host, in one
-    optimizer."""
+class HybridAdam(CPUAdam):
+    """:class:`CPUAdam`'s arguments and arithmetic, stepping every parameter
+    where it lives: device-resident ones with the fused kernel on the
+    device, host-resident ones on the host, in one optimizer."""
 
     _on_host = False
-
-    def __init__(
-        self,
-        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
-        lr: float = 1e-3,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        weight_decay: float = 0.0,
-        amsgrad: bool = False,
-        *,
-        adamw_mode: bool = True,
-        maximize: bool = False,
-    ) -> None:
-        self._decoupled = adamw_mode
-        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize)
