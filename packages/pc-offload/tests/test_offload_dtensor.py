@@ -39,7 +39,7 @@ OPTIMIZERS: dict[str, tuple[Make, Make]] = {
         lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
     ),
     "CPUAdam": (
-        lambda ps: CPUAdam(ps, lr=1e-2, weight_decay=0.1),
+        lambda ps: CPUAdam(ps, lr=1e-2, weight_decay=0.1, adamw_mode=False),
         lambda ps: torch.optim.Adam(ps, lr=1e-2, weight_decay=0.1),
     ),
 }

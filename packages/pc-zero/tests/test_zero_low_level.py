@@ -64,6 +64,8 @@ def _loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 def _optimizer(name: str, groups: list[dict[str, object]]) -> torch.optim.Optimizer:
     if name == "adamw":
         return torch.optim.AdamW(groups, lr=1e-2)
+    if name == "adam":  # L2 weight decay: offloaded, it must stay L2 (not pc_offload's AdamW)
+        return torch.optim.Adam(groups, lr=1e-2)
     return torch.optim.SGD(groups, lr=0.1, momentum=0.9)
 
 
@@ -124,3 +126,10 @@ CASES: dict[str, list[Any]] = {
 @pytest.mark.parametrize("world", [2, 4])
 def test_parity_with_single_process_adamw(world: int) -> None:
     run_subtests(check_parity, world, CASES, timeout=500)
+
+
+def test_parity_with_torch_adam_offloaded() -> None:
+    cases = {**{k: v[:1] for k, v in CASES.items()}, "optim": ["adam"], "offload": [True]}
+    cases["two_groups"] = [True]  # weight decay 0.1 on the weights
+    cases["stage"] = [1, 2]
+    run_subtests(check_parity, 2, cases, timeout=200)

@@ -309,13 +309,14 @@ class LowLevelZeroOptimizer(Optimizer):
         for b, master in zip(self.buckets, self._masters, strict=True):
             per_group[b.group].append(master)
         if self.cpu_offload and type(optimizer) in (torch.optim.Adam, torch.optim.AdamW):
-            fused = CPUAdamW if isinstance(optimizer, torch.optim.AdamW) else CPUAdam
             keys = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize")
             groups = [
                 {"params": ps, **{k: g[k] for k in keys if k in g}}
                 for g, ps in zip(optimizer.param_groups, per_group, strict=True)
             ]
-            return fused(groups)
+            if isinstance(optimizer, torch.optim.AdamW):
+                return CPUAdamW(groups)
+            return CPUAdam(groups, adamw_mode=False)  # torch's Adam: L2 weight decay
         optimizer.state.clear()
         adam = type(optimizer) in (torch.optim.Adam, torch.optim.AdamW)
         for g, ps in zip(optimizer.param_groups, per_group, strict=True):
