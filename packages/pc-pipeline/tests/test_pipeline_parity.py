@@ -54,12 +54,12 @@ def _wrap(
     if dp_group is not None:
         stages = [DistributedDataParallel(s, process_group=dp_group) for s in stages]
     if schedule == "gpipe":
-        return GPipe(stages[0], CHUNKS, group, checkpoint=checkpoint)
+        return GPipe(stages[0], CHUNKS, group, checkpoint=checkpoint, scale_grads=True)
     if schedule == "1f1b":
-        return PipeDream(stages[0], CHUNKS, group, checkpoint=checkpoint)
+        return PipeDream(stages[0], CHUNKS, group, checkpoint=checkpoint, scale_grads=True)
     if schedule == "interleaved":
-        return Interleaved1F1B(stages, CHUNKS, group, checkpoint=checkpoint)
-    return ZeroBubble(stages[0], CHUNKS, group, checkpoint=checkpoint)
+        return Interleaved1F1B(stages, CHUNKS, group, checkpoint=checkpoint, scale_grads=True)
+    return ZeroBubble(stages[0], CHUNKS, group, checkpoint=checkpoint, scale_grads=True)
 
 
 def _reference(opt_kind: str, global_batch: int) -> tuple[nn.Sequential, list[torch.Tensor]]:

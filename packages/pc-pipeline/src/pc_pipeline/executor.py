@@ -21,6 +21,7 @@ from torch.utils.checkpoint import checkpoint as activation_checkpoint
 
 from pc_comm import Communicator, DistributedDataParallel, Handle, P2PKind, P2POp
 from pc_pipeline.actions import Action, ActionKind
+from pc_pipeline.options import CheckpointMode
 from pc_pipeline.schedule import Schedule
 from pc_pipeline.shapes import TensorMeta, flatten_output
 from pc_pipeline.split_backward import WeightGradWork, backward_input, backward_weight
@@ -57,10 +58,10 @@ class StepInputs:
     microbatches: Sequence[Sequence[torch.Tensor]]
     labels: Sequence[Sequence[Any]]
     criterion: Callable[..., torch.Tensor] | None
-    loss_scale: float
+    loss_scale: float  # each microbatch's loss is multiplied by it before backward
     return_outputs: bool
     train: bool
-    checkpoint: bool
+    checkpoint: CheckpointMode
     timeout: float  # seconds to wait for any one received tensor
     record: bool = False  # keep each compute action's wall-clock span
 
@@ -188,7 +189,8 @@ class _Runner:
     def forward(self, s: int, m: int) -> None:
         args = self._stage_inputs(s, m)
         module = self.modules[s]
-        if self.step.checkpoint and self.step.train:
+        count = self.schedule.num_microbatches
+        if self.step.train and self.step.checkpoint.applies(m, count):
             out = activation_checkpoint(module, *args, use_reentrant=False)
         else:
             out = module(*args)
@@ -209,7 +211,10 @@ class _Runner:
                 )
             self.state.losses[m] = loss.detach()
             if self.step.train:
-                self.state.outputs[(s, m)] = [loss.reshape(()) * self.step.loss_scale]
+                scaled = loss.reshape(())
+                if self.step.loss_scale != 1.0:
+                    scaled = scaled * self.step.loss_scale
+                self.state.outputs[(s, m)] = [scaled]
                 self.state.inputs[(s, m)] = args
 
     def _roots(self, s: int, m: int) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:

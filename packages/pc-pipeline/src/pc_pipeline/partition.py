@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["Sequential", "balanced_split", "measure_costs", "partition"]
+__all__ = ["Sequential", "SequentialModel", "balanced_split", "measure_costs", "partition"]
 
 
 class Sequential(nn.Sequential):
@@ -29,6 +29,10 @@ class Sequential(nn.Sequential):
         for layer in self:
             out = layer(*out) if isinstance(out, tuple) else layer(out)
         return out
+
+
+# haiscale's name for the same container (``haiscale.pipeline.SequentialModel``).
+SequentialModel = Sequential
 
 
 def _fits(costs: Sequence[float], parts: int, cap: float) -> bool:

@@ -3,10 +3,9 @@ and ``ZeroBubble`` wrap this rank's stage(s) and run a schedule per step.
 
 Every rank of the pipeline calls ``forward_backward`` with the same batch
 (the first stage reads the inputs, the last the labels); the batch is split
-into ``chunks`` microbatches along dimension 0. Gradients are those of the
-mean of the microbatch losses, which equals a mean-reduced loss over the
-whole batch, so a plain optimizer step afterwards matches single-process
-training.
+into ``chunks`` microbatches along dimension 0. Gradients are the sum over
+microbatches of each microbatch loss's gradient, as haiscale's; with
+``scale_grads=True`` the mean [Note: gradient scale] in pc_pipeline.options.
 """
 
 from __future__ import annotations
@@ -23,6 +22,7 @@ from pc_comm import Communicator, ShmCommunicator, TorchCommunicator, on_one_hos
 from pc_pipeline.actions import Action
 from pc_pipeline.builders import gpipe, interleaved_1f1b, one_f_one_b, zero_bubble_h1
 from pc_pipeline.executor import StepInputs, run_schedule
+from pc_pipeline.options import CheckpointMode, parse_checkpoint
 from pc_pipeline.schedule import Schedule
 from pc_pipeline.shapes import TensorMeta, infer_boundary_metas
 from pc_pipeline.validation import validate
@@ -81,6 +81,13 @@ class Pipeline(nn.Module):
     stages live in host memory, torch.distributed over ``process_group``
     otherwise. The wrappers below take ``timeout``
     and ``checkpoint`` as keywords too.
+
+    ``checkpoint``: ``"never"`` (or False), ``"always"`` (or True) or
+    ``"except_last"`` (every microbatch but the last recomputes its
+    activations in backward). ``scale_grads``: False sums the microbatch
+    gradients (haiscale's semantics: divide each microbatch's loss by
+    ``chunks`` in the criterion for the batch mean), True divides each
+    microbatch's loss by ``chunks`` first [Note: gradient scale].
     """
 
     def __init__(
@@ -90,9 +97,10 @@ class Pipeline(nn.Module):
         schedule: ScheduleBuilder | Schedule,
         process_group: dist.ProcessGroup | None = None,
         *,
-        checkpoint: bool = False,
+        checkpoint: bool | str | CheckpointMode = False,
         timeout: float = 300.0,
         communicator: Communicator | None = None,
+        scale_grads: bool = False,
     ) -> None:
         super().__init__()
         if communicator is not None and process_group is not None:
@@ -116,8 +124,12 @@ class Pipeline(nn.Module):
             if communicator is not None
             else _default_communicator(process_group, self.device)
         )
+        if not isinstance(scale_grads, bool):
+            raise TypeError(f"scale_grads must be True or False, got {scale_grads!r}.")
         self.chunks = chunks
-        self.checkpoint = checkpoint
+        self.checkpoint = parse_checkpoint(checkpoint)  # which microbatches recompute
+        # [Note: gradient scale]: False sums microbatch gradients (haiscale).
+        self.scale_grads = scale_grads
         ranks, rank = self.comm.world_size, self.comm.rank
         self.schedule = schedule if isinstance(schedule, Schedule) else schedule(ranks, chunks)
         validate(self.schedule)
@@ -141,6 +153,14 @@ class Pipeline(nn.Module):
         # in self.timeline: (action, start, end) seconds from the step start.
         self.record_timeline = False
         self.timeline: list[tuple[Action, float, float]] = []
+
+    @property
+    def module(self) -> nn.Module:
+        """This rank's stage module as it was passed in (a pc-comm DDP wrapper
+        included), whose ``state_dict()`` is the stage's own keys: what
+        haiscale programs save. With several stages (interleaved), an
+        ``nn.ModuleList`` of them in chunk order."""
+        return self.stages[0] if len(self.stages) == 1 else self.stages
 
     @property
     def is_first_stage(self) -> bool:
@@ -181,7 +201,7 @@ class Pipeline(nn.Module):
             microbatches=micro,
             labels=micro_labels,
             criterion=criterion,
-            loss_scale=1.0 / self.chunks,
+            loss_scale=1.0 / self.chunks if self.scale_grads else 1.0,
             return_outputs=return_outputs,
             train=train,
             checkpoint=self.checkpoint,
@@ -206,8 +226,10 @@ class Pipeline(nn.Module):
         """One training step's forward and backward. On the last stage's
         rank: ``(losses, outputs)`` with one loss per microbatch and the
         outputs concatenated (None unless ``return_outputs``); elsewhere
-        ``(None, None)``. ``criterion(output, *labels)`` must return the
-        mean loss of a microbatch."""
+        ``(None, None)``. ``criterion(output, *labels)`` returns a
+        microbatch's scalar loss; the gradients are the sum of the
+        microbatch losses' gradients, or their mean with ``scale_grads=True``
+        [Note: gradient scale]. The losses returned are the criterion's."""
         if not callable(criterion):
             raise TypeError("forward_backward needs criterion=callable(output, *labels) -> loss.")
         return self._run(self.schedule, inputs, criterion, labels, return_outputs, train=True)
@@ -230,9 +252,10 @@ class _OneStagePipeline(Pipeline):
         chunks: int,
         process_group: dist.ProcessGroup | None = None,
         *,
-        checkpoint: bool = False,
+        checkpoint: bool | str | CheckpointMode = False,
         timeout: float = 300.0,
         communicator: Communicator | None = None,
+        scale_grads: bool = False,
     ) -> None:
         super().__init__(
             [module],
@@ -242,6 +265,7 @@ class _OneStagePipeline(Pipeline):
             checkpoint=checkpoint,
             timeout=timeout,
             communicator=communicator,
+            scale_grads=scale_grads,
         )
 
 
@@ -260,7 +284,7 @@ class PipeDream(_OneStagePipeline):
 
 class ZeroBubble(_OneStagePipeline):
     """ZB-H1: 1F1B with backward split into input and weight gradients;
-    weight gradients fill the bubble. With ``checkpoint=True`` the input and
+    weight gradients fill the bubble. Under activation checkpointing the input and
     the weight gradient each recompute the stage's forward (two backward
     passes over one graph), so it costs one forward more than elsewhere."""
 
@@ -277,9 +301,10 @@ class Interleaved1F1B(Pipeline):
         chunks: int,
         process_group: dist.ProcessGroup | None = None,
         *,
-        checkpoint: bool = False,
+        checkpoint: bool | str | CheckpointMode = False,
         timeout: float = 300.0,
         communicator: Communicator | None = None,
+        scale_grads: bool = False,
     ) -> None:
         if not isinstance(modules, (list, tuple, nn.ModuleList)):
             raise TypeError(
@@ -299,4 +324,5 @@ class Interleaved1F1B(Pipeline):
             checkpoint=checkpoint,
             timeout=timeout,
             communicator=communicator,
+            scale_grads=scale_grads,
         )

@@ -14,12 +14,39 @@ chunk is gathered again (the previous unit's prefetched), and once every
 gradient of the unit has arrived they are reduce-scattered (averaged, in
 ``reduce_dtype``) into this rank's gradient shard. Parameters and gradients
 between steps are shards [Note: ZeRO-3 parameters].
+
+[Note: wrap policies]
+``auto_wrap_policy`` takes pc's frozen policies (:class:`ModuleSizePolicy`,
+:class:`TransformerBlockPolicy`, or ``size_based_auto_wrap_policy(n)`` /
+``transformer_auto_wrap_policy({Block})`` that build them, also as a
+``functools.partial`` of those two), or any torch-style callable
+``policy(module=, recurse=, nonwrapped_numel=) -> bool``, such as
+``functools.partial(torch.distributed.fsdp.wrap.size_based_auto_wrap_policy,
+min_num_params=n)``. A torch-style callable is asked as torch asks it: with
+``recurse=True`` before a module's children (False: the subtree is one
+leaf, nothing inside it becomes a unit) and with ``recurse=False`` after
+them, with the parameters no unit below took.
+
+[Note: prefetch flags]
+The chunk manager has one prefetch switch, read whenever a chunk is
+gathered; the wrapper sets it to ``forward_prefetch`` when the root forward
+starts and to whether ``backward_prefetch`` is set when it returns, so each
+pass follows its own flag (recomputation under activation checkpointing
+runs in backward and follows backward's). In backward, pc starts the next
+unit's all-gather when the current unit's backward begins, before its
+gradients are computed: torch's ``BACKWARD_PRE``. pc has no later point to
+issue it, so ``BACKWARD_POST`` runs the same way (the same two units'
+parameters gathered at most, as ``BACKWARD_PRE`` in torch); ``None``
+gathers each unit only when its backward needs it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection
+import enum
+import functools
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -31,6 +58,8 @@ from pc_offload import CopyEngine, PinnedPool
 from pc_zero.sharded import MixedPrecision, ShardedModule, prepare_module
 
 __all__ = [
+    "BackwardPrefetch",
+    "CallablePolicy",
     "FullyShardedDataParallel",
     "ModuleSizePolicy",
     "TransformerBlockPolicy",
@@ -72,7 +101,41 @@ class TransformerBlockPolicy:
         return isinstance(module, tuple(self.block_classes))
 
 
-WrapPolicy = ModuleSizePolicy | TransformerBlockPolicy
+@dataclass(frozen=True)
+class CallablePolicy:
+    """A torch-style wrap policy [Note: wrap policies]:
+    ``fn(module=, recurse=, nonwrapped_numel=) -> bool``."""
+
+    fn: Callable[..., Any]
+
+    def should_wrap(self, module: nn.Module, unwrapped_numel: int) -> bool:
+        return bool(self.fn(module=module, recurse=False, nonwrapped_numel=unwrapped_numel))
+
+    def should_recurse(self, module: nn.Module, numel: int) -> bool:
+        return bool(self.fn(module=module, recurse=True, nonwrapped_numel=numel))
+
+
+WrapPolicy = ModuleSizePolicy | TransformerBlockPolicy | CallablePolicy
+
+
+class BackwardPrefetch(enum.Enum):
+    """When backward starts gathering the next unit [Note: prefetch flags]:
+    torch's names. pc runs both at ``BACKWARD_PRE``'s point."""
+
+    BACKWARD_PRE = "backward_pre"  # when the current unit's backward begins
+    BACKWARD_POST = "backward_post"  # torch: after its gradients; pc: as BACKWARD_PRE
+
+
+def parse_backward_prefetch(value: object) -> BackwardPrefetch | None:
+    """pc's or torch's ``BackwardPrefetch`` member, or None."""
+    if value is None or isinstance(value, BackwardPrefetch):
+        return value
+    if isinstance(value, enum.Enum) and value.name in BackwardPrefetch.__members__:
+        return BackwardPrefetch[value.name]  # torch.distributed.fsdp.BackwardPrefetch
+    raise ValueError(
+        "backward_prefetch must be BackwardPrefetch.BACKWARD_PRE, BackwardPrefetch."
+        f"BACKWARD_POST or None, got {value!r}."
+    )
 
 
 def size_based_auto_wrap_policy(min_num_params: int = 100_000_000) -> ModuleSizePolicy:
@@ -83,6 +146,36 @@ def transformer_auto_wrap_policy(
     transformer_layer_cls: Collection[type[nn.Module]],
 ) -> TransformerBlockPolicy:
     return TransformerBlockPolicy(frozenset(transformer_layer_cls))
+
+
+_FACTORIES: tuple[Callable[..., WrapPolicy], ...] = (
+    size_based_auto_wrap_policy,
+    transformer_auto_wrap_policy,
+)
+
+
+def resolve_wrap_policy(policy: object) -> WrapPolicy | None:
+    """``auto_wrap_policy`` as users pass it [Note: wrap policies]."""
+    if policy is None or isinstance(policy, (ModuleSizePolicy, TransformerBlockPolicy)):
+        return policy
+    if isinstance(policy, CallablePolicy):
+        return policy
+    if isinstance(policy, functools.partial) and policy.func in _FACTORIES:
+        built: WrapPolicy = policy()  # pc's own factory: its policy object
+        return built
+    if policy in _FACTORIES:
+        raise TypeError(
+            "auto_wrap_policy got the factory itself; call it, e.g. "
+            "size_based_auto_wrap_policy(min_num_params=1_000_000), or pass "
+            "functools.partial(size_based_auto_wrap_policy, min_num_params=1_000_000)."
+        )
+    if callable(policy):
+        return CallablePolicy(policy)
+    raise TypeError(
+        "auto_wrap_policy must be a ModuleSizePolicy, a TransformerBlockPolicy, a torch-style "
+        "callable policy(module=, recurse=, nonwrapped_numel=) -> bool (e.g. functools.partial("
+        f"size_based_auto_wrap_policy, min_num_params=...)) or None; got {policy!r}."
+    )
 
 
 def find_units(
@@ -101,8 +194,12 @@ def find_units(
         return list(found)
 
     def visit(module: nn.Module) -> None:
-        for child in module.children():
-            visit(child)
+        # Only a torch-style callable can stop the descent [Note: wrap policies].
+        if not isinstance(policy, CallablePolicy) or policy.should_recurse(
+            module, sum(p.numel() for p in free_params(module))
+        ):
+            for child in module.children():
+                visit(child)
         if module is root or policy is None:
             return
         params = free_params(module)
@@ -123,14 +220,16 @@ class FullyShardedDataParallel(ShardedModule):
     through pinned memory. Build the optimizer afterwards, over
     ``model.parameters()``. ``step_in_backward`` steps each unit as soon as
     its gradients are reduced, through a :class:`~pc_zero.GeminiOptimizer`
-    ([Note: stepping in backward] in pc_zero.gemini)."""
+    ([Note: stepping in backward] in pc_zero.gemini). ``auto_wrap_policy``:
+    [Note: wrap policies]; ``forward_prefetch`` and ``backward_prefetch``:
+    [Note: prefetch flags]."""
 
     def __init__(
         self,
         module: nn.Module,
         process_group: dist.ProcessGroup | None = None,
         *,
-        auto_wrap_policy: WrapPolicy | None = None,
+        auto_wrap_policy: WrapPolicy | Callable[..., Any] | None = None,
         reshard_after_forward: bool = True,
         mixed_precision: MixedPrecision | None = None,
         offload_params: bool = False,
@@ -139,8 +238,11 @@ class FullyShardedDataParallel(ShardedModule):
         forward_prefetch: bool = True,
         comm: Communicator | None = None,
         step_in_backward: bool = False,
+        backward_prefetch: BackwardPrefetch | enum.Enum | None = BackwardPrefetch.BACKWARD_PRE,
     ) -> None:
         mp = mixed_precision
+        policy = resolve_wrap_policy(auto_wrap_policy)
+        prefetch_backward = parse_backward_prefetch(backward_prefetch)
         # [Note: build dtype] in pc_zero.sharded: without a param_dtype the
         # compute dtype is the masters' (fp32), whatever the model was built in.
         compute = mp.param_dtype if mp is not None and mp.param_dtype is not None else torch.float32
@@ -153,7 +255,7 @@ class FullyShardedDataParallel(ShardedModule):
             sync_module_states,
             compute,
         )
-        units = find_units(module, auto_wrap_policy)
+        units = find_units(module, policy)
         manager = ChunkManager(
             module,
             units=units,
@@ -170,3 +272,13 @@ class FullyShardedDataParallel(ShardedModule):
         )
         super().__init__(module, manager, comm, mixed_precision, step_in_backward=step_in_backward)
         self.units = [unit for unit, _ in units]
+        # [Note: prefetch flags]: the manager's one switch, set per pass.
+        self.forward_prefetch = forward_prefetch
+        self.backward_prefetch = prefetch_backward
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self.manager.prefetch = self.forward_prefetch  # [Note: prefetch flags]
+        try:
+            return super().forward(*args, **kwargs)
+        finally:
+            self.manager.prefetch = self.backward_prefetch is not None

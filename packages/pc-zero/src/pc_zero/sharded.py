@@ -25,6 +25,24 @@ an fp32 model cast to bf16 with masters taken from the bf16 values.
 Buffers and frozen parameters stay whole on every rank; those built
 narrower than the compute dtype are upcast to it (exactly, as
 ``model.float()`` would), and none is rounded down.
+
+[Note: optimizer state check]
+A plain optimizer over the shards keeps per-rank state shaped like this
+rank's shards, so its ``state_dict()`` is per rank (haiscale's FSDP
+contract): each rank saves its own and loads its own back, and ranks whose
+shards differ in size (they do: a parameter may be 33 elements on one rank
+and 2 on another) resume exactly. Loading a state saved for another shard
+(another rank's file, another world size or wrap policy) is accepted by
+torch's ``load_state_dict`` without a look at the shapes, and the step then
+fails deep in the optimizer ("the size of tensor a (2) must match ...") or,
+where the sizes agree by chance, trains on the wrong values. So every
+optimizer step is preceded by a check (a global optimizer step pre-hook,
+registered once, since a wrapper never sees the optimizer built over its
+parameters): when an optimizer's state dict object is new since its last
+check (``load_state_dict`` makes a new one), every tensor entry of a shard
+parameter's state must have the shard's shape, or the step raises a
+``ValueError`` naming the parameter and saying how to resume. Between loads
+the check is one dict lookup per optimizer.
 """
 
 from __future__ import annotations
@@ -37,7 +55,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils._pytree import tree_map
+from torch.utils.weak import WeakIdKeyDictionary
 
 from pc_chunk import Chunk, ChunkManager, ChunkState, is_lazy, materialize_
 from pc_comm import Communicator, default_communicator
@@ -156,6 +176,54 @@ def _upcast_whole_tensors(module: nn.Module, compute_dtype: torch.dtype) -> None
                 tensor.data = tensor.data.to(wider)
 
 
+# [Note: optimizer state check]: shard parameter -> its name; optimizer ->
+# id of the state dict it was last checked with; the hook's handle.
+# (By identity: a tensor's == is element-wise.)
+_SHARD_NAMES = WeakIdKeyDictionary()
+_CHECKED = WeakIdKeyDictionary()
+_STATE_CHECK: list[Any] = []  # the registered hook's handle, once
+
+
+def check_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """[Note: optimizer state check]: raise if a shard parameter's loaded
+    state does not have the shard's shape."""
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            name = _SHARD_NAMES.get(param)  # type: ignore[no-untyped-call]
+            if name is None:
+                continue
+            for key, value in optimizer.state.get(param, {}).items():
+                if (
+                    isinstance(value, torch.Tensor)
+                    and value.dim() > 0
+                    and value.shape != param.shape
+                ):
+                    raise ValueError(
+                        f"optimizer state {key!r} of parameter {name!r} has shape "
+                        f"{tuple(value.shape)}, but this rank's shard of the parameter has shape "
+                        f"{tuple(param.shape)}: the optimizer state was saved for another shard "
+                        "(another rank's file, another world size or another auto_wrap_policy). "
+                        "A sharded model's optimizer state is per rank: each rank loads the "
+                        "state_dict() it saved itself, at the same world size and wrapping. To "
+                        "change those, load the model's full_state_dict() and start the "
+                        "optimizer afresh."
+                    )
+
+
+def _check_before_step(optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
+    if _CHECKED.get(optimizer) != id(optimizer.state):  # type: ignore[no-untyped-call]
+        check_optimizer_state(optimizer)
+        _CHECKED[optimizer] = id(optimizer.state)
+
+
+def _register_shards(names: dict[nn.Parameter, str]) -> None:
+    for param, name in names.items():
+        _SHARD_NAMES[param] = name
+    if not _STATE_CHECK:
+        hook = register_optimizer_step_pre_hook(_check_before_step)
+        _STATE_CHECK.append(hook)
+
+
 def _no_optimizer() -> None:
     raise RuntimeError(
         "step_in_backward=True steps each chunk in backward through the model's "
@@ -184,6 +252,9 @@ class ShardedModule(nn.Module):
         self.comm = comm
         self.mixed_precision = mixed_precision
         self._names = {p: n for n, p in module.named_parameters(remove_duplicate=False)}
+        _register_shards(  # [Note: optimizer state check]
+            {s.param: self._names.get(s.param, "?") for c in manager.chunks for s in c.slots}
+        )
         # [Note: stepping in backward] (pc_zero.gemini): GeminiOptimizer
         # replaces the hook; until it does, a backward says it is missing.
         self.step_in_backward = step_in_backward
