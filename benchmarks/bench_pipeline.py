@@ -70,12 +70,12 @@ def _ours(kind: str, transport: str) -> tuple[Pipeline, torch.optim.Optimizer]:
     if kind == "interleaved":
         parts = partition(_model(), rank, world, num_model_chunks=2)
         assert isinstance(parts, list)
-        pipe: Pipeline = Interleaved1F1B(parts, CHUNKS, communicator=comm)
+        pipe: Pipeline = Interleaved1F1B(parts, CHUNKS, communicator=comm, scale_grads=True)
     else:
         stage = partition(_model(), rank, world)
         assert isinstance(stage, nn.Module)
         wrapper = {"gpipe": GPipe, "1f1b": PipeDream, "zb-h1": ZeroBubble}[kind]
-        pipe = wrapper(stage, CHUNKS, communicator=comm)
+        pipe = wrapper(stage, CHUNKS, communicator=comm, scale_grads=True)
     return pipe, torch.optim.SGD(pipe.parameters(), lr=1e-3)
 
 

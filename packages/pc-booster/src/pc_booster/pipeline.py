@@ -2,10 +2,12 @@
 plugin: the embedding, each transformer block, and the head, each taking
 the previous one's output (token ids, then hidden states, then logits).
 
-Blocks run without an attention mask: causal models get their causal mask
-from the attention itself (``is_causal``), BERT attends everywhere, as the
-whole model does for unpadded batches. Padding masks are not carried
-through the pipeline.
+Causal models get their causal mask from the attention itself under
+``sdpa`` and FlashAttention (``is_causal`` when no mask is given); under
+``eager`` attention, which applies only the mask it is given, every block
+gets an explicit causal mask. BERT attends everywhere, as the whole model
+does for unpadded batches. Padding masks are not carried through the
+pipeline.
 """
 
 from __future__ import annotations
@@ -31,16 +33,44 @@ class _GPT2Embed(nn.Module):
         return out
 
 
+_CAUSAL_ITSELF = ("sdpa", "flash_attention_2", "flash_attention_3")
+
+
+def _needs_causal_mask(model: nn.Module) -> bool:
+    """Whether the blocks' attention must be given the causal mask."""
+    impl = getattr(getattr(model, "config", None), "_attn_implementation", None) or "sdpa"
+    if impl in _CAUSAL_ITSELF:
+        return False
+    if impl == "eager":
+        return True
+    raise ValueError(
+        f"pipeline parallelism runs the blocks under the {impl!r} attention "
+        f"implementation, which it cannot give a causal mask; use one of "
+        f"{', '.join(map(repr, (*_CAUSAL_ITSELF, 'eager')))} "
+        "(model.set_attn_implementation('sdpa'))."
+    )
+
+
 class _Block(nn.Module):
     """A transformer block called on the hidden states alone."""
 
-    def __init__(self, block: nn.Module, rotary: nn.Module | None = None) -> None:
+    def __init__(
+        self, block: nn.Module, rotary: nn.Module | None = None, causal_mask: bool = False
+    ) -> None:
         super().__init__()
         self.block = block
         self.rotary = rotary  # Llama: position embeddings computed per stage
+        self.causal_mask = causal_mask  # eager attention: the mask is given, not implied
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         kwargs: dict[str, Any] = {}
+        if self.causal_mask:
+            length = hidden.shape[1]
+            blocked = torch.full(
+                (length, length), torch.finfo(hidden.dtype).min, dtype=hidden.dtype,
+                device=hidden.device,
+            )  # fmt: skip
+            kwargs["attention_mask"] = blocked.triu(1)[None, None]
         if self.rotary is not None:
             positions = torch.arange(hidden.shape[1], device=hidden.device)[None]
             kwargs["position_embeddings"] = self.rotary(hidden, positions)
@@ -77,11 +107,12 @@ def pipeline_layers(model: nn.Module) -> tuple[list[nn.Module], str]:
     name = type(model).__name__
     lm: Any = model
     if kind == "gpt2" and name == "GPT2LMHeadModel":
-        blocks = [_Block(b) for b in lm.transformer.h]
+        causal = _needs_causal_mask(model)
+        blocks = [_Block(b, causal_mask=causal) for b in lm.transformer.h]
         return [_GPT2Embed(lm), *blocks, _Head(lm.transformer.ln_f, lm.lm_head)], "causal"
     if kind == "llama" and name == "LlamaForCausalLM":
-        rotary = lm.model.rotary_emb
-        blocks = [_Block(b, rotary) for b in lm.model.layers]
+        rotary, causal = lm.model.rotary_emb, _needs_causal_mask(model)
+        blocks = [_Block(b, rotary, causal) for b in lm.model.layers]
         return [lm.model.embed_tokens, *blocks, _Head(lm.model.norm, lm.lm_head)], "causal"
     if kind == "bert" and name == "BertForMaskedLM":
         blocks = [_Block(b) for b in lm.bert.encoder.layer]

@@ -131,6 +131,8 @@ class Pipeline(nn.Module):
         # [Note: gradient scale]: False sums microbatch gradients (haiscale).
         self.scale_grads = scale_grads
         ranks, rank = self.comm.world_size, self.comm.rank
+        # The builder, kept so set_chunks can build the schedule for another count.
+        self._builder = None if isinstance(schedule, Schedule) else schedule
         self.schedule = schedule if isinstance(schedule, Schedule) else schedule(ranks, chunks)
         validate(self.schedule)
         if self.schedule.num_ranks != ranks or self.schedule.num_microbatches != chunks:
@@ -153,6 +155,25 @@ class Pipeline(nn.Module):
         # in self.timeline: (action, start, end) seconds from the step start.
         self.record_timeline = False
         self.timeline: list[tuple[Action, float, float]] = []
+
+    def set_chunks(self, chunks: int) -> None:
+        """Split the next steps' batches into ``chunks`` microbatches (the
+        schedule is rebuilt for that count; the same on every rank)."""
+        if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+            raise ValueError(
+                f"chunks must be a positive int (microbatches per step), got {chunks!r}."
+            )
+        if chunks == self.chunks:
+            return
+        if self._builder is None:
+            raise ValueError(
+                f"this pipeline runs the fixed schedule {self.schedule.name!r} for "
+                f"{self.chunks} microbatches; build it from a schedule builder to change it."
+            )
+        schedule = self._builder(self.comm.world_size, chunks)
+        validate(schedule)
+        self.schedule, self.chunks = schedule, chunks
+        self._eval_schedule = schedule.forwards()
 
     @property
     def module(self) -> nn.Module:

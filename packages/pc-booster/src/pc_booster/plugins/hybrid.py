@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, partial
 from typing import Any, ClassVar
 
 import torch
@@ -59,7 +59,7 @@ from pc_booster.plugins.sharded import (
 from pc_booster.rules import PluginConfig, Rule, RunSetting, StateBytes, TrainPrecision
 from pc_chunk import is_lazy
 
-__all__ = ["HybridParallelOptions", "HybridParallelPlugin"]
+__all__ = ["HybridParallelOptions", "HybridParallelPlugin", "apply_optimizations"]
 
 PP_STYLES = ("1f1b", "interleaved", "zbv")
 
@@ -170,6 +170,81 @@ def _pipeline_accumulation(o: HybridParallelOptions, setting: RunSetting) -> str
     return None
 
 
+SP_MODES = ("split_gather",)
+
+
+def _microbatch_size(o: HybridParallelOptions, setting: RunSetting) -> str | None:
+    if o.microbatch_size is None:
+        return None
+    if isinstance(o.microbatch_size, bool) or not isinstance(o.microbatch_size, int):
+        return f"microbatch_size must be an int >= 1, got {o.microbatch_size!r}."
+    if o.microbatch_size < 1:
+        return f"microbatch_size must be an int >= 1, got {o.microbatch_size!r}."
+    if o.num_microbatches is not None:
+        return (
+            f"num_microbatches ({o.num_microbatches}) and microbatch_size ({o.microbatch_size}) "
+            "both say how a batch splits; give one of them."
+        )
+    return None
+
+
+def _model_chunks(o: HybridParallelOptions, setting: RunSetting) -> str | None:
+    if o.num_model_chunks is None or o.num_model_chunks == o.chunks_per_rank():
+        return None
+    return (
+        f"num_model_chunks={o.num_model_chunks} with pp_style={o.pp_style!r}, which holds "
+        f"{o.chunks_per_rank()} model chunk(s) per rank; pc's interleaved schedule holds 2: "
+        "pass pp_style='interleaved' with num_model_chunks=2 (or leave num_model_chunks out)."
+    )
+
+
+def _sp_mode(o: HybridParallelOptions, setting: RunSetting) -> str | None:
+    mode = o.sequence_parallelism_mode
+    if mode is not None and mode not in SP_MODES:
+        return (
+            f"sequence_parallelism_mode={mode!r}: pc splits the sequence over the "
+            "tensor-parallel ranks ('split_gather', Megatron's sequence parallelism); "
+            "all-to-all (Ulysses) and ring attention are not in pc yet."
+        )
+    if o.sp_size not in (None, 1):
+        return (
+            f"sp_size={o.sp_size}: 'split_gather' sequence parallelism runs over the "
+            "tensor-parallel ranks, so it has no size of its own; leave sp_size out."
+        )
+    if mode is not None and not o.enable_sequence_parallelism:
+        return (
+            f"sequence_parallelism_mode={mode!r} without enable_sequence_parallelism=True; "
+            "turn sequence parallelism on, or drop the mode."
+        )
+    return None
+
+
+def _refused_extras(o: HybridParallelOptions, setting: RunSetting) -> str | None:
+    if o.fp8_communication:
+        return (
+            "fp8_communication=True: pc communicates in the gradients' and parameters' own "
+            "dtype; fp8 compression is not implemented. Leave it False."
+        )
+    if o.enable_jit_fused:
+        return (
+            "enable_jit_fused=True: pc has no jit-fused kernels of its own; torch.compile "
+            "fuses the same element-wise ops. Leave it False."
+        )
+    if o.custom_policy is not None:
+        return (
+            "custom_policy: pc shards a model from its transformers tensor-parallel plan or a "
+            "pc_tensor.Policy registered in pc_tensor.POLICIES, not from a Colossal-AI policy; "
+            "register one there and leave custom_policy out."
+        )
+    if not o.parallel_output and o.pp_size > 1:
+        return (
+            "parallel_output=False with pp_size > 1: the last stage's criterion gets the "
+            "vocabulary-parallel logits (outputs.logits); gather them there with "
+            "pc_tensor.gather_logits, or use pp_size=1."
+        )
+    return None
+
+
 @dataclass(frozen=True)
 class HybridParallelOptions(PluginConfig):
     """``tp_size`` x ``pp_size`` ranks per model replica, the rest data
@@ -228,6 +303,27 @@ class HybridParallelOptions(PluginConfig):
             _pipeline_accumulation,
             ({"pp_size": 2}, RunSetting(accumulation=4)),
         ),
+        Rule(
+            "microbatch_size out of range, or with num_microbatches",
+            _microbatch_size,
+            ({"microbatch_size": 2, "num_microbatches": 2}, RunSetting()),
+        ),
+        Rule(
+            "num_model_chunks other than the schedule's",
+            _model_chunks,
+            ({"num_model_chunks": 2}, RunSetting()),
+        ),
+        Rule(
+            "sequence parallelism other than split_gather, or an sp_size",
+            _sp_mode,
+            ({"sequence_parallelism_mode": "all_to_all"}, RunSetting()),
+        ),
+        Rule(
+            "fp8_communication, enable_jit_fused, custom_policy, or parallel_output=False "
+            "with pipelines",
+            _refused_extras,
+            ({"fp8_communication": True}, RunSetting()),
+        ),
     )
 
     tp_size: int = 1
@@ -245,6 +341,25 @@ class HybridParallelOptions(PluginConfig):
     growth_factor: float = 2.0
     backoff_factor: float = 0.5
     pp_timeout: float = 300.0
+    # Colossal-AI's names [Note: Colossal-AI's hybrid options].
+    microbatch_size: int | None = None
+    num_model_chunks: int | None = None
+    sequence_parallelism_mode: str | None = None
+    sp_size: int | None = None
+    enable_flash_attention: bool = False
+    enable_fused_normalization: bool = False
+    enable_jit_fused: bool = False
+    enable_all_optimization: bool = False
+    overlap_communication: bool = True
+    fp8_communication: bool = False
+    parallel_output: bool = True
+    custom_policy: Any = None
+
+    def flash_attention(self) -> bool:
+        return self.enable_flash_attention or self.enable_all_optimization
+
+    def fused_normalization(self) -> bool:
+        return self.enable_fused_normalization or self.enable_all_optimization
 
     def chunks_per_rank(self) -> int:
         return 2 if self.pp_style == "interleaved" else 1
@@ -299,6 +414,18 @@ class HybridParallelPlugin(Plugin, SupportsNoSync, SupportsPipeline):
         precision: str | None = None,
         pp_timeout: float = 300.0,
         layout: ParallelLayout | None = None,
+        microbatch_size: int | None = None,
+        num_model_chunks: int | None = None,
+        sequence_parallelism_mode: str | None = None,
+        sp_size: int | None = None,
+        enable_flash_attention: bool = False,
+        enable_fused_normalization: bool = False,
+        enable_jit_fused: bool = False,
+        enable_all_optimization: bool = False,
+        overlap_communication: bool = True,
+        fp8_communication: bool = False,
+        parallel_output: bool = True,
+        custom_policy: Any = None,
     ) -> None:
         super().__init__(
             HybridParallelOptions(
@@ -317,6 +444,18 @@ class HybridParallelPlugin(Plugin, SupportsNoSync, SupportsPipeline):
                 growth_factor=growth_factor,
                 backoff_factor=backoff_factor,
                 pp_timeout=pp_timeout,
+                microbatch_size=microbatch_size,
+                num_model_chunks=num_model_chunks,
+                sequence_parallelism_mode=sequence_parallelism_mode,
+                sp_size=sp_size,
+                enable_flash_attention=enable_flash_attention,
+                enable_fused_normalization=enable_fused_normalization,
+                enable_jit_fused=enable_jit_fused,
+                enable_all_optimization=enable_all_optimization,
+                overlap_communication=overlap_communication,
+                fp8_communication=fp8_communication,
+                parallel_output=parallel_output,
+                custom_policy=custom_policy,
             )
         )
         self.set_precision(precision)
@@ -400,6 +539,7 @@ class HybridParallelPlugin(Plugin, SupportsNoSync, SupportsPipeline):
 
         layout = self.layout
         names = names_by_id(model)
+        apply_optimizations(model, self.options)
         if self.pp_size > 1:
             return hybrid_pipeline.configure_pipeline(
                 self, model, names, optimizer, criterion, dataloader, lr_scheduler, precision
@@ -440,6 +580,8 @@ class HybridParallelPlugin(Plugin, SupportsNoSync, SupportsPipeline):
                 wrapped = DistributedDataParallel(model, process_group=layout.dp_group)
             if optimizer is not None:
                 self.clip_own_optimizer(optimizer)
+        if self.tp_size > 1 and not self.options.parallel_output:
+            model.register_forward_hook(_full_logits)
         return Boosted(wrapped, optimizer, criterion, dataloader, lr_scheduler, module=model)
 
     # -- clipping and loss scaling across every group holding gradients ---------------
@@ -487,6 +629,7 @@ class HybridParallelPlugin(Plugin, SupportsNoSync, SupportsPipeline):
             counts_toward_norm=lambda p: self.counts_toward_norm(p, by_id.get(id(p))),
             clip_grad_norm=o.max_norm,
             loss_scale=loss_scale_config(o),
+            overlap_communication=o.overlap_communication,
         )
 
     def clip_own_optimizer(self, optimizer: Optimizer, names: dict[int, str] | None = None) -> None:
@@ -643,3 +786,56 @@ class HybridParallelPlugin(Plugin, SupportsNoSync, SupportsPipeline):
 
     def load_optimizer_state_dict(self, optimizer: Any, state: CanonicalOptimizerState) -> None:
         hybrid_state.load_optimizer_state_dict(self, optimizer, state)
+
+
+# [Note: Colossal-AI's hybrid options]
+# Colossal-AI's HybridParallelPlugin swaps in kernels by flag. pc does what
+# each flag asks with what torch has, or refuses it (the rules above):
+# - enable_flash_attention: the model's attention through torch's
+#   scaled_dot_product_attention (transformers' "sdpa"), whose CUDA kernels
+#   are FlashAttention's;
+# - enable_fused_normalization: RMS norms through torch's fused rms_norm
+#   (LayerNorm is one fused kernel in torch already);
+# - enable_all_optimization: both (pc has no jit-fused kernels: refused
+#   apart as enable_jit_fused);
+# - parallel_output=False: a tensor-parallel model's logits gathered to the
+#   full vocabulary after the forward (True keeps each rank's slice, which
+#   is what the loss uses).
+
+
+def apply_optimizations(model: nn.Module, options: HybridParallelOptions) -> None:
+    """``enable_flash_attention`` / ``enable_fused_normalization`` /
+    ``enable_all_optimization`` on ``model``, in place."""
+    if options.flash_attention():
+        setter = getattr(model, "set_attn_implementation", None)
+        if setter is None:
+            raise ValueError(
+                f"enable_flash_attention: {type(model).__name__} is not a transformers model "
+                "whose attention pc can switch to scaled_dot_product_attention."
+            )
+        setter("sdpa")
+    if options.fused_normalization():
+        for module in model.modules():
+            if type(module).__name__.endswith("RMSNorm") and not isinstance(module, nn.RMSNorm):
+                eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
+                if eps is None or getattr(module, "weight", None) is None:
+                    continue
+                module.forward = partial(_fused_rms_norm, module, float(eps))
+
+
+def _fused_rms_norm(module: nn.Module, eps: float, hidden: torch.Tensor) -> torch.Tensor:
+    """transformers' RMS norm (in fp32, scaled by the weight in the input's
+    dtype) through torch's fused kernel."""
+    normed = torch.nn.functional.rms_norm(hidden.float(), (hidden.shape[-1],), eps=eps)
+    weight: torch.Tensor = module.weight  # type: ignore[assignment]
+    return weight * normed.to(hidden.dtype)
+
+
+def _full_logits(module: nn.Module, args: Any, output: Any) -> Any:
+    """parallel_output=False: the full vocabulary's logits."""
+    from pc_tensor import gather_logits
+
+    logits = getattr(output, "logits", None)
+    if isinstance(logits, torch.Tensor):
+        output.logits = gather_logits(logits, module)
+    return output

@@ -155,11 +155,13 @@ def configure_pipeline(
         ]
     chunks, wait = o.microbatches(), o.pp_timeout
     if o.pp_style == "interleaved":
-        pipe: nn.Module = Interleaved1F1B(mine, chunks, layout.pp_group, timeout=wait)
+        pipe: nn.Module = Interleaved1F1B(
+            mine, chunks, layout.pp_group, timeout=wait, scale_grads=True
+        )
     elif o.pp_style == "zbv":
-        pipe = ZeroBubble(mine[0], chunks, layout.pp_group, timeout=wait)
+        pipe = ZeroBubble(mine[0], chunks, layout.pp_group, timeout=wait, scale_grads=True)
     else:
-        pipe = PipeDream(mine[0], chunks, layout.pp_group, timeout=wait)
+        pipe = PipeDream(mine[0], chunks, layout.pp_group, timeout=wait, scale_grads=True)
     if optimizer is not None:
         optimizer = rebuild_optimizer(optimizer, names, own, skip_missing=True)
         own_names = {id(p): n for n, p in own.items()}
@@ -242,6 +244,15 @@ def execute_pipeline(
             f"{sorted(inputs)}. Pass a dict with input_ids (and labels), or a tensor of ids."
         )
     keys = [k for k, v in inputs.items() if isinstance(v, torch.Tensor)]
+    size = plugin.options.microbatch_size
+    if size is not None:  # Colossal-AI's microbatch_size: the count follows the batch
+        rows = inputs["input_ids"].shape[0]
+        if rows % size:
+            raise ValueError(
+                f"execute_pipeline: the batch's {rows} rows do not split into micro-batches of "
+                f"microbatch_size={size}; pass a batch whose size is a multiple of it."
+            )
+        model.set_chunks(rows // size)  # type: ignore[operator]
     scaler = optimizer.scaler if plugin.zero_stage and optimizer is not None else None
     scale = float(scaler.scale) if scaler is not None else 1.0
     user: Callable[[Any, dict[str, Any]], torch.Tensor] = (
