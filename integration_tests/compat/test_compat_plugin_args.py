@@ -13,7 +13,7 @@ import torch.distributed as dist
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 from pc_booster import Booster
-from pc_booster.plugin import HybridParallelPlugin
+from pc_booster.plugin import HybridParallelPlugin, Plugin
 from pc_booster.plugins.hybrid import _fused_rms_norm
 from pc_comm.testing import run_subtests
 
@@ -56,7 +56,7 @@ def _reference(build: Any, steps: int) -> tuple[list[float], dict[str, torch.Ten
     return losses, model.state_dict()
 
 
-def _train(plugin: HybridParallelPlugin, build: Any, steps: int) -> tuple[list[float], Any, Any]:
+def _train(plugin: Plugin, build: Any, steps: int) -> tuple[list[float], Any, Any]:
     booster = Booster(plugin=plugin)
     built = build()
     model, optimizer, *_ = booster.boost(
@@ -209,3 +209,161 @@ def check_refused() -> None:
 
 def test_hybrid_refusals() -> None:
     run_subtests(check_refused, 2, {}, timeout=120)
+
+
+# -- TorchDDPPlugin under Booster(mixed_precision=...): torch's AMP -----------------------
+
+
+def check_torch_ddp_amp() -> None:
+    from pc_booster.plugin import TorchDDPPlugin
+
+    for precision, dtype in (("fp16", torch.float16), ("bf16", torch.bfloat16)):
+        booster = Booster(plugin=TorchDDPPlugin(initial_scale=2.0**8, hysteresis=1),
+                          mixed_precision=precision)  # fmt: skip
+        built = _gpt2()
+        model, optimizer, *_ = booster.boost(built, torch.optim.SGD(built.parameters(), lr=0.1))
+        assert all(p.dtype == torch.float32 for p in model.parameters())  # fp32 parameters
+        ids = _ids(0, 2)
+        out = model(input_ids=ids, labels=ids)
+        assert out.logits.dtype == dtype, out.logits.dtype  # the forward ran under autocast
+        booster.backward(out.loss, optimizer)
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        optimizer.step()
+        optimizer.zero_grad()
+        moved = any(not torch.equal(before[n], p) for n, p in model.named_parameters())
+        assert moved
+        if precision == "fp16":  # an overflowing step is skipped and the scale backs off
+            scaler = optimizer.__dict__["_pc_loss_scaler"]
+            assert scaler.scale == 2.0**8
+            booster.backward(model(input_ids=ids, labels=ids).loss * float("inf"), optimizer)
+            before = {n: p.detach().clone() for n, p in model.named_parameters()}
+            optimizer.step()
+            assert all(torch.equal(before[n], p) for n, p in model.named_parameters())
+            assert scaler.scale == 2.0**7
+    booster = Booster(plugin=TorchDDPPlugin(), mixed_precision="bf16")
+    with pytest.raises(ValueError, match="no fp32 values to keep"):
+        booster.boost(_gpt2().to(torch.bfloat16))
+    with pytest.raises(ValueError, match="check_reduction=True: torch's DistributedDataParallel"):
+        TorchDDPPlugin(check_reduction=True)
+    with pytest.raises(ValueError, match="fp8_communication=True"):
+        TorchDDPPlugin(fp8_communication=True)
+    dist.barrier()
+
+
+def test_torch_ddp_mixed_precision_is_amp() -> None:
+    run_subtests(check_torch_ddp_amp, 2, {}, timeout=120)
+
+
+# -- TorchFSDPPlugin with FSDP1's arguments -------------------------------------------------
+
+
+def check_fsdp1_arguments(case: str) -> None:
+    import functools
+
+    from torch.distributed.fsdp import (
+        BackwardPrefetch,
+        CPUOffload,
+        FSDPModule,
+        MixedPrecision,
+        ShardingStrategy,
+    )
+    from torch.distributed.fsdp.wrap import (
+        size_based_auto_wrap_policy,
+        transformer_auto_wrap_policy,
+    )
+    from torch.distributed.tensor import DTensor
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
+    from pc_booster.plugin import TorchFSDPPlugin
+
+    if case == "sharding_strategy":
+        for strategy, resharded in ((ShardingStrategy.FULL_SHARD, True),
+                                    (ShardingStrategy.SHARD_GRAD_OP, False)):  # fmt: skip
+            booster = Booster(plugin=TorchFSDPPlugin(sharding_strategy=strategy))
+            model, *_ = booster.boost(_gpt2())
+            ids = _ids(0, 2)
+            model(input_ids=ids, labels=ids)
+            block = model.unwrap().transformer.h[0]
+            assert isinstance(block.attn.c_attn.weight, DTensor) == resharded, strategy
+    elif case == "auto_wrap_policy":
+        by_class = functools.partial(
+            transformer_auto_wrap_policy, transformer_layer_cls={GPT2Block}
+        )
+        plugin = TorchFSDPPlugin(auto_wrap_policy=by_class)
+        losses, booster, model = _train(plugin, _gpt2, 3)
+        assert all(isinstance(b, FSDPModule) for b in model.unwrap().transformer.h)
+        _matches(_gpt2, losses, booster, model)
+        nothing = functools.partial(size_based_auto_wrap_policy, min_num_params=10**9)
+        booster = Booster(plugin=TorchFSDPPlugin(auto_wrap_policy=nothing))
+        model, *_ = booster.boost(_gpt2())
+        assert not any(isinstance(b, FSDPModule) for b in model.unwrap().transformer.h)
+    elif case == "mixed_precision":
+        plugin = TorchFSDPPlugin(mixed_precision=MixedPrecision(param_dtype=torch.bfloat16))
+        booster = Booster(plugin=plugin)
+        model, *_ = booster.boost(_gpt2())
+        ids = _ids(0, 2)
+        assert model(input_ids=ids, labels=ids).logits.dtype == torch.bfloat16
+    elif case == "cpu_offload_and_prefetch":
+        plugin = TorchFSDPPlugin(cpu_offload=CPUOffload(offload_params=True),
+                                 backward_prefetch=BackwardPrefetch.BACKWARD_PRE,
+                                 sync_module_states=True)  # fmt: skip
+        losses, booster, model = _train(plugin, _gpt2, 3)
+        assert all(p.device.type == "cpu" for p in model.parameters())
+        _matches(_gpt2, losses, booster, model)
+    elif case == "refused":
+        for kwargs, message in (
+            ({"sharding_strategy": ShardingStrategy.NO_SHARD}, "use TorchDDPPlugin to replicate"),
+            (
+                {"sharding_strategy": ShardingStrategy.HYBRID_SHARD},
+                "use FULL_SHARD or SHARD_GRAD_OP",
+            ),
+            ({"backward_prefetch": BackwardPrefetch.BACKWARD_POST}, "BACKWARD_POST is not offered"),
+            ({"param_init_fn": lambda m: None}, "drop param_init_fn"),
+            ({"ignored_modules": [torch.nn.Linear(1, 1)]}, "Freeze it"),
+            ({"fp8_communication": True}, "pc all-gathers and reduces"),
+            ({"mixed_precision": MixedPrecision(param_dtype=torch.float16)}, "fp16 needs a loss"),
+        ):
+            with pytest.raises(ValueError, match=message):
+                TorchFSDPPlugin(**kwargs)
+    dist.barrier()
+
+
+def test_torch_fsdp_takes_fsdp1_arguments() -> None:
+    cases = ["sharding_strategy", "auto_wrap_policy", "mixed_precision",
+             "cpu_offload_and_prefetch", "refused"]  # fmt: skip
+    run_subtests(check_fsdp1_arguments, 2, {"case": cases}, timeout=200)
+
+
+# -- LowLevelZeroPlugin's other arguments ---------------------------------------------------
+
+
+def check_low_level_zero_arguments() -> None:
+    import contextlib
+    import io
+
+    from pc_booster.plugin import LowLevelZeroPlugin
+
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        booster = Booster(plugin=LowLevelZeroPlugin(stage=2, verbose=True))
+        built = _gpt2()
+        booster.boost(built, torch.optim.SGD(built.parameters(), lr=0.1))
+    said = printed.getvalue()
+    if dist.get_rank() == 0:
+        assert "LowLevelZeroPlugin ZeRO-2 over 2 ranks" in said, said
+    else:
+        assert said == ""
+    for kwargs, message in (
+        ({"norm_type": 1.0}, "pc clips by the global 2-norm"),
+        ({"master_weights": False}, "pc keeps fp32 masters"),
+        ({"communication_dtype": torch.float16}, "pc reduces gradients in fp32"),
+        ({"fp8_communication": True}, "pc has no fp8 path"),
+        ({"extra_dp_size": 2}, "no second data-parallel level"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            LowLevelZeroPlugin(**kwargs)
+    dist.barrier()
+
+
+def test_low_level_zero_arguments() -> None:
+    run_subtests(check_low_level_zero_arguments, 2, {}, timeout=120)

@@ -200,9 +200,9 @@ def batch(step: int, size: int) -> dict[str, torch.Tensor]:
 def make_plugin(case: Case, layouts: dict[tuple[int, int], ParallelLayout]) -> Plugin:
     clip = MAX_NORM if case.clip else 0.0
     if case.plugin == "torch-ddp":
-        return TorchDDPPlugin(max_norm=clip)
+        return TorchDDPPlugin(max_norm=clip, initial_scale=SCALE, hysteresis=1)
     if case.plugin == "ddp":
-        return DDPPlugin(max_norm=clip)
+        return DDPPlugin(max_norm=clip, initial_scale=SCALE, hysteresis=1)
     if case.plugin in ("zero1", "zero2"):
         return LowLevelZeroPlugin(
             stage=int(case.plugin[-1]), max_norm=clip, initial_scale=SCALE, hysteresis=1

@@ -21,7 +21,7 @@ from torch import nn
 if TYPE_CHECKING:
     from pc_booster.plugin import Plugin
 
-__all__ = ["BoostedModel", "BoostedOptimizer", "mark_boosted"]
+__all__ = ["BoostedModel", "BoostedOptimizer", "mark_boosted", "mix_before"]
 
 T = TypeVar("T")
 
@@ -47,6 +47,22 @@ def _mix(obj: Any, mixin: type) -> None:
         _CLASSES[key] = type(
             cls.__name__,
             (cls, mixin),
+            {"__module__": cls.__module__, "__qualname__": cls.__qualname__},
+        )
+    obj.__class__ = _CLASSES[key]
+
+
+def mix_before(obj: Any, mixin: type) -> None:
+    """Put ``mixin`` before ``obj``'s class in its MRO (its methods win and
+    reach the original's through ``super()``) [Note: boosted classes]."""
+    cls = type(obj)
+    if isinstance(obj, mixin):
+        return
+    key = (mixin, cls)
+    if key not in _CLASSES:
+        _CLASSES[key] = type(
+            cls.__name__,
+            (mixin, cls),
             {"__module__": cls.__module__, "__qualname__": cls.__qualname__},
         )
     obj.__class__ = _CLASSES[key]

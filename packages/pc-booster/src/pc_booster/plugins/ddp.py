@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, ClassVar
 
 import torch
@@ -26,6 +27,7 @@ from pc_booster.plugins.common import (
     clone_state,
     device,
     load_cast,
+    loss_scale_config,
     materialize_lazy,
     require_initialized,
     torch_load_optimizer,
@@ -37,33 +39,84 @@ from pc_booster.plugins.sharded import (
     whole_state,
 )
 from pc_booster.rules import PluginConfig, Rule, RunSetting, StateBytes, TrainPrecision
+from pc_booster.wrappers import mix_before
+from pc_zero import DynamicLossScaler
 
 __all__ = ["DDPOptions", "DDPPlugin", "TorchDDPOptions", "TorchDDPPlugin"]
 
 
-def _fp32_only(options: Any, setting: RunSetting) -> str | None:
-    if setting.precision in (None, TrainPrecision.FP32):
+def _fp32_parameters(options: Any, setting: RunSetting) -> str | None:
+    p = setting.precision
+    if p in (None, TrainPrecision.FP32) or setting.model_dtype != p.dtype:
         return None
-    source = (
-        "the model was built in it"
-        if setting.model_dtype == setting.precision.dtype
-        else "mixed_precision asks for it"
-    )
     return (
-        f"trains in fp32 only (every rank steps the user's optimizer on the model itself, "
-        f"with no fp32 masters), got {setting.precision.value} ({source}). Use "
-        "LowLevelZeroPlugin(stage=1) for the same memory per rank with fp32 masters and "
-        f"{setting.precision.value} compute, or build the model in fp32 (model.float())."
+        f"keeps fp32 parameters and runs {p.value} compute through torch.autocast, but the "
+        f"model was built in {p.value}, so there are no fp32 values to keep. Build the model "
+        f"in fp32 (model.float()) and ask for mixed_precision='{p.value}', or use "
+        f"LowLevelZeroPlugin(stage=1), which keeps fp32 masters of a {p.value} model."
     )
+
+
+def _torch_ddp_arguments(options: Any, setting: RunSetting) -> str | None:
+    if getattr(options, "check_reduction", False):
+        return (
+            "check_reduction=True: torch's DistributedDataParallel no longer uses it; "
+            "find_unused_parameters=True finds parameters that got no gradient."
+        )
+    if getattr(options, "fp8_communication", False):
+        return "fp8_communication=True: pc reduces gradients in their own dtype; leave it False."
+    return None
 
 
 DATA_PARALLEL_RULES = (
     Rule(
-        "mixed precision (bf16, fp16, or a model built in them)",
-        _fp32_only,
+        "a model built in bf16 or fp16 (no fp32 parameters to keep)",
+        _fp32_parameters,
         ({}, RunSetting(precision=TrainPrecision.BF16, model_dtype=torch.bfloat16)),
     ),
+    Rule(
+        "check_reduction or fp8_communication",
+        _torch_ddp_arguments,
+        ({"fp8_communication": True}, RunSetting()),
+    ),
 )
+
+
+# [Note: mixed precision of the data-parallel plugins]
+# Colossal-AI runs Booster(mixed_precision='fp16') with TorchDDPPlugin as
+# torch's AMP: fp32 parameters, the forward under torch.autocast, the loss
+# scaled for fp16. Here the same: the wrapped model's forward runs under
+# autocast in the run's precision; for fp16 the loss is multiplied by a
+# dynamic loss scale in backward, and the optimizer's step (its class gains
+# _AmpStep, as fully_shard adds methods) first unscales the gradients and
+# skips the step on an overflow (every rank sees the same all-reduced
+# gradients, so every rank skips together), then the step's own pre-hooks
+# (clipping) see unscaled gradients.
+
+
+class _AmpStep:
+    """The optimizer step under fp16 autocast: unscale, skip on overflow."""
+
+    def step(self, closure: Any = None) -> Any:
+        from pc_zero import unscale_clip_and_check
+
+        scaler = self.__dict__["_pc_loss_scaler"]
+        optimizer: Any = self
+        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        ok, _ = unscale_clip_and_check(grads, None, scaler, 0.0, device())
+        if not ok:  # the scale backed off; this step's gradients are dropped
+            optimizer.zero_grad(set_to_none=True)
+            return None
+        result = super().step(closure)  # type: ignore[misc]
+        scaler.update(False)
+        return result
+
+
+def _autocast_forward(
+    forward: Any, device_type: str, dtype: torch.dtype, *args: Any, **kw: Any
+) -> Any:
+    with torch.autocast(device_type, dtype=dtype):
+        return forward(*args, **kw)
 
 
 def _replicated_states(psi: float, precision: TrainPrecision) -> StateBytes:
@@ -84,6 +137,15 @@ class TorchDDPOptions(PluginConfig):
     gradient_as_bucket_view: bool = False
     static_graph: bool = False
     max_norm: float = 0.0
+    check_reduction: bool = False
+    fp8_communication: bool = False
+    initial_scale: float = 2.0**16
+    min_scale: float = 1.0
+    max_scale: float = 2.0**32
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 1000
+    hysteresis: int = 2
 
     def model_states(self, psi: float, dp: int, precision: TrainPrecision) -> StateBytes:
         return _replicated_states(psi, precision)
@@ -103,6 +165,14 @@ class DDPOptions(PluginConfig):
     find_unused_parameters: bool = False
     broadcast_buffers: bool = True
     max_norm: float = 0.0
+    fp8_communication: bool = False
+    initial_scale: float = 2.0**16
+    min_scale: float = 1.0
+    max_scale: float = 2.0**32
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 1000
+    hysteresis: int = 2
 
     def model_states(self, psi: float, dp: int, precision: TrainPrecision) -> StateBytes:
         return _replicated_states(psi, precision)
@@ -130,11 +200,26 @@ class _DataParallel(Plugin, SupportsNoSync):
         materialize_lazy([model], device())
         # The wrapper broadcasts rank 0's parameters and buffers itself.
         model = model.to(device())
-        cast_floating(model, precision.dtype)  # a bf16-built model trained in fp32
+        # fp32 parameters; mixed precision through autocast [Note: mixed
+        # precision of the data-parallel plugins]. A bf16-built model asked
+        # to train in fp32 is cast up.
+        cast_floating(model, torch.float32)
         wrapped = self._wrap(model)
+        if precision is not TrainPrecision.FP32:
+            kind = device().type
+            wrapped.forward = partial(_autocast_forward, wrapped.forward, kind, precision.dtype)
+        if optimizer is not None and precision is TrainPrecision.FP16:
+            mix_before(optimizer, _AmpStep)
+            optimizer.__dict__["_pc_loss_scaler"] = DynamicLossScaler(
+                loss_scale_config(self.options)
+            )
         if optimizer is not None and self.options.max_norm > 0:
             optimizer.register_step_pre_hook(clip_hook(self.options.max_norm, clip_replicated))
         return Boosted(wrapped, optimizer, criterion, dataloader, lr_scheduler, module=model)
+
+    def backward(self, loss: torch.Tensor, optimizer: Any) -> None:
+        scaler = getattr(optimizer, "__dict__", {}).get("_pc_loss_scaler")
+        super().backward(loss * scaler.scale if scaler is not None else loss, optimizer)
 
     def no_sync(self, model: nn.Module, optimizer: Any) -> AbstractContextManager[None]:
         context: AbstractContextManager[None] = model.no_sync()  # type: ignore[operator]
@@ -179,6 +264,15 @@ class TorchDDPPlugin(_DataParallel):
         gradient_as_bucket_view: bool = False,
         static_graph: bool = False,
         max_norm: float = 0.0,
+        initial_scale: float = 2.0**16,
+        min_scale: float = 1.0,
+        max_scale: float = 2.0**32,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 1000,
+        hysteresis: int = 2,
+        check_reduction: bool = False,
+        fp8_communication: bool = False,
     ) -> None:
         super().__init__(
             TorchDDPOptions(
@@ -188,8 +282,18 @@ class TorchDDPPlugin(_DataParallel):
                 gradient_as_bucket_view=gradient_as_bucket_view,
                 static_graph=static_graph,
                 max_norm=max_norm,
+                initial_scale=initial_scale,
+                min_scale=min_scale,
+                max_scale=max_scale,
+                growth_factor=growth_factor,
+                backoff_factor=backoff_factor,
+                growth_interval=growth_interval,
+                hysteresis=hysteresis,
+                check_reduction=check_reduction,
+                fp8_communication=fp8_communication,
             )
         )
+        loss_scale_config(self.options)  # a bad loss scale is refused here, not at boost
 
     def _wrap(self, model: nn.Module) -> nn.Module:
         o = self.options
@@ -218,6 +322,14 @@ class DDPPlugin(_DataParallel):
         find_unused_parameters: bool = False,
         broadcast_buffers: bool = True,
         max_norm: float = 0.0,
+        initial_scale: float = 2.0**16,
+        min_scale: float = 1.0,
+        max_scale: float = 2.0**32,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 1000,
+        hysteresis: int = 2,
+        fp8_communication: bool = False,
     ) -> None:
         super().__init__(
             DDPOptions(
@@ -225,8 +337,17 @@ class DDPPlugin(_DataParallel):
                 find_unused_parameters=find_unused_parameters,
                 broadcast_buffers=broadcast_buffers,
                 max_norm=max_norm,
+                initial_scale=initial_scale,
+                min_scale=min_scale,
+                max_scale=max_scale,
+                growth_factor=growth_factor,
+                backoff_factor=backoff_factor,
+                growth_interval=growth_interval,
+                hysteresis=hysteresis,
+                fp8_communication=fp8_communication,
             )
         )
+        loss_scale_config(self.options)  # a bad loss scale is refused here, not at boost
 
     def _wrap(self, model: nn.Module) -> nn.Module:
         from pc_comm import DistributedDataParallel

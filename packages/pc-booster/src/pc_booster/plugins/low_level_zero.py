@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
@@ -69,6 +70,31 @@ def _stage(options: LowLevelZeroOptions, setting: RunSetting) -> str | None:
     return None
 
 
+def _colossal_arguments(options: LowLevelZeroOptions, setting: RunSetting) -> str | None:
+    """Colossal-AI's LowLevelZeroPlugin arguments pc has no counterpart for."""
+    o = options
+    if o.norm_type != 2.0:
+        return f"norm_type={o.norm_type}: pc clips by the global 2-norm; pass norm_type=2.0."
+    if not o.master_weights:
+        return (
+            "master_weights=False: pc keeps fp32 masters of each rank's shard under bf16/fp16 "
+            "(the update of a 16-bit parameter in place loses small steps); leave it True."
+        )
+    if o.communication_dtype not in (None, torch.float32):
+        return (
+            f"communication_dtype={o.communication_dtype}: pc reduces gradients in fp32; leave "
+            "communication_dtype out."
+        )
+    if o.fp8_communication or o.use_fp8:
+        return "fp8_communication / use_fp8: pc has no fp8 path; leave them False."
+    if o.extra_dp_size != 1:
+        return (
+            f"extra_dp_size={o.extra_dp_size}: pc shards ZeRO over every rank (no second "
+            "data-parallel level); leave it 1."
+        )
+    return None
+
+
 def zero_states(
     psi: float, dp: int, precision: TrainPrecision, stage: int, *, offload: bool, pipeline: bool
 ) -> StateBytes:
@@ -102,6 +128,12 @@ class LowLevelZeroOptions(PluginConfig):
     name: ClassVar[str] = "low-level-zero"
     RULES: ClassVar[tuple[Rule, ...]] = (
         Rule("stage other than 1 or 2", _stage, ({"stage": 3}, RunSetting())),
+        Rule(
+            "norm_type other than 2, master_weights=False, a communication dtype, fp8, "
+            "extra_dp_size",
+            _colossal_arguments,
+            ({"master_weights": False}, RunSetting()),
+        ),
     )
 
     stage: int = 1
@@ -116,6 +148,13 @@ class LowLevelZeroOptions(PluginConfig):
     max_scale: float = 2.0**32
     growth_factor: float = 2.0
     backoff_factor: float = 0.5
+    norm_type: float = 2.0
+    master_weights: bool = True
+    verbose: bool = False
+    communication_dtype: torch.dtype | None = None
+    fp8_communication: bool = False
+    use_fp8: bool = False
+    extra_dp_size: int = 1
 
     def describe(self) -> str:
         return f"zero{self.stage}" + (" cpu-offload" if self.cpu_offload else "")
@@ -312,6 +351,13 @@ class LowLevelZeroPlugin(Plugin, SupportsNoSync):
         growth_factor: float = 2.0,
         backoff_factor: float = 0.5,
         precision: str | None = None,
+        norm_type: float = 2.0,
+        master_weights: bool = True,
+        verbose: bool = False,
+        communication_dtype: torch.dtype | None = None,
+        fp8_communication: bool = False,
+        use_fp8: bool = False,
+        extra_dp_size: int = 1,
     ) -> None:
         super().__init__(
             LowLevelZeroOptions(
@@ -327,6 +373,13 @@ class LowLevelZeroPlugin(Plugin, SupportsNoSync):
                 max_scale=max_scale,
                 growth_factor=growth_factor,
                 backoff_factor=backoff_factor,
+                norm_type=norm_type,
+                master_weights=master_weights,
+                verbose=verbose,
+                communication_dtype=communication_dtype,
+                fp8_communication=fp8_communication,
+                use_fp8=use_fp8,
+                extra_dp_size=extra_dp_size,
             )
         )
         self.set_precision(precision)
@@ -366,6 +419,17 @@ class LowLevelZeroPlugin(Plugin, SupportsNoSync):
             loss_scale=loss_scale_config(o),
         )
         masters_from_built(model, zero, built)
+        if o.verbose and dist.get_rank() == 0:
+            total = sum(p.numel() for p in model.parameters() if p.requires_grad)
+            world = dist.get_world_size()
+            print(
+                f"pc: LowLevelZeroPlugin ZeRO-{o.stage} over {world} ranks, {precision.value}: "
+                f"{total:,} trainable parameters in {len(zero.buckets)} buckets of at most "
+                f"{o.reduce_bucket_size_in_m:g} M elements; each rank steps about "
+                f"{-(-total // world):,} of them"
+                + (", its masters and moments on the host" if o.cpu_offload else ""),
+                flush=True,
+            )
         return Boosted(model, zero, criterion, dataloader, lr_scheduler, module=model)
 
     @contextmanager

@@ -51,6 +51,78 @@ def _no_fp16(options: Any, setting: RunSetting) -> str | None:
     )
 
 
+# [Note: FSDP1 arguments]
+# Colossal-AI's TorchFSDPPlugin takes torch FSDP1's arguments; pc's runs
+# FSDP2 (fully_shard) and maps each:
+# - sharding_strategy: FULL_SHARD is reshard_after_forward=True,
+#   SHARD_GRAD_OP False; NO_SHARD and the hybrid strategies are refused
+#   (TorchDDPPlugin replicates; pc shards over every rank);
+# - cpu_offload (CPUOffload(offload_params=True) or True): FSDP2's
+#   CPUOffloadPolicy on an accelerator; on a CPU-only machine the shards
+#   live in host memory already;
+# - auto_wrap_policy: a torch-style callable (module, recurse,
+#   nonwrapped_numel) choosing the units, walked as FSDP1 walks it;
+# - mixed_precision (FSDP1's MixedPrecision): param_dtype is the run's
+#   compute precision, reduce_dtype FSDP2's, buffer_dtype the buffers';
+# - backward_prefetch: BACKWARD_PRE is what FSDP2 does (the next unit's
+#   all-gather is issued before this unit's backward); BACKWARD_POST is
+#   refused;
+# - sync_module_states: pc starts every rank from rank 0's values (a lazy
+#   model from the same seed) either way;
+# - process_group: the default group only (FSDP2 shards over a mesh of
+#   every rank here).
+# Refused with the FSDP2 way named: param_init_fn, ignored_modules,
+# fp8_communication.
+
+
+def _fsdp1_arguments(o: TorchFSDPOptions, setting: RunSetting) -> str | None:
+    strategy = o.sharding_strategy
+    if strategy is not None and strategy not in ("FULL_SHARD", "SHARD_GRAD_OP"):
+        other = (
+            "use TorchDDPPlugin to replicate"
+            if strategy == "NO_SHARD"
+            else "pc's TorchFSDPPlugin shards over every rank (FSDP2's 2-D mesh for hybrid "
+            "sharding is not offered); use FULL_SHARD or SHARD_GRAD_OP"
+        )
+        return f"sharding_strategy={strategy}: {other}."
+    if strategy is not None and not o.reshard_after_forward:
+        return (
+            "sharding_strategy and reshard_after_forward=False both say whether parameters are "
+            "freed after forward; give one (SHARD_GRAD_OP is reshard_after_forward=False)."
+        )
+    if o.auto_wrap_policy is not None and o.wrap_classes is not None:
+        return "auto_wrap_policy and wrap_classes both choose the units; give one."
+    if o.backward_prefetch not in (None, "BACKWARD_PRE"):
+        return (
+            f"backward_prefetch={o.backward_prefetch}: FSDP2 issues the next unit's all-gather "
+            "before this unit's backward (BACKWARD_PRE); BACKWARD_POST is not offered."
+        )
+    if o.param_init_fn is not None:
+        return (
+            "param_init_fn: FSDP2 in pc materialises a model built under "
+            "pc_chunk.LazyInitContext (or on the meta device through it) one unit at a time, "
+            "each rank its share; build the model that way and drop param_init_fn."
+        )
+    if o.ignored_modules:
+        return (
+            "ignored_modules: every parameter is sharded and its gradient reduced; a module "
+            "left out would train unsynchronised. Freeze it (requires_grad=False) instead."
+        )
+    if o.fp8_communication:
+        return "fp8_communication=True: pc all-gathers and reduces in the parameters' dtype."
+    return None
+
+
+def _reduce_dtype(o: TorchFSDPOptions, setting: RunSetting) -> str | None:
+    p = setting.precision
+    if o.param_dtype is not None and p is not None and p.dtype != o.param_dtype:
+        return (
+            f"mixed_precision's param_dtype ({o.param_dtype}) and the run's precision "
+            f"({p.value}) disagree; give the precision once."
+        )
+    return None
+
+
 @dataclass(frozen=True)
 class TorchFSDPOptions(PluginConfig):
     """``reshard_after_forward`` is FSDP2's; ``wrap_classes``: the module
@@ -61,11 +133,33 @@ class TorchFSDPOptions(PluginConfig):
     gathers_parameters: ClassVar[bool] = True
     RULES: ClassVar[tuple[Rule, ...]] = (
         Rule("fp16", _no_fp16, ({}, RunSetting(precision=TrainPrecision.FP16))),
+        Rule(
+            "FSDP1 arguments FSDP2 has no counterpart for",
+            _fsdp1_arguments,
+            ({"sharding_strategy": "NO_SHARD"}, RunSetting()),
+        ),
+        Rule(
+            "mixed_precision's param_dtype against the run's precision",
+            _reduce_dtype,
+            ({"param_dtype": torch.bfloat16}, RunSetting(precision=TrainPrecision.FP32)),
+        ),
     )
 
     reshard_after_forward: bool = True
     wrap_classes: tuple[type[nn.Module], ...] | None = None
     max_norm: float = 0.0
+    # FSDP1's arguments, parsed [Note: FSDP1 arguments]
+    sharding_strategy: str | None = None
+    cpu_offload: bool = False
+    auto_wrap_policy: Any = None
+    backward_prefetch: str | None = None
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    buffer_dtype: torch.dtype | None = None
+    param_init_fn: Any = None
+    ignored_modules: Any = None
+    sync_module_states: bool = False
+    fp8_communication: bool = False
 
     def model_states(self, psi: float, dp: int, precision: TrainPrecision) -> StateBytes:
         # fp32 shards of parameters, gradients and moments; the compute
@@ -92,14 +186,63 @@ class TorchFSDPPlugin(Plugin, SupportsNoSync):
         reshard_after_forward: bool = True,
         wrap_classes: tuple[type[nn.Module], ...] | None = None,
         max_norm: float = 0.0,
+        *,
+        process_group: Any = None,
+        sharding_strategy: Any = None,
+        cpu_offload: Any = None,
+        auto_wrap_policy: Any = None,
+        backward_prefetch: Any = None,
+        mixed_precision: Any = None,
+        ignored_modules: Any = None,
+        param_init_fn: Any = None,
+        sync_module_states: bool = False,
+        fp8_communication: bool = False,
+        param_dtype: torch.dtype | None = None,
+        reduce_dtype: torch.dtype | None = None,
+        buffer_dtype: torch.dtype | None = None,
     ) -> None:
+        if process_group is not None and (
+            not torch.distributed.is_initialized()
+            or torch.distributed.get_world_size(process_group) != torch.distributed.get_world_size()
+        ):
+            raise ValueError(
+                "TorchFSDPPlugin: process_group must be None or span every rank; pc's FSDP2 "
+                "shards over all of them (run separate jobs for separate groups)."
+            )
+        if mixed_precision is not None and (param_dtype, reduce_dtype, buffer_dtype) != (
+            None,
+            None,
+            None,
+        ):
+            raise ValueError(
+                "TorchFSDPPlugin: mixed_precision and param_dtype / reduce_dtype / buffer_dtype "
+                "say the same thing; give one."
+            )
+        if mixed_precision is not None:
+            param_dtype = getattr(mixed_precision, "param_dtype", None)
+            reduce_dtype = getattr(mixed_precision, "reduce_dtype", None)
+            buffer_dtype = getattr(mixed_precision, "buffer_dtype", None)
+        precision = param_dtype
         super().__init__(
             TorchFSDPOptions(
                 reshard_after_forward=reshard_after_forward,
                 wrap_classes=wrap_classes,
                 max_norm=max_norm,
+                sharding_strategy=_enum_name(sharding_strategy),
+                cpu_offload=bool(getattr(cpu_offload, "offload_params", cpu_offload)),
+                auto_wrap_policy=auto_wrap_policy,
+                backward_prefetch=_enum_name(backward_prefetch),
+                param_dtype=param_dtype,
+                reduce_dtype=reduce_dtype,
+                buffer_dtype=buffer_dtype,
+                param_init_fn=param_init_fn,
+                ignored_modules=ignored_modules,
+                sync_module_states=sync_module_states,
+                fp8_communication=fp8_communication,
             )
         )
+        if precision is not None:
+            self.set_precision(TrainPrecision.parse(precision).value)
 
     def _units(self, model: nn.Module) -> list[nn.Module]:
         """The modules sharded as units, innermost first. A parameter tied
@@ -111,17 +254,23 @@ class TorchFSDPPlugin(Plugin, SupportsNoSync):
         for name, param in model.named_parameters(remove_duplicate=False):
             owners.setdefault(id(param), []).append(name)
         wrap = self.options.wrap_classes
+        policy = self.options.auto_wrap_policy
+        picked = {id(m) for m in _policy_units(model, policy)} if policy is not None else set()
         units: list[nn.Module] = []
         for prefix, module in list(model.named_modules())[1:]:
-            chosen = (
-                isinstance(module, wrap) if wrap is not None else type(module).__name__ in blocks
-            )
+            if policy is not None:
+                chosen = id(module) in picked
+            elif wrap is not None:
+                chosen = isinstance(module, wrap)
+            else:
+                chosen = type(module).__name__ in blocks
             tied_outside = any(
                 not n.startswith(prefix + ".") for p in module.parameters() for n in owners[id(p)]
             )
             if chosen and not tied_outside:
                 units.append(module)
-        return units
+        # A policy may choose a unit inside another: the inner is sharded first.
+        return units[::-1] if policy is not None else units
 
     def configure(
         self,
@@ -132,7 +281,7 @@ class TorchFSDPPlugin(Plugin, SupportsNoSync):
         lr_scheduler: Any,
         precision: TrainPrecision,
     ) -> Boosted:
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
         require_initialized("TorchFSDPPlugin")
         names = names_by_id(model)
@@ -140,16 +289,27 @@ class TorchFSDPPlugin(Plugin, SupportsNoSync):
         if not lazy:
             model = model.to(device())
             broadcast_module(model)
+        o = self.options
         policy = MixedPrecisionPolicy(
             param_dtype=precision.dtype if precision is not TrainPrecision.FP32 else None,
-            reduce_dtype=torch.float32,
+            reduce_dtype=o.reduce_dtype or torch.float32,
         )
-        reshard = self.options.reshard_after_forward
+        # On a CPU-only machine the shards are in host memory already.
+        offload = CPUOffloadPolicy() if o.cpu_offload and device().type != "cpu" else None
+        reshard = o.reshard_after_forward and o.sharding_strategy != "SHARD_GRAD_OP"
         for module in [*self._units(model), model]:  # innermost first: sharding replaces params
             if lazy:  # every rank replays the same values: no broadcast needed
                 materialize_lazy([module], device())
             cast_floating(module, torch.float32)  # the shards are the fp32 masters
-            fully_shard(module, reshard_after_forward=reshard, mp_policy=policy)
+            if offload is not None:
+                fully_shard(module, reshard_after_forward=reshard, mp_policy=policy,
+                            offload_policy=offload)  # fmt: skip
+            else:
+                fully_shard(module, reshard_after_forward=reshard, mp_policy=policy)
+        if o.buffer_dtype is not None:
+            for buffer in model.buffers():
+                if buffer.is_floating_point():
+                    buffer.data = buffer.data.to(o.buffer_dtype)
         if optimizer is not None:
             optimizer = rebuild_optimizer(optimizer, names, dict(model.named_parameters()))
             if self.options.max_norm > 0:
@@ -226,3 +386,41 @@ class TorchFSDPPlugin(Plugin, SupportsNoSync):
             {"state": clean["state"], "param_groups": clean["param_groups"]},
             options=self._state_options(),
         )
+
+
+def _enum_name(value: Any) -> str | None:
+    """An FSDP1 enum member (or its name as a string) as its name."""
+    if value is None:
+        return None
+    name = getattr(value, "name", value)
+    if not isinstance(name, str):
+        raise TypeError(f"expected an enum member or its name, got {value!r}.")
+    return name.upper()
+
+
+def _policy_units(model: nn.Module, policy: Any) -> list[nn.Module]:
+    """The units a torch-style ``auto_wrap_policy(module, recurse,
+    nonwrapped_numel)`` chooses, innermost first, walked as FSDP1 walks it:
+    a module whose policy says ``recurse`` has its children visited first;
+    it is a unit itself when the policy says so of the parameters its
+    children's units left (the root is always the last unit, so never
+    chosen here)."""
+    units: list[nn.Module] = []
+
+    def visit(module: nn.Module, root: bool) -> int:
+        """Parameters under ``module`` that no unit took."""
+        total = sum(p.numel() for p in module.parameters())
+        if not policy(module=module, recurse=True, nonwrapped_numel=total):
+            return total
+        taken = 0
+        for child in module.children():
+            left = visit(child, False)
+            taken += sum(p.numel() for p in child.parameters()) - left
+        remainder = total - taken
+        if not root and policy(module=module, recurse=False, nonwrapped_numel=remainder):
+            units.append(module)
+            return 0
+        return remainder
+
+    visit(model, True)
+    return units
