@@ -1,4 +1,4 @@
-"""init_distributed under a real torchrun, end to end."""
+"""init_distributed and launch_from_torch under a real torchrun, end to end."""
 
 from __future__ import annotations
 
@@ -17,12 +17,23 @@ pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
 SCRIPT = textwrap.dedent(
     """
     import torch
-    from pc_comm import ReduceOp, TorchCommunicator, init_distributed
+    from pc_comm import (
+        DistCoordinator, ReduceOp, TorchCommunicator, init_distributed, launch_from_torch
+    )
 
     context = init_distributed()
     assert context.backend == "gloo" and context.device == torch.device("cpu")
     again = init_distributed()  # idempotent
     assert again.env == context.env
+    # Colossal-AI's old call on a running group: the group is kept, the
+    # generators seeded, one line logged on rank 0.
+    launch_from_torch(config={}, seed=7)
+    drawn = torch.rand(2)
+    torch.manual_seed(7)
+    assert torch.equal(drawn, torch.rand(2))
+    coordinator = DistCoordinator()
+    assert coordinator.local_rank == context.env.local_rank
+    coordinator.print_on_node_master(f"node master of node {context.env.node_rank}")
     comm = TorchCommunicator()
     t = torch.tensor([float(context.env.rank)])
     comm.all_reduce(t, ReduceOp.SUM)
@@ -58,6 +69,8 @@ def test_init_distributed_under_torchrun(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr[-3000:]
     assert "rank 0/2 node 0 local 0/2 sum 1.0" in result.stdout
     assert "rank 1/2 node 0 local 1/2 sum 1.0" in result.stdout
+    assert result.stdout.count("node master of node 0") == 1
+    assert result.stderr.count("Distributed environment is initialized, world size: 2") == 1
 
 
 def test_two_torchrun_agents_form_two_nodes(tmp_path: Path) -> None:
@@ -76,6 +89,8 @@ def test_two_torchrun_agents_form_two_nodes(tmp_path: Path) -> None:
     assert codes == [0, 0], output[-3000:]
     for rank in range(4):
         assert f"rank {rank}/4 node {rank // 2} local {rank % 2}/2 sum 6.0" in output, output
+    assert output.count("node master of node 0") == output.count("node master of node 1") == 1
+    assert output.count("Distributed environment is initialized, world size: 4") == 1
 
 
 def test_missing_environment_explains_how_to_launch() -> None:

@@ -1,6 +1,10 @@
 """pc-comm: process groups and topology, the Communicator protocol and its
 torch.distributed implementation, and collectives built on it.
 
+Colossal-AI's launch-level names live here too: ``launch``,
+``launch_from_torch``, ``DistCoordinator``, ``get_dist_logger`` and
+``get_accelerator``.
+
 The multi-process test harness lives in :mod:`pc_comm.testing`; which rank
 failed and where, in :mod:`pc_comm.health`.
 """
@@ -9,6 +13,7 @@ from pc_comm import (
     _exit,  # noqa: F401  [Note: threads at interpreter exit]
     health,
 )
+from pc_comm.accelerator import BaseAccelerator, CpuAccelerator, CudaAccelerator, get_accelerator
 from pc_comm.collectives import all_reduce_coalesced
 from pc_comm.communicator import (
     Communicator,
@@ -19,12 +24,14 @@ from pc_comm.communicator import (
     ReduceOp,
     SymmetricAllocator,
 )
+from pc_comm.coordinator import DistCoordinator
 from pc_comm.ddp import DistributedDataParallel, default_communicator, on_one_host
 from pc_comm.env import DistEnv, DistEnvError, read_dist_env
 from pc_comm.health import PeerFailureError, set_phase
 from pc_comm.hierarchical import HierarchicalCommunicator
 from pc_comm.host_allocator import HostAllocatorSettings, tune_host_allocator
-from pc_comm.launch import DistContext, init_distributed, launch_from_torch
+from pc_comm.launch import DistContext, LegacyConfig, init_distributed, launch, launch_from_torch
+from pc_comm.logger import DistributedLogger, disable_existing_loggers, get_dist_logger
 from pc_comm.shm import ShmCommunicator, ShmPeerError
 from pc_comm.topology import Coord, ParallelDims, Subgroups, make_subgroups
 from pc_comm.torch_communicator import TorchCommunicator
@@ -32,16 +39,22 @@ from pc_comm.torch_communicator import TorchCommunicator
 __version__ = "0.1.0"
 
 __all__ = [
+    "BaseAccelerator",
     "Communicator",
     "CompletedHandle",
     "Coord",
+    "CpuAccelerator",
+    "CudaAccelerator",
     "DistContext",
+    "DistCoordinator",
     "DistEnv",
     "DistEnvError",
     "DistributedDataParallel",
+    "DistributedLogger",
     "Handle",
     "HierarchicalCommunicator",
     "HostAllocatorSettings",
+    "LegacyConfig",
     "P2PKind",
     "P2POp",
     "ParallelDims",
@@ -54,8 +67,12 @@ __all__ = [
     "TorchCommunicator",
     "all_reduce_coalesced",
     "default_communicator",
+    "disable_existing_loggers",
+    "get_accelerator",
+    "get_dist_logger",
     "health",
     "init_distributed",
+    "launch",
     "launch_from_torch",
     "make_subgroups",
     "on_one_host",
