@@ -367,3 +367,60 @@ def check_low_level_zero_arguments() -> None:
 
 def test_low_level_zero_arguments() -> None:
     run_subtests(check_low_level_zero_arguments, 2, {}, timeout=120)
+
+
+# -- GeminiPlugin's other arguments ----------------------------------------------------------
+
+
+def check_gemini_arguments(case: str) -> None:
+    import contextlib
+    import io
+
+    from pc_booster.plugin import GeminiPlugin
+
+    if case == "offload_optim_frac":
+        plugin = GeminiPlugin(offload_optim_frac=1.0, max_prefetch=0, chunk_size=4096)
+        losses, booster, model = _train(plugin, _gpt2, 3)
+        assert model.chunks
+        assert not any(c.shard_on_device for c in model.chunks)
+        assert model.manager.prefetch is False
+        _matches(_gpt2, losses, booster, model)
+    elif case == "force_outputs_fp32":
+        booster = Booster(plugin=GeminiPlugin(precision="bf16", force_outputs_fp32=True))
+        built = _gpt2()
+        model, *_ = booster.boost(built, torch.optim.SGD(built.parameters(), lr=0.1))
+        ids = _ids(0, 2)
+        assert model(input_ids=ids, labels=ids).logits.dtype == torch.float32
+        booster = Booster(plugin=GeminiPlugin(precision="bf16"))
+        built = _gpt2()
+        model, *_ = booster.boost(built, torch.optim.SGD(built.parameters(), lr=0.1))
+        assert model(input_ids=ids, labels=ids).logits.dtype == torch.bfloat16
+    elif case == "verbose":
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            booster = Booster(plugin=GeminiPlugin(verbose=True, enable_gradient_accumulation=True))
+            built = _gpt2()
+            booster.boost(built, torch.optim.SGD(built.parameters(), lr=0.1))
+        assert ("chunks" in printed.getvalue()) == (dist.get_rank() == 0), printed.getvalue()
+    elif case == "refused":
+        for kwargs, message in (
+            ({"shard_param_frac": 0.5}, "shards every chunk over the ranks"),
+            ({"offload_optim_frac": 0.5, "offload_param_frac": 0.25}, "give one fraction"),
+            ({"max_prefetch": 2}, "gathers the next chunk ahead"),
+            ({"tp_size": 2}, "tensor parallelism is HybridParallelPlugin's"),
+            ({"norm_type": 1.0}, "global 2-norm"),
+            ({"master_weights": False}, "fp32 masters of each chunk shard"),
+            ({"chunk_config_dict": {}}, "pc searches the chunk size"),
+            ({"strict_ddp_mode": True}, "use TorchDDPPlugin"),
+            ({"fp8_communication": True}, "no fp8 path"),
+            ({"step_in_backward": True, "enable_gradient_accumulation": True},
+             "gradients cannot accumulate"),
+        ):  # fmt: skip
+            with pytest.raises(ValueError, match=message):
+                GeminiPlugin(**kwargs)
+    dist.barrier()
+
+
+def test_gemini_arguments() -> None:
+    cases = ["offload_optim_frac", "force_outputs_fp32", "verbose", "refused"]
+    run_subtests(check_gemini_arguments, 2, {"case": cases}, timeout=200)

@@ -89,6 +89,59 @@ def _in_backward_accumulation(options: GeminiOptions, setting: RunSetting) -> st
     return None
 
 
+def _colossal_arguments(o: GeminiOptions, setting: RunSetting) -> str | None:
+    """Colossal-AI's GeminiPlugin arguments pc has no counterpart for
+    [Note: Colossal-AI's Gemini options]."""
+    if o.shard_param_frac != 1.0:
+        return (
+            f"shard_param_frac={o.shard_param_frac}: pc's Gemini shards every chunk over the "
+            "ranks (1.0); for whole parameters on each rank use LowLevelZeroPlugin."
+        )
+    if not 0.0 <= o.offload_optim_frac <= 1.0:
+        return (
+            f"offload_optim_frac is a share of the chunks, in [0, 1]; got {o.offload_optim_frac}."
+        )
+    if (
+        o.offload_optim_frac
+        and o.offload_param_frac
+        and o.offload_optim_frac != o.offload_param_frac
+    ):
+        return (
+            f"offload_optim_frac={o.offload_optim_frac} and offload_param_frac="
+            f"{o.offload_param_frac}: pc keeps a chunk's optimizer states with its shard, so one "
+            "share of the chunks goes to the host; give one fraction."
+        )
+    if o.max_prefetch is not None and o.max_prefetch not in (0, 1):
+        return (
+            f"max_prefetch={o.max_prefetch}: pc gathers the next chunk ahead of its use (1) or "
+            "none (0)."
+        )
+    if o.tp_size != 1 or o.extra_dp_size != 1:
+        return (
+            f"tp_size={o.tp_size}, extra_dp_size={o.extra_dp_size}: pc's Gemini is data "
+            "parallel over every rank; tensor parallelism is HybridParallelPlugin's."
+        )
+    if o.norm_type != 2.0:
+        return f"norm_type={o.norm_type}: pc clips by the global 2-norm; pass norm_type=2.0."
+    if not o.master_weights:
+        return "master_weights=False: pc keeps fp32 masters of each chunk shard; leave it True."
+    if o.chunk_config_dict is not None or o.memstats is not None:
+        return (
+            "chunk_config_dict / memstats: pc searches the chunk size (chunk_size= fixes it, "
+            "search_range_m / min_chunk_size_m bound the search) and traces memory itself."
+        )
+    if o.strict_ddp_mode:
+        return "strict_ddp_mode=True: pc's Gemini always shards (ZeRO-3); use TorchDDPPlugin."
+    if o.enable_sequence_parallelism or o.enable_sequence_overlap or o.enable_jit_fused:
+        return (
+            "sequence parallelism and jit-fused kernels are HybridParallelPlugin's business "
+            "(and pc has no jit-fused kernels); leave them False."
+        )
+    if o.use_fp8 or o.fp8_communication:
+        return "use_fp8 / fp8_communication: pc has no fp8 path; leave them False."
+    return None
+
+
 @dataclass(frozen=True)
 class GeminiOptions(PluginConfig):
     """``placement_policy`` ``"static"`` (``offload_param_frac`` of the
@@ -126,6 +179,11 @@ class GeminiOptions(PluginConfig):
             _in_backward_accumulation,
             ({"step_in_backward": True}, RunSetting(accumulation=2)),
         ),
+        Rule(
+            "Colossal-AI arguments without a counterpart (shard_param_frac < 1, tp_size, fp8, ...)",
+            _colossal_arguments,
+            ({"shard_param_frac": 0.5}, RunSetting()),
+        ),
     )
 
     placement_policy: str = "static"
@@ -144,9 +202,44 @@ class GeminiOptions(PluginConfig):
     growth_factor: float = 2.0
     backoff_factor: float = 0.5
     step_in_backward: bool = False
+    # Colossal-AI's names [Note: Colossal-AI's Gemini options]
+    shard_param_frac: float = 1.0
+    offload_optim_frac: float = 0.0
+    enable_gradient_accumulation: bool = False
+    max_prefetch: int | None = None
+    tp_size: int = 1
+    extra_dp_size: int = 1
+    norm_type: float = 2.0
+    master_weights: bool = True
+    force_outputs_fp32: bool = False
+    verbose: bool = False
+    chunk_config_dict: Any = None
+    memstats: Any = None
+    strict_ddp_mode: bool = False
+    enable_flash_attention: bool = False
+    enable_fused_normalization: bool = False
+    enable_all_optimization: bool = False
+    enable_sequence_parallelism: bool = False
+    enable_sequence_overlap: bool = False
+    enable_jit_fused: bool = False
+    use_fp8: bool = False
+    fp8_communication: bool = False
+
+    def host_fraction(self) -> float:
+        """The share of chunks (shards and their optimizer states) on the host."""
+        return self.offload_param_frac or self.offload_optim_frac
+
+    def prefetches(self) -> bool:
+        return self.prefetch if self.max_prefetch is None else self.max_prefetch > 0
+
+    def flash_attention(self) -> bool:
+        return self.enable_flash_attention or self.enable_all_optimization
+
+    def fused_normalization(self) -> bool:
+        return self.enable_fused_normalization or self.enable_all_optimization
 
     def describe(self) -> str:
-        extra = f" offload {self.offload_param_frac:g}" if self.offload_param_frac else ""
+        extra = f" offload {self.host_fraction():g}" if self.host_fraction() else ""
         return f"gemini{extra}" + (" step-in-backward" if self.step_in_backward else "")
 
     def model_states(self, psi: float, dp: int, precision: TrainPrecision) -> StateBytes:
@@ -158,7 +251,7 @@ class GeminiOptions(PluginConfig):
             states = StateBytes(4 * psi / dp, 0.0, 0.0, 8 * psi / dp)
         else:
             states = StateBytes(p * psi / dp, p * psi / dp, m * psi / dp, 8 * psi / dp)
-        host = self.offload_param_frac * states.total
+        host = self.host_fraction() * states.total
         return StateBytes(
             states.parameters, states.gradients, states.masters, states.optimizer, host
         )
@@ -215,6 +308,27 @@ class GeminiPlugin(Plugin, SupportsNoSync):
         backoff_factor: float = 0.5,
         precision: str | None = None,
         step_in_backward: bool = False,
+        shard_param_frac: float = 1.0,
+        offload_optim_frac: float = 0.0,
+        enable_gradient_accumulation: bool = False,
+        max_prefetch: int | None = None,
+        tp_size: int = 1,
+        extra_dp_size: int = 1,
+        norm_type: float = 2.0,
+        master_weights: bool = True,
+        force_outputs_fp32: bool = False,
+        verbose: bool = False,
+        chunk_config_dict: Any = None,
+        memstats: Any = None,
+        strict_ddp_mode: bool = False,
+        enable_flash_attention: bool = False,
+        enable_fused_normalization: bool = False,
+        enable_all_optimization: bool = False,
+        enable_sequence_parallelism: bool = False,
+        enable_sequence_overlap: bool = False,
+        enable_jit_fused: bool = False,
+        use_fp8: bool = False,
+        fp8_communication: bool = False,
     ) -> None:
         super().__init__(
             GeminiOptions(
@@ -234,8 +348,31 @@ class GeminiPlugin(Plugin, SupportsNoSync):
                 growth_factor=growth_factor,
                 backoff_factor=backoff_factor,
                 step_in_backward=step_in_backward,
+                shard_param_frac=shard_param_frac,
+                offload_optim_frac=offload_optim_frac,
+                enable_gradient_accumulation=enable_gradient_accumulation,
+                max_prefetch=max_prefetch,
+                tp_size=tp_size,
+                extra_dp_size=extra_dp_size,
+                norm_type=norm_type,
+                master_weights=master_weights,
+                force_outputs_fp32=force_outputs_fp32,
+                verbose=verbose,
+                chunk_config_dict=chunk_config_dict,
+                memstats=memstats,
+                strict_ddp_mode=strict_ddp_mode,
+                enable_flash_attention=enable_flash_attention,
+                enable_fused_normalization=enable_fused_normalization,
+                enable_all_optimization=enable_all_optimization,
+                enable_sequence_parallelism=enable_sequence_parallelism,
+                enable_sequence_overlap=enable_sequence_overlap,
+                enable_jit_fused=enable_jit_fused,
+                use_fp8=use_fp8,
+                fp8_communication=fp8_communication,
             )
         )
+        if enable_gradient_accumulation:  # refused here with step_in_backward
+            self.validate_later(accumulation=2)
         self.set_precision(precision)
         loss_scale_config(self.options)  # a bad loss scale is refused here, not at boost
 
@@ -260,6 +397,9 @@ class GeminiPlugin(Plugin, SupportsNoSync):
             for param in model.parameters():
                 if not param.requires_grad and param.is_floating_point():
                     param.data = param.data.to(dtype)
+        from pc_booster.plugins.hybrid import apply_optimizations
+
+        apply_optimizations(model, o)
         search_range, min_chunk_size = _chunk_search(model, o)
         wrapped = GeminiDDP(
             model,
@@ -267,12 +407,12 @@ class GeminiPlugin(Plugin, SupportsNoSync):
             mixed_precision=dtype,
             sync_module_states=True,
             placement_policy="auto" if o.placement_policy == "auto" else "static",
-            offload_param_frac=o.offload_param_frac,
+            offload_param_frac=o.host_fraction(),
             device_budget_bytes=o.device_budget_bytes,
             chunk_size=o.chunk_size,
             search_range=search_range,
             min_chunk_size=min_chunk_size,
-            prefetch=o.prefetch,
+            prefetch=o.prefetches(),
             step_in_backward=o.step_in_backward,
         )
         # Chunks hold trainable parameters only; frozen ones leave the optimizer.
@@ -280,6 +420,16 @@ class GeminiPlugin(Plugin, SupportsNoSync):
         inner = rebuild_optimizer(optimizer, names, trainable, skip_missing=True)
         scale = loss_scale_config(o)
         zero = GeminiOptimizer(inner, wrapped, max_norm=o.max_norm, loss_scale=scale)
+        if o.force_outputs_fp32:
+            wrapped.register_forward_hook(_outputs_fp32)
+        if o.verbose and torch.distributed.get_rank() == 0:
+            chunks: Any = wrapped.chunks
+            host = sum(1 for c in chunks if not c.shard_on_device)
+            print(
+                f"pc: GeminiPlugin {precision.value}: {len(chunks)} chunks, {host} of them on "
+                f"the host" + (", stepping in backward" if o.step_in_backward else ""),
+                flush=True,
+            )
         return Boosted(wrapped, zero, criterion, dataloader, lr_scheduler, module=model)
 
     def clip_grad_by_norm(self, optimizer: Any, max_norm: float) -> None:
@@ -445,3 +595,36 @@ class GeminiPlugin(Plugin, SupportsNoSync):
                 else:
                     local[key] = value.clone() if isinstance(value, torch.Tensor) else value
             inner.state[param] = local
+
+
+# [Note: Colossal-AI's Gemini options]
+# Colossal-AI's GeminiPlugin arguments, as pc's does them:
+# - offload_optim_frac: a chunk's optimizer states live with its shard, so
+#   the share of chunks on the host is offload_param_frac, or when only
+#   offload_optim_frac is given, that one (the shards go with their
+#   states: less device memory than asked, not more);
+# - max_prefetch: 0 gathers each chunk when it is needed, 1 the next one
+#   ahead (pc's prefetch);
+# - enable_gradient_accumulation: pc's Gemini accumulates over backwards
+#   either way; True is refused with step_in_backward, which cannot;
+# - force_outputs_fp32: floating outputs of the forward cast to fp32;
+# - enable_flash_attention / enable_fused_normalization /
+#   enable_all_optimization: as HybridParallelPlugin's;
+# - verbose: the chunk layout printed once on rank 0.
+
+
+def _outputs_fp32(module: nn.Module, args: Any, output: Any) -> Any:
+    def cast(value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            return value.float()
+        return value
+
+    if isinstance(output, torch.Tensor):
+        return cast(output)
+    if isinstance(output, dict):  # transformers' ModelOutput is a dict
+        for key in list(output.keys()):
+            output[key] = cast(output[key])
+        return output
+    if isinstance(output, tuple):
+        return type(output)(cast(v) for v in output)
+    return output

@@ -803,9 +803,10 @@ class HybridParallelPlugin(Plugin, SupportsNoSync, SupportsPipeline):
 #   is what the loss uses).
 
 
-def apply_optimizations(model: nn.Module, options: HybridParallelOptions) -> None:
+def apply_optimizations(model: nn.Module, options: Any) -> None:
     """``enable_flash_attention`` / ``enable_fused_normalization`` /
-    ``enable_all_optimization`` on ``model``, in place."""
+    ``enable_all_optimization`` of a plugin's ``options`` on ``model``, in
+    place."""
     if options.flash_attention():
         setter = getattr(model, "set_attn_implementation", None)
         if setter is None:
