@@ -415,9 +415,16 @@ def check_gemini_arguments(case: str) -> None:
             ({"fp8_communication": True}, "no fp8 path"),
             ({"step_in_backward": True, "enable_gradient_accumulation": True},
              "gradients cannot accumulate"),
+            ({"steady_cuda_cap_ratio": 0.5}, "set that instead and leave the ratios"),
+            ({"enable_async_reduce": False}, "pc always reduces a chunk's gradients"),
         ):  # fmt: skip
             with pytest.raises(ValueError, match=message):
                 GeminiPlugin(**kwargs)
+        elsewhere = "cpu" if torch.cuda.is_available() else "cuda"
+        booster = Booster(plugin=GeminiPlugin(chunk_init_device=elsewhere))
+        built = _gpt2()
+        with pytest.raises(ValueError, match="pc builds each rank's share where it lives"):
+            booster.boost(built, torch.optim.SGD(built.parameters(), lr=0.1))
     dist.barrier()
 
 

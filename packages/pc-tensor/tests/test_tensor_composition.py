@@ -124,7 +124,7 @@ def check_pipeline_with_tensor_parallel(sequence_parallel: bool) -> None:
     lm = shard_model(copy.deepcopy(ref_lm), groups.tp, sequence_parallel=sequence_parallel)
     ref = nn.Sequential(*_stages(ref_lm))
     stage = _stages(lm)[pp_rank]
-    pipe = PipeDream(stage, chunks=2, process_group=groups.pp)
+    pipe = PipeDream(stage, chunks=2, process_group=groups.pp, scale_grads=True)
     opt, ref_opt = _adamw(stage.parameters()), _adamw(ref.parameters())
 
     def criterion(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

@@ -139,6 +139,24 @@ def _colossal_arguments(o: GeminiOptions, setting: RunSetting) -> str | None:
         )
     if o.use_fp8 or o.fp8_communication:
         return "use_fp8 / fp8_communication: pc has no fp8 path; leave them False."
+    ratios = (o.warmup_non_model_data_ratio, o.steady_cuda_cap_ratio, o.gpu_margin_mem_ratio)
+    if ratios != (0.8, 0.9, 0.0):
+        return (
+            "warmup_non_model_data_ratio / steady_cuda_cap_ratio / gpu_margin_mem_ratio: pc's "
+            "'auto' placement keeps chunks on the device within device_budget_bytes (by "
+            "default the device's free memory less what a traced step needs); set that "
+            "instead and leave the ratios at their defaults."
+        )
+    if not o.enable_async_reduce:
+        return (
+            "enable_async_reduce=False: pc always reduces a chunk's gradients while backward "
+            "goes on; leave it True."
+        )
+    if o.chunk_init_device is not None and torch.device(o.chunk_init_device).type not in (
+        "cpu",
+        "cuda",
+    ):
+        return f"chunk_init_device={o.chunk_init_device!r}: 'cpu' or 'cuda'."
     return None
 
 
@@ -224,6 +242,12 @@ class GeminiOptions(PluginConfig):
     enable_jit_fused: bool = False
     use_fp8: bool = False
     fp8_communication: bool = False
+    pin_memory: bool = False
+    chunk_init_device: Any = None
+    warmup_non_model_data_ratio: float = 0.8
+    steady_cuda_cap_ratio: float = 0.9
+    gpu_margin_mem_ratio: float = 0.0
+    enable_async_reduce: bool = True
 
     def host_fraction(self) -> float:
         """The share of chunks (shards and their optimizer states) on the host."""
@@ -329,6 +353,12 @@ class GeminiPlugin(Plugin, SupportsNoSync):
         enable_jit_fused: bool = False,
         use_fp8: bool = False,
         fp8_communication: bool = False,
+        pin_memory: bool = False,
+        chunk_init_device: Any = None,
+        warmup_non_model_data_ratio: float = 0.8,
+        steady_cuda_cap_ratio: float = 0.9,
+        gpu_margin_mem_ratio: float = 0.0,
+        enable_async_reduce: bool = True,
     ) -> None:
         super().__init__(
             GeminiOptions(
@@ -369,6 +399,12 @@ class GeminiPlugin(Plugin, SupportsNoSync):
                 enable_jit_fused=enable_jit_fused,
                 use_fp8=use_fp8,
                 fp8_communication=fp8_communication,
+                pin_memory=pin_memory,
+                chunk_init_device=chunk_init_device,
+                warmup_non_model_data_ratio=warmup_non_model_data_ratio,
+                steady_cuda_cap_ratio=steady_cuda_cap_ratio,
+                gpu_margin_mem_ratio=gpu_margin_mem_ratio,
+                enable_async_reduce=enable_async_reduce,
             )
         )
         if enable_gradient_accumulation:  # refused here with step_in_backward
@@ -398,6 +434,15 @@ class GeminiPlugin(Plugin, SupportsNoSync):
                 if not param.requires_grad and param.is_floating_point():
                     param.data = param.data.to(dtype)
         from pc_booster.plugins.hybrid import apply_optimizations
+
+        if o.chunk_init_device is not None and torch.device(o.chunk_init_device).type != (
+            device().type
+        ):
+            raise ValueError(
+                f"GeminiPlugin: chunk_init_device={o.chunk_init_device!r}, but this run's chunks "
+                f"live on {device().type}; pc builds each rank's share where it lives. Drop "
+                "chunk_init_device or pass that device."
+            )
 
         apply_optimizations(model, o)
         search_range, min_chunk_size = _chunk_search(model, o)
@@ -610,7 +655,11 @@ class GeminiPlugin(Plugin, SupportsNoSync):
 # - force_outputs_fp32: floating outputs of the forward cast to fp32;
 # - enable_flash_attention / enable_fused_normalization /
 #   enable_all_optimization: as HybridParallelPlugin's;
-# - verbose: the chunk layout printed once on rank 0.
+# - verbose: the chunk layout printed once on rank 0;
+# - pin_memory: host chunks are pinned wherever there is a GPU (pc copies
+#   them through pinned buffers either way; True is what it does);
+# - chunk_init_device: pc builds each rank's share where it will live, so
+#   it must be that device (or None).
 
 
 def _outputs_fp32(module: nn.Module, args: Any, output: Any) -> Any:
