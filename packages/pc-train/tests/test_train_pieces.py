@@ -92,8 +92,9 @@ def test_plugin_options_are_checked_against_the_world() -> None:
         PluginOptions(PluginKind.GEMINI, step_in_backward=True).check(2, "fp32", max_norm=1.0)
     with pytest.raises(ValueError, match="need --plugin hybrid"):
         PluginOptions(PluginKind.ZERO2, tp=2).check(4, "fp32")
-    with pytest.raises(ValueError, match="trains in fp32 only"):
-        PluginOptions(PluginKind.DDP).check(2, "fp16")
+    PluginOptions(PluginKind.DDP).check(2, "fp16")  # torch's AMP: fp32 parameters, fp16 compute
+    with pytest.raises(ValueError, match="keeps fp32 masters in the ZeRO optimizer"):
+        PluginOptions(PluginKind.HYBRID, tp=2, zero_stage=0).check(2, "bf16")
     with pytest.raises(ValueError, match="--offload-frac is an option of --plugin gemini"):
         PluginOptions(PluginKind.ZERO1, offload_frac=0.5).check(2, "fp32")
     with pytest.raises(ValueError, match="unknown plugin"):

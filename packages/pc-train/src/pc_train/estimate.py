@@ -384,7 +384,7 @@ def recommend(
     would save."""
     shape = spec if isinstance(spec, ModelShape) else model_shape(spec)
     device = device or DeviceInfo.detect(world, precision)
-    # Only the plugins whose rules accept this run (DDP trains fp32 only).
+    # Only the plugins whose rules accept this run.
     kinds = [
         kind
         for kind in (PluginKind.DDP, PluginKind.ZERO2, PluginKind.GEMINI)
