@@ -53,3 +53,30 @@ def test_bad_arguments_are_explained() -> None:
         search_chunk_size([], 10, 10)
     with pytest.raises(ValueError, match="largest parameter"):
         search_chunk_size([5000], 100, 1000, 10)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    sizes=st.lists(st.integers(1, 300), min_size=1, max_size=30),
+    n_grids=st.integers(1, 8),
+    step=st.integers(0, 40),
+)
+def test_grid_search_matches_brute_force(sizes: list[int], n_grids: int, step: int) -> None:
+    """Colossal-AI's grid: n_grids + 1 sizes from the largest parameter."""
+    from pc_chunk import grid_search_chunk_size
+
+    start = max(sizes)
+    grid = [start + i * step for i in range(n_grids + 1)]
+    best = min(grid, key=lambda c: (packing_waste(sizes, c)[1], c))
+    assert grid_search_chunk_size(sizes, step * n_grids, n_grids, None, False) == best
+
+
+def test_grid_search_leaves_out_very_large_parameters() -> None:
+    from pc_chunk import filter_exlarge_sizes, grid_search_chunk_size
+
+    sizes = [16, 4] * 10 + [10000]
+    assert filter_exlarge_sizes(sizes) == [16, 4] * 10
+    assert grid_search_chunk_size(sizes, 64, 4) == 48
+    assert grid_search_chunk_size(sizes, 64, 4, filter_exlarge_params=False) == 10000
+    with pytest.raises(ValueError, match="multiple of n_grids"):
+        grid_search_chunk_size(sizes, 10, 4)

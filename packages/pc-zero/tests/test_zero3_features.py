@@ -285,8 +285,8 @@ def check_errors() -> None:
         GeminiOptimizer(torch.optim.SGD([stray], lr=0.1), nn.Linear(2, 2))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="device_budget_bytes"):
         GeminiDDP(build("cnn"), placement_policy="auto")
-    with pytest.raises(ValueError, match="'static' or 'auto'"):
-        GeminiDDP(build("cnn"), placement_policy="cuda")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"one of \['static', 'auto', 'cuda', 'cpu'\]"):
+        GeminiDDP(build("cnn"), placement_policy="gpu")
     with pytest.raises(ValueError, match=r"e.g. \{GPT2Block\}"):
         transformer_auto_wrap_policy(set())
     with torch.device("meta"):

@@ -73,6 +73,17 @@ and drives it from that module's hooks: FSDP's flat parameter per wrapped
 module. Without units, chunks are equal-sized and packed in execution
 order (Gemini).
 
+[Note: oversized parameters]
+With an equal ``chunk_size``, a parameter larger than it gets a chunk of its
+own, sized to it (rounded up to a multiple of the world size), as
+Colossal-AI does: a chunk size searched with the largest parameters left out
+([Note: Colossal-AI's grid search] in pc_chunk.search) packs everything else
+tightly. The chunk open before it is closed, so the next parameter opens a
+new one. ``chunk_per_tensor=True`` does this for every parameter: one chunk
+per tensor, which is what Colossal-AI's ``ChunkManager(chunk_size=None)``
+means. The packing is planned before any chunk is built, so static
+placement knows the chunk count exactly.
+
 [Note: lazy parameters]
 A parameter built inside :class:`~pc_chunk.lazy.LazyInitContext` is a
 meta tensor until its chunk is packed: then, and only then, it is
@@ -109,7 +120,7 @@ from torch.utils.hooks import RemovableHandle
 from pc_chunk.budget import DeviceBudget
 from pc_chunk.chunk import Chunk, ChunkState
 from pc_chunk.lazy import is_lazy, materialize_
-from pc_chunk.search import search_chunk_size
+from pc_chunk.search import grid_search_chunk_size, search_chunk_size
 from pc_comm import Communicator
 from pc_offload import CopyEngine
 
@@ -187,7 +198,9 @@ Placement = StaticPlacement | AutoPlacement
 class ChunkManager:
     """Owns the chunks of ``module`` and answers which chunk holds a
     parameter. ``chunk_size=None`` searches for the size with the least
-    padding (see :func:`~pc_chunk.search.search_chunk_size`). With an
+    padding (see :func:`~pc_chunk.search.search_chunk_size`);
+    ``chunk_per_tensor=True`` gives each parameter its own chunk [Note:
+    oversized parameters]. With an
     ``engine`` (pc-offload's :class:`~pc_offload.CopyEngine`), shards moved
     to the host live in its pinned pool. With ``expose_shards`` each
     parameter is its fp32 master shard between steps, whatever dtype the
@@ -215,6 +228,7 @@ class ChunkManager:
         reshard_after_forward: bool = True,
         prefetch: bool = True,
         init_param: Callable[[nn.Parameter], None] | None = None,
+        chunk_per_tensor: bool = False,
     ) -> None:
         self.module = module
         # [Note: lazy parameters]
@@ -273,38 +287,31 @@ class ChunkManager:
             self._shared: set[Chunk] = self._chunks_with_shared_parameters()
             return
         self.order = [p for p in execution_order(module, *example_inputs) if p.requires_grad]
-        if chunk_size is None:
+        if chunk_per_tensor and chunk_size is not None:
+            raise ValueError(
+                f"chunk_per_tensor=True gives every parameter a chunk of its own size; "
+                f"chunk_size={chunk_size} asks for one size. Pass one of them."
+            )
+        if chunk_size is None and not chunk_per_tensor:
             granularity = 64 * world
             chunk_size = search_chunk_size(
                 self.order, search_range, min_chunk_size, granularity
             ).chunk_size
-        if chunk_size % world:
+        if chunk_size is not None and chunk_size % world:
             raise ValueError(
                 f"chunk_size {chunk_size} is not a multiple of the world size {world}."
             )
-        largest = max(p.numel() for p in self.order)
-        if chunk_size < largest:
-            raise ValueError(
-                f"chunk_size {chunk_size} is smaller than the largest parameter ({largest} "
-                "elements); pass chunk_size=None to search for one."
-            )
-        self.chunk_size = chunk_size
-        # Static placement needs the chunk count before packing ends; the
-        # parameters' total estimates it.
-        self._expected_chunks = -(-sum(p.numel() for p in self.order) // chunk_size)
-        open_chunks: dict[torch.dtype, Chunk] = {}
-        for param in self.order:
-            dtype = self._shard_dtype(param)
-            current = open_chunks.get(dtype)
-            if current is None or not current.can_fit(param):
-                if current is not None:
-                    self._finish(current)
-                current = self._new_chunk(chunk_size, dtype)
-                open_chunks[dtype] = current
-            self._init_param(param)
-            current.append(param)
-            self._where[param] = current
-        for chunk in open_chunks.values():
+        # 0: no single size (one chunk per tensor).
+        self.chunk_size = chunk_size if chunk_size is not None else 0
+        plan = self._plan(chunk_size, world)
+        # Static placement asks where chunk i of how many goes: the plan knows.
+        self._expected_chunks = len(plan)
+        for size, dtype, params in plan:
+            chunk = self._new_chunk(size, dtype)
+            for param in params:
+                self._init_param(param)
+                chunk.append(param)
+                self._where[param] = chunk
             self._finish(chunk)
         for mod in module.modules():
             found: dict[Chunk, None] = {}
@@ -318,8 +325,50 @@ class ChunkManager:
         # last], however early their gradients seem complete.
         self._shared = self._chunks_with_shared_parameters()
 
+    @staticmethod
+    def search_chunk_size(
+        module: nn.Module,
+        search_range: int,
+        n_grids: int,
+        min_chunk_size: int | None = None,
+        filter_exlarge_params: bool = True,
+    ) -> int:
+        """Colossal-AI's ``ChunkManager.search_chunk_size``: the chunk size
+        (elements) with the least padding for ``module``'s parameters in
+        module order [Note: Colossal-AI's grid search] in pc_chunk.search."""
+        params = [p for p in module.parameters() if p.requires_grad]
+        return grid_search_chunk_size(
+            params, search_range, n_grids, min_chunk_size, filter_exlarge_params
+        )
+
     def _shard_dtype(self, param: nn.Parameter) -> torch.dtype:
         return torch.float32 if self.expose_shards else param.dtype
+
+    def _plan(
+        self, chunk_size: int | None, world: int
+    ) -> list[tuple[int, torch.dtype, list[nn.Parameter]]]:
+        """(size, shard dtype, parameters) of each chunk, in the order the
+        chunks open [Note: packing] in pc_chunk.search; ``chunk_size=None``:
+        one chunk per parameter [Note: oversized parameters]."""
+        plan: list[tuple[int, torch.dtype, list[nn.Parameter]]] = []
+        open_chunks: dict[torch.dtype, int] = {}  # dtype -> index of its open chunk
+        fill: dict[torch.dtype, int] = {}
+        for param in self.order:
+            dtype = self._shard_dtype(param)
+            numel = param.numel()
+            own = -(-numel // world) * world  # a chunk of its own size
+            if chunk_size is None or numel > chunk_size:
+                plan.append((own, dtype, [param]))
+                open_chunks.pop(dtype, None)  # the next parameter opens a new one
+                continue
+            index = open_chunks.get(dtype)
+            if index is None or fill[dtype] + numel > chunk_size:
+                index = len(plan)
+                plan.append((chunk_size, dtype, []))
+                open_chunks[dtype], fill[dtype] = index, 0
+            plan[index][2].append(param)
+            fill[dtype] += numel
+        return plan
 
     def _materialize(self, param: nn.Parameter) -> None:
         if is_lazy(param):

@@ -13,6 +13,19 @@ The greedy packing is sequential over parameters but independent across
 candidates, so it runs once over the parameters with one vector of fills
 and counts per candidate: thousands of parameters times tens of thousands of
 candidates take well under a second.
+
+[Note: Colossal-AI's grid search]
+Colossal-AI's ``ChunkManager.search_chunk_size(module, search_range,
+n_grids, min_chunk_size=None, filter_exlarge_params=True)`` tries
+``n_grids + 1`` sizes, ``start, start + step, ... start + search_range``
+with ``step = search_range // n_grids`` and ``start`` the minimum chunk size
+(default: the largest parameter), and keeps the one with the best
+utilisation (the least waste, the first on ties). With
+``filter_exlarge_params`` parameters above ``mean + 3 * std`` of the sizes
+(population standard deviation) are left out of the search: they are
+packed into chunks of their own (pc_chunk.manager, [Note: oversized
+parameters]). :func:`grid_search_chunk_size` is that search, on the same
+vectorised packing as :func:`search_chunk_size`.
 """
 
 from __future__ import annotations
@@ -22,7 +35,13 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["ChunkSizeResult", "packing_waste", "search_chunk_size"]
+__all__ = [
+    "ChunkSizeResult",
+    "filter_exlarge_sizes",
+    "grid_search_chunk_size",
+    "packing_waste",
+    "search_chunk_size",
+]
 
 
 @dataclass(frozen=True)
@@ -90,6 +109,12 @@ def search_chunk_size(
     total = sum(sizes)
     high = min(high, max(low, -(-total // granularity) * granularity))
     candidates = torch.arange(low, high + 1, granularity, dtype=torch.int64)
+    return _least_waste(sizes, candidates)
+
+
+def _least_waste(sizes: list[int], candidates: torch.Tensor) -> ChunkSizeResult:
+    """The candidate with the least padding, the first on ties [Note: packing]."""
+    total = sum(sizes)
     fill = candidates.clone()  # a full "previous chunk" forces the first one open
     chunks = torch.zeros_like(candidates)
     for size in sizes:
@@ -104,3 +129,59 @@ def search_chunk_size(
         waste=int(waste[best]),
         total=total,
     )
+
+
+def filter_exlarge_sizes(sizes: Iterable[int]) -> list[int]:
+    """``sizes`` without those above ``mean + 3 * std`` (population standard
+    deviation) [Note: Colossal-AI's grid search]."""
+    kept = list(sizes)
+    if not kept:
+        return kept
+    values = torch.tensor(kept, dtype=torch.float64)
+    limit = float(values.mean() + 3 * values.std(unbiased=False))
+    return [size for size in kept if size <= limit]
+
+
+def grid_search_chunk_size(
+    params: Iterable[torch.Tensor | int],
+    search_range: int,
+    n_grids: int,
+    min_chunk_size: int | None = None,
+    filter_exlarge_params: bool = True,
+) -> int:
+    """Colossal-AI's grid search [Note: Colossal-AI's grid search]: the
+    chunk size (elements) with the least padding among ``n_grids + 1``
+    evenly spaced sizes from ``min_chunk_size`` (default: the largest
+    parameter) up by ``search_range``."""
+    for name, value in (("search_range", search_range), ("n_grids", n_grids)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an int, got {value!r}.")
+    if search_range < 0 or n_grids < 1:
+        raise ValueError(
+            f"search_range must be >= 0 and n_grids >= 1; got {search_range} and {n_grids}."
+        )
+    if search_range % n_grids:
+        raise ValueError(
+            f"search_range ({search_range}) must be a multiple of n_grids ({n_grids}): the "
+            "search tries evenly spaced sizes search_range // n_grids apart."
+        )
+    sizes = _sizes(params)
+    if filter_exlarge_params:
+        sizes = filter_exlarge_sizes(sizes)
+    if not sizes:
+        raise ValueError("search_chunk_size needs at least one parameter.")
+    largest = max(sizes)
+    if min_chunk_size is None:
+        min_chunk_size = largest
+    elif min_chunk_size < largest:
+        raise ValueError(
+            f"min_chunk_size ({min_chunk_size}) is smaller than the largest parameter the "
+            f"search packs ({largest} elements); pass min_chunk_size >= {largest} or None."
+        )
+    step = search_range // n_grids
+    if step == 0:
+        candidates = torch.tensor([min_chunk_size], dtype=torch.int64)
+    else:
+        high = min_chunk_size + search_range
+        candidates = torch.arange(min_chunk_size, high + 1, step, dtype=torch.int64)
+    return _least_waste(sizes, candidates).chunk_size

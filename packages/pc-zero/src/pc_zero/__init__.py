@@ -1,7 +1,16 @@
 """pc-zero: ZeRO-1/2 (`LowLevelZeroOptimizer`), ZeRO-3 by wrapped units
-(`FullyShardedDataParallel`) and by chunks (`GeminiDDP`)."""
+(`FullyShardedDataParallel`) and by chunks (`GeminiDDP`; Colossal-AI's Gemini
+names in `pc_zero.colossal`)."""
 
 from pc_zero.checkpoint import load_sharded_checkpoint, save_sharded_checkpoint
+from pc_zero.colossal import (
+    ColoInitContext,
+    GeminiAdamOptimizer,
+    GeminiManager,
+    ZeroDDP,
+    ZeroOptimizer,
+    init_chunk_manager,
+)
 from pc_zero.fsdp import (
     FullyShardedDataParallel,
     ModuleSizePolicy,
@@ -9,7 +18,7 @@ from pc_zero.fsdp import (
     size_based_auto_wrap_policy,
     transformer_auto_wrap_policy,
 )
-from pc_zero.gemini import GeminiDDP, GeminiOptimizer
+from pc_zero.gemini import GeminiDDP, GeminiOptimizer, PlacementPolicy
 from pc_zero.layout import Bucket, Slot, plan_buckets
 from pc_zero.loss_scale import (
     DynamicLossScaler,
@@ -29,9 +38,12 @@ __version__ = "0.1.0"
 __all__ = [
     "Box",
     "Bucket",
+    "ColoInitContext",
     "DynamicLossScaler",
     "FullyShardedDataParallel",
+    "GeminiAdamOptimizer",
     "GeminiDDP",
+    "GeminiManager",
     "GeminiOptimizer",
     "LossScaleConfig",
     "LowLevelZeroOptimizer",
@@ -42,12 +54,16 @@ __all__ = [
     "Pieces",
     "PiecesLoadPlanner",
     "PiecesSavePlanner",
+    "PlacementPolicy",
     "ShardedModule",
     "ShardedOptimizer",
     "Slot",
     "TransformerBlockPolicy",
+    "ZeroDDP",
+    "ZeroOptimizer",
     "counts_under_tensor_parallel",
     "flat_range_boxes",
+    "init_chunk_manager",
     "load_sharded_checkpoint",
     "merge_sharded_state_dicts",
     "plan_buckets",

@@ -42,18 +42,65 @@ clipping (``max_norm``), fp16 loss scaling (an overflow found late cannot
 undo the chunks already stepped; bf16 needs no scaler) and gradient
 accumulation (a second backward before ``step()`` raises before it
 touches a parameter).
+
+[Note: chunk search]
+Without ``chunk_size`` the size is searched ([Note: packing] in
+pc_chunk.search) from ``min_chunk_size`` (raised to the largest parameter,
+lowered to the whole model, so a model smaller than it is one chunk) up by
+``search_range``, over multiples of ``hidden_dim`` (Colossal-AI's search
+step; rounded to a multiple of the world size so a chunk shards evenly) or,
+without it, of 64 x the world size. Colossal-AI's ``search_range_mb`` and
+``min_chunk_size_mb`` count units of 2**20 *elements* (their search counts
+elements, whatever the suffix says); pc's ``search_range`` and
+``min_chunk_size`` count elements; pass one spelling of each. Unlike
+Colossal-AI's default search, large parameters are not left out here
+(``pc_zero.colossal.init_chunk_manager`` does leave them out).
+``chunk_per_tensor=True`` gives every parameter its own chunk.
+
+[Note: placement policies]
+Colossal-AI's names: ``"cuda"`` keeps every shard on the compute device
+(nothing offloaded), ``"cpu"`` every shard on the host, ``"auto"`` as many
+as fit the budget (``device_budget_bytes``, by default the GPU's free memory
+when the compute device is CUDA; a CPU device has no free memory to plan
+against, so it must be given), and pc's ``"static"`` the last
+``offload_param_frac`` of the chunks on the host. Whether a chunk's shard
+is on the device is its ``shard_on_device``, which the budget accounts. On
+a CUDA device, shards on the host move through pc-offload's copy engine in
+pinned host buffers with ``pin_memory=True`` (pc's default) and in pageable
+ones with ``pin_memory=False``. With a CPU compute device the host *is* the
+device: nothing is copied, so there is nothing to pin and ``pin_memory``
+changes nothing there.
+
+[Note: step clears the gradients]
+``GeminiOptimizer.step()`` ends with the gradients cleared (the exposed
+``.grad`` and each chunk's gradient shard), on a skipped step too, as
+Colossal-AI's ZeRO optimizer does: its accumulation loop (several
+backwards, one ``step()``, ``zero_grad()`` or not) starts every window from
+zero. The host gradient buffers of offloaded chunks are kept for the next
+step [Note: host buffers] in pc_chunk.chunk.
+
+[Note: loss scaling in every precision]
+Loss scaling exists for fp16; under fp32 or bf16 compute GeminiOptimizer
+does not scale unless ``scale_every_precision=True``, which Colossal-AI's
+ZeRO optimizer (``pc_zero.colossal.ZeroOptimizer``) asks for: its
+``initial_scale`` and friends then apply as asked (the loss is multiplied,
+the gradient shards divided, a step whose gradients overflow is skipped
+and the scale backs off). A power-of-two scale changes fp32 results by
+nothing but over- or underflow.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any, Literal
+from enum import Enum
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
+from torch.utils._pytree import tree_map
 
 from pc_chunk import (
     BudgetExceededError,
@@ -71,11 +118,77 @@ from pc_offload import CopyEngine, PinnedPool
 from pc_zero.loss_scale import DynamicLossScaler, LossScaleConfig, unscale_clip_and_check
 from pc_zero.sharded import MixedPrecision, ShardedModule, prepare_module
 
-__all__ = ["GeminiDDP", "GeminiOptimizer"]
+__all__ = ["GeminiDDP", "GeminiOptimizer", "PlacementPolicy", "searched_chunk_size"]
 
 # Optimizer state bytes per element that "auto" placement plans for (Adam:
 # momentum and variance in fp32).
 _STATE_BYTES = 8
+
+
+class PlacementPolicy(Enum):
+    """Where chunk shards rest between uses [Note: Gemini]; the strings are
+    Colossal-AI's names, parsed once at the edge."""
+
+    STATIC = "static"  # the last offload_param_frac of the chunks on the host
+    AUTO = "auto"  # as many chunks on the device as the budget holds
+    CUDA = "cuda"  # every shard on the compute device (nothing offloaded)
+    CPU = "cpu"  # every shard on the host
+
+    @classmethod
+    def parse(cls, value: str | PlacementPolicy) -> PlacementPolicy:
+        if isinstance(value, PlacementPolicy):
+            return value
+        names = [p.value for p in cls]
+        if value not in names:
+            raise ValueError(f"placement_policy must be one of {names}, got {value!r}.")
+        return cls(value)
+
+
+# Colossal-AI's chunk search sizes count 2**20 elements ("_mb", "_m").
+_MEGA = 1024 * 1024
+
+
+def _elements_from_mega(name: str, value: float) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+        raise ValueError(f"{name} must be a number >= 0 (units of 2**20 elements), got {value!r}.")
+    return round(value * _MEGA)
+
+
+def _one_of(
+    pc_name: str, pc_value: int | None, mb_name: str, mb_value: float | None, default: int
+) -> int:
+    """A search setting given in elements (pc) or in 2**20 elements
+    (Colossal-AI's ``_mb``), not both."""
+    if pc_value is not None and mb_value is not None:
+        raise ValueError(
+            f"GeminiDDP: pass {pc_name} (elements) or {mb_name} (2**20 elements), not both."
+        )
+    if mb_value is not None:
+        return _elements_from_mega(mb_name, mb_value)
+    return pc_value if pc_value is not None else default
+
+
+def searched_chunk_size(
+    sizes: list[int],
+    world: int,
+    search_range: int,
+    min_chunk_size: int,
+    hidden_dim: int | None = None,
+) -> int:
+    """The chunk size GeminiDDP searches for [Note: chunk search], for
+    parameters of ``sizes`` elements in packing order."""
+    total = sum(sizes)
+    if hidden_dim is not None:
+        if isinstance(hidden_dim, bool) or not isinstance(hidden_dim, int) or hidden_dim < 1:
+            raise ValueError(f"hidden_dim must be a positive int or None, got {hidden_dim!r}.")
+        quantum = math.lcm(hidden_dim, world)
+    else:
+        quantum = 64 * world
+    # From min_chunk_size (never below the largest parameter, never above
+    # the whole model) up by search_range.
+    low = max(max(sizes), min(min_chunk_size, total))
+    low = -(-low // quantum) * quantum
+    return search_chunk_size(sizes, search_range, low, quantum).chunk_size
 
 
 class GeminiDDP(ShardedModule):
@@ -83,20 +196,29 @@ class GeminiDDP(ShardedModule):
     dtype (fp32 masters stay in the shards, whatever dtype the model was
     built in: [Note: build dtype] in pc_zero.sharded); fp16 needs
     :class:`GeminiOptimizer` for loss scaling. Build the optimizer after
-    wrapping, over ``model.parameters()``."""
+    wrapping, over ``model.parameters()``. The chunk search takes
+    Colossal-AI's ``search_range_mb`` / ``min_chunk_size_mb`` /
+    ``hidden_dim`` as well as pc's element counts [Note: chunk search];
+    ``pin_memory`` and the placement policies: [Note: placement policies]."""
 
     def __init__(
         self,
         module: nn.Module,
         *,
         device: torch.device | str | None = None,
-        placement_policy: Literal["static", "auto"] = "static",
+        placement_policy: str | PlacementPolicy = "static",
+        pin_memory: bool = True,
         offload_param_frac: float = 0.0,
         device_budget_bytes: int | None = None,
         mixed_precision: torch.dtype = torch.float32,
         chunk_size: int | None = None,
-        search_range: int = 32 * 1024 * 1024,
-        min_chunk_size: int = 32 * 1024 * 1024,
+        chunk_per_tensor: bool = False,
+        search_range: int | None = None,
+        min_chunk_size: int | None = None,
+        search_range_mb: float | None = None,
+        min_chunk_size_mb: float | None = None,
+        hidden_dim: int | None = None,
+        force_outputs_fp32: bool = False,
         example_inputs: tuple[Any, ...] = (),
         process_group: dist.ProcessGroup | None = None,
         comm: Communicator | None = None,
@@ -104,25 +226,39 @@ class GeminiDDP(ShardedModule):
         prefetch: bool = True,
         step_in_backward: bool = False,
     ) -> None:
-        if placement_policy not in ("static", "auto"):
-            raise ValueError(
-                f"placement_policy must be 'static' or 'auto', got {placement_policy!r}."
-            )
-        if placement_policy == "auto" and device_budget_bytes is None:
-            raise ValueError(
-                "placement_policy='auto' plans against a device budget: pass "
-                "device_budget_bytes (e.g. the GPU's free memory)."
-            )
+        policy = PlacementPolicy.parse(placement_policy)
         if not 0.0 <= offload_param_frac <= 1.0:
             raise ValueError(f"offload_param_frac must be in [0, 1], got {offload_param_frac}.")
+        if offload_param_frac and policy is not PlacementPolicy.STATIC:
+            raise ValueError(
+                f"offload_param_frac={offload_param_frac} is the host fraction of "
+                f"placement_policy='static'; placement_policy={policy.value!r} decides the "
+                "host fraction itself. Pass placement_policy='static' to choose it."
+            )
         for name, value in (("device_budget_bytes", device_budget_bytes),
                             ("chunk_size", chunk_size)):  # fmt: skip
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                       or value < 1):  # fmt: skip
                 raise ValueError(f"{name} must be a positive int or None, got {value!r}.")
+        if chunk_per_tensor and chunk_size is not None:
+            raise ValueError(
+                f"GeminiDDP: chunk_per_tensor=True gives every parameter a chunk of its own; "
+                f"chunk_size={chunk_size} asks for one size. Pass one of them."
+            )
+        search_range = _one_of("search_range", search_range, "search_range_mb",
+                               search_range_mb, 32 * _MEGA)  # fmt: skip
+        min_chunk_size = _one_of("min_chunk_size", min_chunk_size, "min_chunk_size_mb",
+                                 min_chunk_size_mb, 32 * _MEGA)  # fmt: skip
+        if hidden_dim is not None and (chunk_size is not None or chunk_per_tensor):
+            raise ValueError(
+                f"GeminiDDP: hidden_dim={hidden_dim} is the step of the chunk-size search, "
+                "and the chunk size is given; drop one of them."
+            )
         comm, device, init_param = prepare_module(
             module, "GeminiDDP", comm, process_group, device, sync_module_states, mixed_precision
         )
+        if policy is PlacementPolicy.AUTO and device_budget_bytes is None:
+            device_budget_bytes = _free_device_bytes(device)
         world = comm.world_size
         order = [p for p in execution_order(module, *example_inputs) if p.requires_grad]
         total = sum(p.numel() for p in order)
@@ -132,38 +268,40 @@ class GeminiDDP(ShardedModule):
                 f"elements): one chunk would be mostly padding. Use chunk_size <= {total} "
                 "(rounded up as you need), or None to search for the size with the least padding."
             )
-        if chunk_size is None:
-            # From min_chunk_size (never below the largest parameter, never
-            # above the whole model) up by search_range.
-            largest = max(p.numel() for p in order)
-            low = max(largest, min(min_chunk_size, total))
-            quantum = 64 * world
-            low = -(-low // quantum) * quantum
-            chunk_size = search_chunk_size(order, search_range, low, quantum).chunk_size
+        if chunk_size is None and not chunk_per_tensor:
+            sizes = [p.numel() for p in order]
+            chunk_size = searched_chunk_size(sizes, world, search_range, min_chunk_size,
+                                             hidden_dim)  # fmt: skip
+        # The largest chunk: a parameter above chunk_size gets one of its own
+        # ([Note: oversized parameters] in pc_chunk.manager).
+        largest = -(-max(p.numel() for p in order) // world) * world
+        widest = max(chunk_size or 0, largest)
+        self.placement_policy = policy
+        self.pin_memory = pin_memory
+        self.force_outputs_fp32 = force_outputs_fp32
         self.budget = DeviceBudget(device_budget_bytes) if device_budget_bytes is not None else None
-        if placement_policy == "auto":
+        if policy is PlacementPolicy.CPU:
+            offload_param_frac = 1.0
+        elif policy is PlacementPolicy.AUTO:
             assert device_budget_bytes is not None
             non_model = _non_model_peak(module, example_inputs) if example_inputs else 0
+            count = len(order) if chunk_size is None else max(1, math.ceil(total / chunk_size))
             offload_param_frac = _auto_offload_fraction(
-                order,
-                chunk_size,
-                world,
-                device_budget_bytes,
-                non_model,
-                mixed_precision,
+                count, widest, world, device_budget_bytes, non_model, mixed_precision,
                 step_in_backward,
-            )
+            )  # fmt: skip
         self.offload_param_frac = offload_param_frac
         try:
             manager = ChunkManager(
                 module,
                 example_inputs=example_inputs,
                 chunk_size=chunk_size,
+                chunk_per_tensor=chunk_per_tensor,
                 comm=comm,
                 device=device,
                 budget=self.budget,
                 placement=StaticPlacement(1.0 - offload_param_frac),
-                engine=CopyEngine(PinnedPool()) if device.type == "cuda" else None,
+                engine=_copy_engine(device, pin_memory),
                 compute_dtype=mixed_precision,
                 expose_shards=True,
                 prefetch=prefetch,
@@ -172,22 +310,54 @@ class GeminiDDP(ShardedModule):
         except BudgetExceededError as error:  # the placement asked for cannot fit: a setting
             raise ValueError(
                 f"GeminiDDP: device_budget_bytes={device_budget_bytes} cannot hold the chunks "
-                f"placement_policy={placement_policy!r} keeps on the device ({error})"
+                f"placement_policy={policy.value!r} keeps on the device ({error})"
             ) from None
         if self.budget is not None:
             # Forward gathers a whole chunk in the compute dtype: a budget
             # without room for one after the resident shards can never run.
-            gathered = chunk_size * torch.empty((), dtype=mixed_precision).element_size()
+            gathered = widest * torch.empty((), dtype=mixed_precision).element_size()
             if self.budget.available_bytes < gathered:
                 raise ValueError(
                     f"GeminiDDP: device_budget_bytes={device_budget_bytes} leaves "
                     f"{self.budget.available_bytes} bytes after the resident shards, but "
-                    f"gathering one chunk ({chunk_size} elements) needs {gathered}. Raise the "
+                    f"gathering one chunk ({widest} elements) needs {gathered}. Raise the "
                     "budget, keep more on the host (offload_param_frac, or placement 'auto'), "
                     "or use a smaller chunk_size."
                 )
         mp = MixedPrecision(mixed_precision) if mixed_precision != torch.float32 else None
         super().__init__(module, manager, comm, mp, step_in_backward=step_in_backward)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        out = super().forward(*args, **kwargs)
+        if not self.force_outputs_fp32:
+            return out
+
+        def upcast(x: Any) -> Any:
+            if isinstance(x, torch.Tensor) and x.is_floating_point():
+                return x.float()
+            return x
+
+        return tree_map(upcast, out)
+
+
+def _free_device_bytes(device: torch.device) -> int:
+    """What "auto" plans against without a budget: the device's free memory."""
+    if device.type != "cuda":
+        raise ValueError(
+            "placement_policy='auto' plans against a device budget: on a CUDA device it "
+            f"defaults to the free GPU memory, but the compute device is {device}; pass "
+            "device_budget_bytes (the bytes chunk data may use on the device)."
+        )
+    free, _ = torch.cuda.mem_get_info(device)
+    return int(free)
+
+
+def _copy_engine(device: torch.device, pin_memory: bool) -> CopyEngine | None:
+    """Host <-> device copies of offloaded shards [Note: placement policies]:
+    pinned host buffers with ``pin_memory``, pageable ones without."""
+    if device.type != "cuda":
+        return None  # the host is the device: nothing is copied, nothing to pin
+    return CopyEngine(PinnedPool(pin=pin_memory))
 
 
 def _non_model_peak(module: nn.Module, example_inputs: tuple[Any, ...]) -> int:
@@ -206,7 +376,7 @@ def _non_model_peak(module: nn.Module, example_inputs: tuple[Any, ...]) -> int:
 
 
 def _auto_offload_fraction(
-    order: list[nn.Parameter],
+    chunks: int,
     chunk_size: int,
     world: int,
     budget: int,
@@ -214,12 +384,11 @@ def _auto_offload_fraction(
     compute_dtype: torch.dtype,
     step_in_backward: bool = False,
 ) -> float:
-    """The host fraction of chunks for "auto" [Note: Gemini]: the working set
-    first, then as many chunks' shard + gradient shard + states as fit.
-    Stepping in backward keeps no gradient shard per chunk, but up to two
-    in the working set [Note: stepping in backward]."""
-    total = sum(p.numel() for p in order)
-    chunks = max(1, math.ceil(total / chunk_size))
+    """The host fraction of ``chunks`` chunks (of up to ``chunk_size``
+    elements) for "auto" [Note: Gemini]: the working set first, then as many
+    chunks' shard + gradient shard + states as fit. Stepping in backward
+    keeps no gradient shard per chunk, but up to two in the working set
+    [Note: stepping in backward]."""
     working = 2 * chunk_size * compute_dtype.itemsize + chunk_size * 4 + non_model
     grad_shard = chunk_size // world * 4
     if step_in_backward:
@@ -231,9 +400,12 @@ def _auto_offload_fraction(
 
 class GeminiOptimizer(Optimizer):
     """Wraps a torch optimizer built over a :class:`GeminiDDP`'s parameters:
-    loss scaling for fp16 (:class:`~pc_zero.LossScaleConfig`), an overflow
-    check across ranks that skips the step, and global-norm clipping
-    (``max_norm``), shared with ZeRO-1/2. Call ``optimizer.backward(loss)``.
+    loss scaling for fp16 (:class:`~pc_zero.LossScaleConfig`; in every
+    precision with ``scale_every_precision`` [Note: loss scaling in every
+    precision]), an overflow check across ranks that skips the step, and
+    global-norm clipping (``max_norm``), shared with ZeRO-1/2. Call
+    ``optimizer.backward(loss)``. ``step()`` leaves the gradients cleared
+    [Note: step clears the gradients].
     Under ``GeminiDDP(step_in_backward=True)`` it steps chunk by chunk inside
     backward [Note: stepping in backward]."""
 
@@ -244,6 +416,7 @@ class GeminiOptimizer(Optimizer):
         *,
         max_norm: float = 0.0,
         loss_scale: LossScaleConfig | None = None,
+        scale_every_precision: bool = False,
     ) -> None:
         if not isinstance(module, ShardedModule):
             raise TypeError(
@@ -263,7 +436,10 @@ class GeminiOptimizer(Optimizer):
         self.max_norm = float(max_norm)
         mp = module.mixed_precision
         fp16 = mp is not None and mp.param_dtype == torch.float16
-        self.scaler = DynamicLossScaler(loss_scale) if fp16 else None
+        # [Note: loss scaling in every precision]
+        scaled = fp16 or scale_every_precision
+        self.scaler = DynamicLossScaler(loss_scale) if scaled else None
+        self.last_step_skipped = False  # the last step() found an overflow and skipped
         self._reserve_states(module)
         super().__init__([{"params": [torch.zeros(1)]}], dict(optimizer.defaults))
         self.param_groups = optimizer.param_groups
@@ -271,7 +447,7 @@ class GeminiOptimizer(Optimizer):
         self.defaults = optimizer.defaults
         self._stepped: set[Chunk] = set()  # chunks stepped since the last step()
         if self.step_in_backward:
-            self._check_step_in_backward(fp16)
+            self._check_step_in_backward(scaled)
             module.manager.on_backward_start = self._check_stepped
             module.manager.on_reduced = self._step_chunk
 
@@ -286,7 +462,7 @@ class GeminiOptimizer(Optimizer):
         if self.max_norm > 0:
             refused.append(f"global-norm clipping (max_norm={self.max_norm})")
         if fp16:
-            refused.append("fp16 loss scaling (mixed_precision=torch.float16)")
+            refused.append("fp16 loss scaling (mixed_precision=torch.float16, or a loss scale)")
         if refused:
             raise ValueError(
                 "step_in_backward=True updates each chunk before the other "
@@ -351,6 +527,8 @@ class GeminiOptimizer(Optimizer):
         (loss * self.loss_scale if self.scaler is not None else loss).backward()  # type: ignore[no-untyped-call]
 
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """Unscale, check for overflow, clip and step; then clear the
+        gradients, as Colossal-AI's does [Note: step clears the gradients]."""
         loss = closure() if closure is not None else None
         if self.step_in_backward:  # done in backward [Note: stepping in backward]
             self._stepped.clear()
@@ -358,13 +536,20 @@ class GeminiOptimizer(Optimizer):
         grads = [c.grad_shard for c in self.module.chunks if c.grad_shard is not None]
         device = self.module.manager.device
         ok, _ = unscale_clip_and_check(grads, self.module.comm, self.scaler, self.max_norm, device)
-        if not ok:
-            self.zero_grad()
-            return loss
-        self.inner.step()
-        if self.scaler is not None:
-            self.scaler.update(False)
+        self.last_step_skipped = not ok
+        if ok:
+            self.inner.step()
+            if self.scaler is not None:
+                self.scaler.update(False)
+        self._clear_grads()
         return loss
+
+    def _clear_grads(self) -> None:
+        """[Note: step clears the gradients]: the exposed ``.grad`` and the
+        chunks' gradient shards (their host buffers stay for the next step)."""
+        self.zero_grad()
+        for chunk in self.module.chunks:
+            chunk.clear_grad()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.inner.zero_grad(set_to_none)
