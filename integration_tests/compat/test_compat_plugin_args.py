@@ -132,6 +132,36 @@ def check_accepted(case: str) -> None:
             ids = _ids(0)
             out = model(input_ids=ids, labels=ids)
             assert out.logits.shape[-1] == width, (parallel, out.logits.shape)
+    elif case == "execute_pipeline":  # Colossal-AI's criterion(outputs, inputs) and result
+        plugin = HybridParallelPlugin(pp_size=2, zero_stage=1, num_microbatches=2)
+        booster = Booster(plugin=plugin)
+        built = _gpt2()
+        model, optimizer, *_ = booster.boost(
+            built, torch.optim.SGD(built.parameters(), lr=0.1, momentum=0.9)
+        )
+        seen: list[set[str]] = []
+
+        def criterion(outputs: Any, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+            seen.append(set(inputs))
+            loss: torch.Tensor = outputs[0]  # a transformers output computed with labels
+            same = loss is outputs.loss
+            assert same
+            return loss
+
+        losses = []
+        for step in range(3):
+            ids = _ids(step)
+            batch = {"input_ids": ids, "labels": ids}
+            out = booster.execute_pipeline(
+                iter([batch]), model, criterion, optimizer, return_loss=True, return_outputs=True
+            )
+            assert set(out) == {"loss", "outputs"}
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(float(out["loss"]))
+        if plugin.stage_manager is not None and plugin.stage_manager.is_last_stage():
+            assert seen == [{"input_ids", "labels"}] * 6, seen
+        _matches(_gpt2, losses, booster, model)
     elif case == "overlap_communication":
         plugin = HybridParallelPlugin(tp_size=2, zero_stage=1, overlap_communication=False)
         losses, booster, model = _train(plugin, _gpt2, 3)
@@ -150,6 +180,7 @@ def _llama_four_layers() -> LlamaForCausalLM:
 
 
 CASES = [
+    "execute_pipeline",
     "microbatch_size",
     "num_model_chunks",
     "split_gather",
@@ -385,6 +416,11 @@ def check_gemini_arguments(case: str) -> None:
         assert not any(c.shard_on_device for c in model.chunks)
         assert model.manager.prefetch is False
         _matches(_gpt2, losses, booster, model)
+    elif case == "hidden_dim":  # the chunk-size search steps by it
+        plugin = GeminiPlugin(hidden_dim=1000)
+        losses, booster, model = _train(plugin, _gpt2, 3)
+        assert model.manager.chunk_size % 1000 == 0, model.manager.chunk_size
+        _matches(_gpt2, losses, booster, model)
     elif case == "force_outputs_fp32":
         booster = Booster(plugin=GeminiPlugin(precision="bf16", force_outputs_fp32=True))
         built = _gpt2()
@@ -429,5 +465,5 @@ def check_gemini_arguments(case: str) -> None:
 
 
 def test_gemini_arguments() -> None:
-    cases = ["offload_optim_frac", "force_outputs_fp32", "verbose", "refused"]
+    cases = ["offload_optim_frac", "hidden_dim", "force_outputs_fp32", "verbose", "refused"]
     run_subtests(check_gemini_arguments, 2, {"case": cases}, timeout=200)

@@ -12,6 +12,7 @@ from pc_zero.colossal import (
     init_chunk_manager,
 )
 from pc_zero.fsdp import (
+    BackwardPrefetch,
     FullyShardedDataParallel,
     ModuleSizePolicy,
     TransformerBlockPolicy,
@@ -36,6 +37,7 @@ from pc_zero.state import merge_sharded_state_dicts
 __version__ = "0.1.0"
 
 __all__ = [
+    "BackwardPrefetch",
     "Box",
     "Bucket",
     "ColoInitContext",

@@ -243,6 +243,7 @@ class GeminiOptions(PluginConfig):
     use_fp8: bool = False
     fp8_communication: bool = False
     pin_memory: bool = False
+    hidden_dim: int | None = None
     chunk_init_device: Any = None
     warmup_non_model_data_ratio: float = 0.8
     steady_cuda_cap_ratio: float = 0.9
@@ -354,6 +355,7 @@ class GeminiPlugin(Plugin, SupportsNoSync):
         use_fp8: bool = False,
         fp8_communication: bool = False,
         pin_memory: bool = False,
+        hidden_dim: int | None = None,
         chunk_init_device: Any = None,
         warmup_non_model_data_ratio: float = 0.8,
         steady_cuda_cap_ratio: float = 0.9,
@@ -400,6 +402,7 @@ class GeminiPlugin(Plugin, SupportsNoSync):
                 use_fp8=use_fp8,
                 fp8_communication=fp8_communication,
                 pin_memory=pin_memory,
+                hidden_dim=hidden_dim,
                 chunk_init_device=chunk_init_device,
                 warmup_non_model_data_ratio=warmup_non_model_data_ratio,
                 steady_cuda_cap_ratio=steady_cuda_cap_ratio,
@@ -459,6 +462,8 @@ class GeminiPlugin(Plugin, SupportsNoSync):
             min_chunk_size=min_chunk_size,
             prefetch=o.prefetches(),
             step_in_backward=o.step_in_backward,
+            pin_memory=o.pin_memory,
+            hidden_dim=o.hidden_dim,
         )
         # Chunks hold trainable parameters only; frozen ones leave the optimizer.
         trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
@@ -656,8 +661,9 @@ class GeminiPlugin(Plugin, SupportsNoSync):
 # - enable_flash_attention / enable_fused_normalization /
 #   enable_all_optimization: as HybridParallelPlugin's;
 # - verbose: the chunk layout printed once on rank 0;
-# - pin_memory: host chunks are pinned wherever there is a GPU (pc copies
-#   them through pinned buffers either way; True is what it does);
+# - pin_memory: host chunk shards pinned (True) or pageable on a GPU
+#   machine; nothing is copied on a CPU-only one;
+# - hidden_dim: the chunk-size search's step, in elements;
 # - chunk_init_device: pc builds each rank's share where it will live, so
 #   it must be that device (or None).
 
