@@ -179,6 +179,68 @@ def _llama_four_layers() -> LlamaForCausalLM:
     return LlamaForCausalLM(config)
 
 
+class _Unused(torch.nn.Module):
+    """A model with a parameter its forward never uses."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.used, self.unused = torch.nn.Linear(4, 1), torch.nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.used(x).square().mean()
+        return out
+
+
+def check_hybrid_data_parallel(case: str) -> None:
+    if case == "zero":  # ZeRO's buckets and host offload
+        sizes = []
+        for size in (12.0, 1e-4):
+            plugin = HybridParallelPlugin(tp_size=2, zero_stage=1, cpu_offload=True,
+                                          zero_bucket_size_in_m=size)  # fmt: skip
+            booster = Booster(plugin=plugin)
+            built = _gpt2()
+            _, optimizer, *_ = booster.boost(built, torch.optim.AdamW(built.parameters()))
+            assert type(optimizer.inner).__name__ == "CPUAdamW"  # the host optimizer
+            sizes.append(len(optimizer.buckets))
+        assert sizes[1] > sizes[0], sizes  # ~100-element buckets: many more
+    elif case == "ddp":  # zero_stage=0: pc-comm DDP's own options
+        counts = []
+        for cap in (25.0, 1e-4):
+            plugin = HybridParallelPlugin(ddp_bucket_cap_mb=cap, gradient_as_bucket_view=True)
+            booster = Booster(plugin=plugin)
+            model, *_ = booster.boost(_gpt2())
+            counts.append(len(model.reducer.buckets))
+        assert counts[1] > counts[0], counts
+        booster = Booster(plugin=HybridParallelPlugin(find_unused_parameters=True))
+        built = _Unused()
+        model, optimizer, *_ = booster.boost(built, torch.optim.SGD(built.parameters(), lr=0.1))
+        booster.backward(model(torch.randn(2, 4)), optimizer)  # no error: the unused is found
+        optimizer.step()
+        booster = Booster(plugin=HybridParallelPlugin())
+        built = _Unused()
+        model, optimizer, *_ = booster.boost(built, torch.optim.SGD(built.parameters(), lr=0.1))
+        with pytest.raises(RuntimeError):  # pc-comm DDP names the parameter that got no gradient
+            booster.backward(model(torch.randn(2, 4)), optimizer)
+    elif case == "refused":
+        for kwargs, message in (
+            ({"communication_dtype": torch.float16}, "pc reduces gradients in fp32"),
+            ({"static_graph": True}, "are torch DDP's"),
+            ({"dp_outside": False}, "tensor-parallel innermost"),
+            ({"make_vocab_size_divisible_by": 128}, "pads the vocabulary only to a multiple"),
+            ({"cpu_offload": True}, "set zero_stage=1 or 2"),
+            ({"use_fp8": True}, "no custom pipeline schedule"),
+        ):
+            with pytest.raises(ValueError, match=message):
+                HybridParallelPlugin(**kwargs)
+    dist.barrier()
+
+
+def test_hybrid_data_parallel_arguments() -> None:
+    run_subtests(check_hybrid_data_parallel, 2, {"case": ["zero", "ddp", "refused"]},
+                 timeout=200)  # fmt: skip
+
+
 CASES = [
     "execute_pipeline",
     "microbatch_size",

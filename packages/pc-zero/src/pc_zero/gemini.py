@@ -92,8 +92,10 @@ nothing but over- or underflow.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
 from enum import Enum
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -341,15 +343,21 @@ class GeminiDDP(ShardedModule):
 
 
 def _free_device_bytes(device: torch.device) -> int:
-    """What "auto" plans against without a budget: the device's free memory."""
-    if device.type != "cuda":
-        raise ValueError(
-            "placement_policy='auto' plans against a device budget: on a CUDA device it "
-            f"defaults to the free GPU memory, but the compute device is {device}; pass "
-            "device_budget_bytes (the bytes chunk data may use on the device)."
-        )
-    free, _ = torch.cuda.mem_get_info(device)
-    return int(free)
+    """What "auto" plans against without a budget: the device's free memory
+    (on a CPU-only machine the host is the device: its available memory)."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    if device.type == "cpu":
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+        return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    raise ValueError(
+        "placement_policy='auto' plans against a device budget: it defaults to the free "
+        f"memory of a CUDA device or the host, but the compute device is {device}; pass "
+        "device_budget_bytes (the bytes chunk data may use on the device)."
+    )
 
 
 def _copy_engine(device: torch.device, pin_memory: bool) -> CopyEngine | None:

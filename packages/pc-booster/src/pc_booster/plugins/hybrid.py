@@ -236,6 +236,33 @@ def _refused_extras(o: HybridParallelOptions, setting: RunSetting) -> str | None
             "pc_tensor.Policy registered in pc_tensor.POLICIES, not from a Colossal-AI policy; "
             "register one there and leave custom_policy out."
         )
+    if o.communication_dtype not in (None, torch.float32):
+        return (
+            f"communication_dtype={o.communication_dtype}: pc reduces gradients in fp32; leave "
+            "communication_dtype out."
+        )
+    if o.check_reduction or o.static_graph:
+        return (
+            "check_reduction / static_graph are torch DDP's; the hybrid plugin's data "
+            "parallelism is pc-comm's DDP (zero_stage=0) or ZeRO; leave them False."
+        )
+    if not o.dp_outside:
+        return (
+            "dp_outside=False: pc lays ranks out data-parallel outermost, tensor-parallel "
+            "innermost (tp ranks are neighbours); leave dp_outside=True."
+        )
+    if o.scheduler_nodes is not None or o.inner_ring_size is not None or o.use_fp8:
+        return (
+            "scheduler_nodes / inner_ring_size / use_fp8: pc has no custom pipeline schedule "
+            "graphs, ring attention or fp8 path; leave them out."
+        )
+    if o.make_vocab_size_divisible_by != 64:
+        return (
+            f"make_vocab_size_divisible_by={o.make_vocab_size_divisible_by}: pc pads the "
+            "vocabulary only to a multiple of tp_size, as the shards need; leave it at 64."
+        )
+    if o.cpu_offload and o.zero_stage == 0:
+        return "cpu_offload offloads ZeRO's masters and moments: set zero_stage=1 or 2."
     if not o.parallel_output and o.pp_size > 1:
         return (
             "parallel_output=False with pp_size > 1: the last stage's criterion gets the "
@@ -354,6 +381,20 @@ class HybridParallelOptions(PluginConfig):
     fp8_communication: bool = False
     parallel_output: bool = True
     custom_policy: Any = None
+    zero_bucket_size_in_m: float = 12.0
+    cpu_offload: bool = False
+    communication_dtype: torch.dtype | None = None
+    ddp_bucket_cap_mb: float = 25.0
+    find_unused_parameters: bool = False
+    check_reduction: bool = False
+    gradient_as_bucket_view: bool = False
+    static_graph: bool = False
+    dp_outside: bool = True
+    enable_metadata_cache: bool = True
+    make_vocab_size_divisible_by: int = 64
+    scheduler_nodes: Any = None
+    inner_ring_size: int | None = None
+    use_fp8: bool = False
 
     def flash_attention(self) -> bool:
         return self.enable_flash_attention or self.enable_all_optimization
@@ -426,6 +467,20 @@ class HybridParallelPlugin(Plugin, SupportsNoSync, SupportsPipeline):
         fp8_communication: bool = False,
         parallel_output: bool = True,
         custom_policy: Any = None,
+        zero_bucket_size_in_m: float = 12.0,
+        cpu_offload: bool = False,
+        communication_dtype: torch.dtype | None = None,
+        ddp_bucket_cap_mb: float = 25.0,
+        find_unused_parameters: bool = False,
+        check_reduction: bool = False,
+        gradient_as_bucket_view: bool = False,
+        static_graph: bool = False,
+        dp_outside: bool = True,
+        enable_metadata_cache: bool = True,
+        make_vocab_size_divisible_by: int = 64,
+        scheduler_nodes: Any = None,
+        inner_ring_size: int | None = None,
+        use_fp8: bool = False,
     ) -> None:
         super().__init__(
             HybridParallelOptions(
@@ -456,6 +511,20 @@ class HybridParallelPlugin(Plugin, SupportsNoSync, SupportsPipeline):
                 fp8_communication=fp8_communication,
                 parallel_output=parallel_output,
                 custom_policy=custom_policy,
+                zero_bucket_size_in_m=zero_bucket_size_in_m,
+                cpu_offload=cpu_offload,
+                communication_dtype=communication_dtype,
+                ddp_bucket_cap_mb=ddp_bucket_cap_mb,
+                find_unused_parameters=find_unused_parameters,
+                check_reduction=check_reduction,
+                gradient_as_bucket_view=gradient_as_bucket_view,
+                static_graph=static_graph,
+                dp_outside=dp_outside,
+                enable_metadata_cache=enable_metadata_cache,
+                make_vocab_size_divisible_by=make_vocab_size_divisible_by,
+                scheduler_nodes=scheduler_nodes,
+                inner_ring_size=inner_ring_size,
+                use_fp8=use_fp8,
             )
         )
         self.set_precision(precision)
@@ -577,7 +646,13 @@ class HybridParallelPlugin(Plugin, SupportsNoSync, SupportsPipeline):
             optimizer = zero
         else:
             if dist.get_world_size(layout.dp_group) > 1:
-                wrapped = DistributedDataParallel(model, process_group=layout.dp_group)
+                wrapped = DistributedDataParallel(
+                    model,
+                    process_group=layout.dp_group,
+                    bucket_cap_mb=self.options.ddp_bucket_cap_mb,
+                    find_unused_parameters=self.options.find_unused_parameters,
+                    gradient_as_bucket_view=self.options.gradient_as_bucket_view,
+                )
             if optimizer is not None:
                 self.clip_own_optimizer(optimizer)
         if self.tp_size > 1 and not self.options.parallel_output:
@@ -630,6 +705,8 @@ class HybridParallelPlugin(Plugin, SupportsNoSync, SupportsPipeline):
             clip_grad_norm=o.max_norm,
             loss_scale=loss_scale_config(o),
             overlap_communication=o.overlap_communication,
+            cpu_offload=o.cpu_offload,
+            reduce_bucket_size=int(o.zero_bucket_size_in_m * 2**20),
         )
 
     def clip_own_optimizer(self, optimizer: Optimizer, names: dict[int, str] | None = None) -> None:
@@ -800,7 +877,12 @@ class HybridParallelPlugin(Plugin, SupportsNoSync, SupportsPipeline):
 #   apart as enable_jit_fused);
 # - parallel_output=False: a tensor-parallel model's logits gathered to the
 #   full vocabulary after the forward (True keeps each rank's slice, which
-#   is what the loss uses).
+#   is what the loss uses);
+# - zero_bucket_size_in_m, cpu_offload: the ZeRO optimizer's bucket size
+#   and host offload; ddp_bucket_cap_mb, find_unused_parameters,
+#   gradient_as_bucket_view: pc-comm DDP's (zero_stage=0);
+# - enable_metadata_cache: pc infers the shapes crossing stages once per
+#   micro-batch shape and keeps them (True is what it does).
 
 
 def apply_optimizations(model: nn.Module, options: Any) -> None:

@@ -150,7 +150,14 @@ def configure_pipeline(
         # micro-batch would overwrite tensors earlier micro-batches'
         # graphs still hold (BERT's token_type_ids).
         mine = [
-            DistributedDataParallel(m, process_group=layout.dp_group, broadcast_buffers=False)
+            DistributedDataParallel(
+                m,
+                process_group=layout.dp_group,
+                broadcast_buffers=False,
+                bucket_cap_mb=plugin.options.ddp_bucket_cap_mb,
+                find_unused_parameters=plugin.options.find_unused_parameters,
+                gradient_as_bucket_view=plugin.options.gradient_as_bucket_view,
+            )
             for m in mine
         ]
     chunks, wait = o.microbatches(), o.pp_timeout
