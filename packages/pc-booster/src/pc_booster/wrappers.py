@@ -38,34 +38,24 @@ _UNWRAPPED = "_pc_unwrapped"
 _PLUGIN = "_pc_plugin"
 
 
-def _mix(obj: Any, mixin: type) -> None:
+def _mix(obj: Any, mixin: type, first: bool = False) -> None:
+    """Swap ``obj``'s class for a subclass with ``mixin`` after the original
+    class in the MRO (the original's methods win), or before it with
+    ``first`` (the mixin's win and reach the original's through ``super()``)."""
     cls = type(obj)
     if isinstance(obj, mixin):
         return
-    key = (cls, mixin)
+    key = (mixin, cls) if first else (cls, mixin)
     if key not in _CLASSES:
         _CLASSES[key] = type(
-            cls.__name__,
-            (cls, mixin),
-            {"__module__": cls.__module__, "__qualname__": cls.__qualname__},
+            cls.__name__, key, {"__module__": cls.__module__, "__qualname__": cls.__qualname__}
         )
     obj.__class__ = _CLASSES[key]
 
 
 def mix_before(obj: Any, mixin: type) -> None:
-    """Put ``mixin`` before ``obj``'s class in its MRO (its methods win and
-    reach the original's through ``super()``) [Note: boosted classes]."""
-    cls = type(obj)
-    if isinstance(obj, mixin):
-        return
-    key = (mixin, cls)
-    if key not in _CLASSES:
-        _CLASSES[key] = type(
-            cls.__name__,
-            (mixin, cls),
-            {"__module__": cls.__module__, "__qualname__": cls.__qualname__},
-        )
-    obj.__class__ = _CLASSES[key]
+    """Put ``mixin`` before ``obj``'s class in its MRO [Note: boosted classes]."""
+    _mix(obj, mixin, first=True)
 
 
 class BoostedModel:
