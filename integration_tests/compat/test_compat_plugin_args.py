@@ -229,6 +229,8 @@ def check_hybrid_data_parallel(case: str) -> None:
             ({"dp_outside": False}, "tensor-parallel innermost"),
             ({"make_vocab_size_divisible_by": 128}, "pads the vocabulary only to a multiple"),
             ({"cpu_offload": True}, "set zero_stage=1 or 2"),
+            ({"zero_stage": 1, "find_unused_parameters": True}, "used with zero_stage=0"),
+            ({"zero_bucket_size_in_m": 1.0}, "used with zero_stage 1 or 2"),
             ({"use_fp8": True}, "no custom pipeline schedule"),
         ):
             with pytest.raises(ValueError, match=message):

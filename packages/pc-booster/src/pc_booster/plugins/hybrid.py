@@ -263,6 +263,19 @@ def _refused_extras(o: HybridParallelOptions, setting: RunSetting) -> str | None
         )
     if o.cpu_offload and o.zero_stage == 0:
         return "cpu_offload offloads ZeRO's masters and moments: set zero_stage=1 or 2."
+    ddp_options = (o.ddp_bucket_cap_mb, o.find_unused_parameters, o.gradient_as_bucket_view)
+    if o.zero_stage and ddp_options != (25.0, False, False):
+        return (
+            "ddp_bucket_cap_mb / find_unused_parameters / gradient_as_bucket_view are pc-comm "
+            f"DDP's, used with zero_stage=0; zero_stage={o.zero_stage} reduces through ZeRO's "
+            "own buckets (zero_bucket_size_in_m). Drop them or set zero_stage=0."
+        )
+    if not o.zero_stage and (o.zero_bucket_size_in_m != 12.0 or not o.overlap_communication):
+        return (
+            "zero_bucket_size_in_m / overlap_communication are ZeRO's, used with zero_stage 1 "
+            "or 2; zero_stage=0 reduces through pc-comm DDP (ddp_bucket_cap_mb). Drop them or "
+            "set a zero_stage."
+        )
     if not o.parallel_output and o.pp_size > 1:
         return (
             "parallel_output=False with pp_size > 1: the last stage's criterion gets the "
