@@ -1,7 +1,9 @@
 """Tensor and sequence parallelism with policies for Hugging Face models.
 
-``shard_model(model, tp_group)`` shards a ``transformers`` GPT-2, Llama,
-BERT, OPT or Bloom model in place (attention heads and MLPs split
+``shard_model(model, tp_group)`` shards a ``transformers`` model in place:
+any family whose config carries transformers' tensor-parallel plan
+(``base_model_tp_plan``), and GPT-2, BERT, OPT and Bloom from pc's own
+policies (attention heads and MLPs split
 Megatron-style, the vocabulary split with a loss that never gathers the
 logits, optional sequence parallelism); :class:`Policy` describes another
 model family.
@@ -22,6 +24,7 @@ from pc_tensor.layers import (
     VocabParallelEmbedding,
     vocab_parallel_cross_entropy,
 )
+from pc_tensor.plans import has_plan, plan_policy, policy_for
 from pc_tensor.policies import POLICIES, Policy
 from pc_tensor.shard import (
     ShardInfo,
@@ -53,8 +56,11 @@ __all__ = [
     "gather_from_tp",
     "gather_logits",
     "gather_sequence",
+    "has_plan",
     "load_full_state_dict",
     "place_local_box",
+    "plan_policy",
+    "policy_for",
     "reduce_from_tp",
     "reduce_scatter_sequence",
     "shard_info",

@@ -27,6 +27,7 @@ from pc_tensor.comm import (
     gather_sequence,
     reduce_from_tp,
     reduce_scatter_sequence,
+    split_to_tp,
 )
 
 __all__ = [
@@ -217,8 +218,9 @@ class RowParallelLinear(_FromLayer):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
-            world, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
-            x = x.chunk(world, dim=-1)[rank]
+            # The whole input is the same on every rank: backward gathers the
+            # slices' gradients so the replicated computation before sees all of it.
+            x = split_to_tp(x, self.group, dim=-1)
         partial = nn.functional.linear(x, self.weight)
         if self.sequence_parallel:
             _check_dim(partial, self.sequence_dim, "sequence_dim")
@@ -281,7 +283,13 @@ class VocabParallelEmbedding(nn.Module):
                 "VocabParallelEmbedding supports padding_idx but not max_norm, "
                 "scale_grad_by_freq or sparse embeddings."
             )
-        return cls(layer.weight, group, padded_size=padded_size, padding_idx=layer.padding_idx)
+        built = cls(layer.weight, group, padded_size=padded_size, padding_idx=layer.padding_idx)
+        scale = getattr(layer, "embed_scale", None)
+        if scale is not None:  # transformers' scaled embeddings (Gemma 3): lookups * scale
+            built.register_buffer(
+                "embed_scale", torch.as_tensor(scale).detach().clone(), persistent=False
+            )
+        return built
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         outside = (ids < self.start) | (ids >= self.end)
@@ -292,7 +300,9 @@ class VocabParallelEmbedding(nn.Module):
             local, self.weight, padding_idx=pad - self.start if mine and pad is not None else None
         )
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
-        return reduce_from_tp(out, self.group)
+        out = reduce_from_tp(out, self.group)
+        scale = getattr(self, "embed_scale", None)
+        return out * scale.to(self.weight.dtype) if scale is not None else out
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):

@@ -8,7 +8,11 @@ Paths are attribute paths (``"attn.c_attn"``). ``blocks`` and ``embedding``
 are relative to the model's ``base_model`` (``GPT2Model`` inside
 ``GPT2LMHeadModel``), so one policy serves every head class of a family.
 
-The five built-in policies follow the Megatron-LM layout: attention heads are
+Families whose ``transformers`` config carries a tensor-parallel plan
+(``base_model_tp_plan``: Llama, Qwen2, Mistral, Gemma and about 150 more)
+are sharded from it (:mod:`pc_tensor.plans`); the hand-written policies here
+cover four families without one (GPT-2, BERT, OPT, Bloom). They
+follow the Megatron-LM layout: attention heads are
 split across ranks (query, key and value by heads, the output projection by
 its input), and so is each MLP (the up projections by output, the down
 projection by input). Each block then costs two all-reduces forward and two
@@ -52,6 +56,11 @@ class Policy:
       shard, else None.
     - ``prepare_attention``: called on each module of ``heads`` with the
       group, for per-head inputs computed outside the block (Bloom's ALiBi).
+    - ``gather_output``: column paths whose output is gathered whole (a
+      fused projection split afterwards in a layout of its own).
+    - ``split_input``: row paths that take the whole input and split it.
+    - ``grad_sum``: block paths of modules kept whole on every rank whose
+      gradients are summed over the group (a norm applied to local heads).
     """
 
     name: str
@@ -67,6 +76,9 @@ class Policy:
     loss: Literal["causal", "masked"] = "causal"
     check: Callable[[Any], str | None] | None = None
     prepare_attention: Callable[[nn.Module, dist.ProcessGroup], None] | None = None
+    gather_output: tuple[str, ...] = ()
+    split_input: tuple[str, ...] = ()
+    grad_sum: tuple[str, ...] = ()
 
 
 def _gpt2_check(config: Any) -> str | None:
@@ -117,22 +129,6 @@ POLICIES: dict[str, Policy] = {
         gather_at=("attn",),
         lm_heads={"GPT2LMHeadModel": "lm_head"},
         check=_gpt2_check,
-    ),
-    "llama": Policy(
-        name="llama",
-        blocks="layers",
-        embedding="embed_tokens",
-        column={
-            "self_attn.q_proj": 1,
-            "self_attn.k_proj": 1,
-            "self_attn.v_proj": 1,
-            "mlp.gate_proj": 1,
-            "mlp.up_proj": 1,
-        },
-        row=("self_attn.o_proj", "mlp.down_proj"),
-        head_counts=("num_attention_heads", "num_key_value_heads"),
-        gather_at=("self_attn", "mlp"),
-        lm_heads={"LlamaForCausalLM": "lm_head"},
     ),
     "bert": Policy(
         name="bert",

@@ -41,7 +41,7 @@ from pc_tensor.layers import (
     VocabParallelEmbedding,
     vocab_parallel_cross_entropy,
 )
-from pc_tensor.policies import POLICIES, Policy
+from pc_tensor.policies import Policy
 
 M = TypeVar("M", bound=nn.Module)
 
@@ -123,18 +123,6 @@ def _drop_split(layer: nn.Module, materialize: Callable[[nn.Module], None] | Non
     with torch.no_grad():
         for param in layer.parameters(recurse=False):
             param.data = param.data.new_empty(0)
-
-
-def _unsupported(model: nn.Module) -> ValueError:
-    config = getattr(model, "config", None)
-    kind = getattr(config, "model_type", None)
-    return ValueError(
-        f"shard_model has no tensor-parallel policy for {type(model).__name__} "
-        f"(model_type={kind!r}). Supported model types: {', '.join(sorted(POLICIES))}. "
-        "For another model, describe it with pc_tensor.Policy (the block list, the column- "
-        "and row-parallel projections inside a block, the attention modules' head counts) "
-        "and pass shard_model(model, group, policy=...); docs/packages/pc-tensor.md shows one."
-    )
 
 
 def _hidden_arg(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[torch.Tensor | None, bool]:
@@ -268,9 +256,9 @@ def shard_model(
         raise ValueError("this model is already sharded (shard_model was called on it before).")
     config = getattr(model, "config", None)
     if policy is None:
-        policy = POLICIES.get(getattr(config, "model_type", None) or "")
-        if policy is None:
-            raise _unsupported(model)
+        from pc_tensor.plans import policy_for
+
+        policy = policy_for(model)
     tp = dist.get_world_size(group)
     for name in policy.head_counts:
         count = getattr(config, name, None)
@@ -298,6 +286,13 @@ def shard_model(
             f"policy {policy.name!r}: {policy.embedding} is {type(embedding).__name__}, "
             "expected nn.Embedding."
         )
+    if type(embedding) is not nn.Embedding and not hasattr(embedding, "embed_scale"):
+        raise ValueError(
+            f"policy {policy.name!r}: the token embedding {policy.embedding} is "
+            f"{type(embedding).__name__}, a subclass of nn.Embedding with a forward of its own "
+            "that pc cannot split by vocabulary (it knows a plain embedding and one scaled by "
+            "embed_scale)."
+        )
 
     specs: dict[int, ShardSpec] = {}  # id of a new sharded parameter -> its split
     replaced: set[int] = set()  # ids of the original parameters now sharded away
@@ -314,6 +309,7 @@ def shard_model(
                 "sequence_parallel": sequence_parallel and not inside,
                 "input_gathered": inside,
                 "sequence_dim": 0 if path in policy.flat_tokens else 1,
+                "gather_output": path in policy.gather_output,
             }
             if materialize is not None:
                 materialize(old)
@@ -332,6 +328,7 @@ def shard_model(
             row_options: dict[str, Any] = {
                 "sequence_parallel": sequence_parallel,
                 "sequence_dim": 0 if path in policy.flat_tokens else 1,
+                "input_is_parallel": path not in policy.split_input,
             }
             if materialize is not None:
                 materialize(old)
@@ -428,10 +425,27 @@ def shard_model(
                 _get(block, path).register_forward_pre_hook(
                     _input_hook(partial(gather_sequence, group=group)), with_kwargs=True
                 )
-            for param in block.parameters():
-                if id(param) not in sharded and param.requires_grad:
-                    param.register_hook(partial(_sum_over_group, group))
-                    replicated.append(names[id(param)])
+    for block in blocks:
+        # Whose gradient is partial on each rank, so summed over the group:
+        # under sequence parallelism, the parameters that see this rank's
+        # slice of the sequence (outside the gathered modules, and the row
+        # layers' biases, added after the reduce-scatter); always, the
+        # policy's grad_sum modules (norms over this rank's heads). Inside a
+        # gathered module the rest see the whole sequence and whole features.
+        partial_grad: set[int] = set()
+        for path in policy.grad_sum:
+            partial_grad.update(id(p) for p in _get(block, path).parameters())
+        if sequence_parallel:
+            whole = {id(p) for path in policy.gather_at for p in _get(block, path).parameters()}
+            for path in policy.row:
+                bias = getattr(_get(block, path), "bias", None)
+                if bias is not None:
+                    whole.discard(id(bias))
+            partial_grad.update(id(p) for p in block.parameters() if id(p) not in whole)
+        for param in block.parameters():
+            if id(param) in partial_grad and id(param) not in sharded and param.requires_grad:
+                param.register_hook(partial(_sum_over_group, group))
+                replicated.append(names[id(param)])
     info = ShardInfo(
         policy=policy.name,
         group=group,

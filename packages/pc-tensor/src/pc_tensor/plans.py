@@ -1,0 +1,207 @@
+"""A :class:`~pc_tensor.policies.Policy` read from the tensor-parallel plan
+that ``transformers`` ships with a model family (``config.base_model_tp_plan``,
+about 150 families in transformers 5): any model whose family has one can
+be sharded without a hand-written policy.
+
+What a plan says, and what pc does with it (keys are module paths relative
+to the base model, ``*`` standing for each block of the block list):
+
+==============================  ============================================
+plan style                      pc
+==============================  ============================================
+``colwise``                     :class:`ColumnParallelLinear`, output split
+``rowwise``                     :class:`RowParallelLinear`, input already split
+``colwise_gather_output``       column-parallel, the output gathered
+``rowwise_split_input``         row-parallel, splitting its whole input
+``replicated_with_grad_allreduce``  whole on every rank, gradient summed
+                                over the group (a norm over local heads)
+``embedding_rowwise``,          the token embedding: pc always splits it by
+``replicate`` (embedding)       vocabulary (:class:`VocabParallelEmbedding`)
+``moe_*`` and expert keys       refused, naming the block: no expert
+                                parallelism yet
+``packed_*``, ``mla_kv_a_proj``,  refused with the style's name
+``local_params``, ``all_reduce``,
+``embedding_colwise``
+==============================  ============================================
+
+The output layer: a ``...ForCausalLM`` or ``...ForMaskedLM`` model's
+vocabulary projection (``get_output_embeddings()``) is split by vocabulary
+with a loss that never gathers the logits, tied to the embedding where the
+model ties them. Other heads (sequence or token classification) stay whole
+on every rank: their input is the same everywhere.
+
+Attention modules in transformers 5 reshape by ``-1`` heads, so a
+column-split projection needs no change to the module's attributes; grouped-
+query attention keeps its ratio of query to key/value heads. The config's
+head counts must divide by the tensor-parallel size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from torch import nn
+
+from pc_tensor.policies import POLICIES, Policy
+
+__all__ = ["has_plan", "plan_policy", "policy_for"]
+
+_HEAD_COUNTS = ("num_attention_heads", "num_key_value_heads", "n_head", "num_heads")
+_REFUSED = {
+    "packed_colwise": "a packed projection split in parts of the plan's own layout",
+    "packed_rowwise": "a packed projection split in parts of the plan's own layout",
+    "mla_kv_a_proj": "multi-head latent attention's shared key/value projection",
+    "local_params": "an attention module's per-head parameters (sinks)",
+    "all_reduce": "a module whose output is summed over the group",
+    "embedding_colwise": "an embedding split by features inside a block",
+}
+
+
+def _plan(config: Any) -> Mapping[str, str] | None:
+    plan = getattr(config, "base_model_tp_plan", None)
+    return plan if isinstance(plan, Mapping) and plan else None
+
+
+def has_plan(model: nn.Module) -> bool:
+    """Whether ``model``'s config carries a tensor-parallel plan."""
+    return _plan(getattr(model, "config", None)) is not None
+
+
+def _path_of(root: nn.Module, target: nn.Module | None) -> str | None:
+    if target is None:
+        return None
+    for name, module in root.named_modules():
+        if module is target:
+            return name
+    return None
+
+
+def plan_policy(model: nn.Module) -> Policy:
+    """The :class:`Policy` that ``model``'s ``config.base_model_tp_plan``
+    describes (see the module docstring). Raises ``ValueError`` naming the
+    key and the reason for a plan pc cannot follow (mixture-of-experts
+    blocks, styles it does not implement)."""
+    config: Any = getattr(model, "config", None)
+    plan = _plan(config)
+    kind = getattr(config, "model_type", None)
+    name = type(model).__name__
+    if plan is None:
+        raise ValueError(
+            f"{name} (model_type={kind!r}) has no tensor-parallel plan in its config "
+            "(config.base_model_tp_plan) and no pc policy: describe it with pc_tensor.Policy."
+        )
+    for key, style in plan.items():
+        if style.startswith("moe") or ".experts" in f".{key}" or key.endswith("experts"):
+            block = key.split(".experts")[0] if ".experts" in key else key
+            raise ValueError(
+                f"{name} (model_type={kind!r}) has mixture-of-experts blocks "
+                f"({block!r}: {key!r} is {style!r} in its tensor-parallel plan); pc has no "
+                "expert parallelism yet, so tensor parallelism refuses it. Train it with "
+                "data parallelism, ZeRO or a pipeline (pp_size) instead."
+            )
+    base: nn.Module = getattr(model, "base_model", model)
+    embedding = _path_of(base, base.get_input_embeddings()) if hasattr(base, "get_input_embeddings") else None  # fmt: skip
+    blocks: str | None = None
+    column: dict[str, int] = {}
+    row: list[str] = []
+    gather_output: list[str] = []
+    split_input: list[str] = []
+    grad_sum: list[str] = []
+    for key, style in plan.items():
+        if style in _REFUSED:
+            raise ValueError(
+                f"{name} (model_type={kind!r}): its tensor-parallel plan shards {key!r} as "
+                f"{style!r} ({_REFUSED[style]}), which pc does not implement yet."
+            )
+        if ".*." not in key:
+            if key == embedding and style in ("embedding_rowwise", "replicate", "rowwise"):
+                continue  # pc splits the token embedding by vocabulary in any case
+            if style in ("replicate", "replicated_with_grad_allreduce"):
+                continue
+            raise ValueError(
+                f"{name} (model_type={kind!r}): its tensor-parallel plan shards {key!r} "
+                f"({style!r}) outside the block list, which pc does not implement."
+            )
+        prefix, _, inner = key.partition(".*.")
+        if "*" in inner:
+            raise ValueError(
+                f"{name} (model_type={kind!r}): plan key {key!r} nests a second list inside a "
+                "block, which pc does not implement."
+            )
+        if blocks is not None and prefix != blocks:
+            raise ValueError(
+                f"{name} (model_type={kind!r}): its plan names two block lists, {blocks!r} and "
+                f"{prefix!r}; pc shards one."
+            )
+        blocks = prefix
+        if style in ("colwise", "colwise_gather_output"):
+            column[inner] = 1
+            if style == "colwise_gather_output":
+                gather_output.append(inner)
+        elif style in ("rowwise", "rowwise_split_input"):
+            row.append(inner)
+            if style == "rowwise_split_input":
+                split_input.append(inner)
+        elif style == "replicated_with_grad_allreduce":
+            grad_sum.append(inner)
+        elif style == "replicate":
+            continue
+        else:
+            raise ValueError(
+                f"{name} (model_type={kind!r}): plan style {style!r} (key {key!r}) is not one "
+                "pc knows."
+            )
+    if blocks is None or embedding is None:
+        what = "a block list" if blocks is None else "an input embedding"
+        raise ValueError(
+            f"{name} (model_type={kind!r}): its tensor-parallel plan gives pc no {what} to "
+            "shard."
+        )
+    # Under sequence parallelism the input of the modules holding column
+    # layers is gathered once on entry (attention reads the sequence whole).
+    parents = {path.rpartition(".")[0] for path in column}
+    heads = {}
+    lm_heads: dict[str, str] = {}
+    loss: Any = "causal"
+    if name.endswith(("ForCausalLM", "ForMaskedLM")):
+        output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        path = _path_of(model, output)
+        if path is not None and type(output) is nn.Linear:
+            lm_heads[name] = path
+            loss = "causal" if name.endswith("ForCausalLM") else "masked"
+    return Policy(
+        name=f"{kind} (transformers plan)",
+        blocks=blocks,
+        embedding=embedding,
+        column=column,
+        row=tuple(row),
+        heads=heads,
+        head_counts=tuple(c for c in _HEAD_COUNTS if isinstance(getattr(config, c, None), int)),
+        gather_at=tuple(sorted(p for p in parents if p)),
+        lm_heads=lm_heads,
+        loss=loss,
+        gather_output=tuple(gather_output),
+        split_input=tuple(split_input),
+        grad_sum=tuple(grad_sum),
+    )
+
+
+def policy_for(model: nn.Module) -> Policy:
+    """The policy :func:`~pc_tensor.shard_model` uses by default: the
+    family's transformers plan where it has one, else pc's hand-written
+    policy for the families without (GPT-2, BERT, OPT, Bloom)."""
+    if has_plan(model):
+        return plan_policy(model)
+    kind = getattr(getattr(model, "config", None), "model_type", None) or ""
+    policy = POLICIES.get(kind)
+    if policy is None:
+        raise ValueError(
+            f"shard_model has no tensor-parallel policy for {type(model).__name__} "
+            f"(model_type={kind!r}): its config has no base_model_tp_plan and pc has no "
+            f"hand-written policy for it (those cover {', '.join(sorted(POLICIES))}). "
+            "Describe it with pc_tensor.Policy (the block list, the column- and row-parallel "
+            "projections inside a block) and pass shard_model(model, group, policy=...); "
+            "docs/packages/pc-tensor.md shows one."
+        )
+    return policy
