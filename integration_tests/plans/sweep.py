@@ -31,26 +31,45 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).parent))
 from families import SEQ, VOCAB, Family, Skip, build, families  # noqa: E402
 
-STEPS, LR, BATCH = 3, 0.5, 4
+STEPS, LR, BATCH, LABELS = 3, 0.1, 4, 3
 RTOL, ATOL = 1e-4, 1e-5
-MODES = ("tp", "sp", "pp")
+# tp: tensor parallelism 2; sp: with sequence parallelism; pp: a 2-stage
+# 1F1B pipeline; cls: tp 2 and pp 2 with the family's sequence- and token-
+# classification heads; tp-pp: tp 2 x pp 2 at world 4 (its own group).
+MODES = ("tp", "sp", "pp", "cls")
 
 
 class Refused(Exception):
     """pc refused the family, with the reason."""
 
 
-def _batches() -> list[torch.Tensor]:
+def _batches(head: str = "causal") -> list[dict[str, torch.Tensor]]:
     gen = torch.Generator().manual_seed(1234)
-    return [torch.randint(3, VOCAB, (BATCH, SEQ), generator=gen) for _ in range(STEPS)]
+    out = []
+    for _ in range(STEPS):
+        ids = torch.randint(3, VOCAB, (BATCH, SEQ), generator=gen)
+        if head == "sequence":
+            labels = torch.randint(0, LABELS, (BATCH,), generator=gen)
+        elif head == "token":
+            labels = torch.randint(0, LABELS, (BATCH, SEQ), generator=gen)
+        else:
+            labels = ids
+        out.append({"input_ids": ids, "labels": labels})
+    return out
 
 
-def _reference(family: Family) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
-    model = build(family)
+def _model(family: Family, head: str) -> nn.Module:
+    return build(family, head=head, num_labels=LABELS) if head != "causal" else build(family)
+
+
+def _reference(
+    family: Family, head: str = "causal"
+) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+    model = _model(family, head)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     losses = []
-    for ids in _batches():
-        loss = model(input_ids=ids, labels=ids).loss
+    for batch in _batches(head):
+        loss = model(**batch).loss
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -69,53 +88,69 @@ def _compare(
         torch.stack(losses), torch.stack(ref_losses), rtol=RTOL, atol=ATOL,
         msg=lambda m: f"{what}: losses differ from single-process training: {m}",
     )  # fmt: skip
+    missing = sorted(set(ref_state) - set(state))
+    assert not missing, f"{what}: the trained state lacks {missing[:3]}"
     for key, value in ref_state.items():
-        if key not in state:
-            continue
         torch.testing.assert_close(
             state[key].float(), value.float(), rtol=RTOL, atol=ATOL,
             msg=lambda m, key=key: f"{what}: {key} differs after {STEPS} steps: {m}",
         )  # fmt: skip
 
 
-def check_tp(family: Family, sp: bool, ref: Any) -> None:
+def check_tp(family: Family, sp: bool, ref: Any, head: str = "causal") -> None:
     from pc_tensor import full_state_dict, shard_model
 
-    model = build(family)
+    model = _model(family, head)
     try:
         shard_model(model, dist.group.WORLD, sequence_parallel=sp)
     except (ValueError, TypeError) as error:
         raise Refused(str(error)) from None
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     losses = []
-    for ids in _batches():
-        loss = model(input_ids=ids, labels=ids).loss
+    for batch in _batches(head):
+        loss = model(**batch).loss
         loss.backward()
         opt.step()
         opt.zero_grad()
         losses.append(loss.detach())
-    _compare("sp" if sp else "tp", losses, full_state_dict(model), ref)
+    _compare("sp" if sp else f"tp ({head})", losses, full_state_dict(model), ref)
 
 
-def check_pp(family: Family, ref: Any) -> None:
+def check_pp(family: Family, ref: Any, head: str = "causal", tp: int = 1) -> None:
     from pc_booster import Booster, HybridParallelPlugin
 
-    model = build(family)
+    model = _model(family, head)
     try:
-        plugin = HybridParallelPlugin(pp_size=2, tp_size=1, num_microbatches=2)
+        plugin = HybridParallelPlugin(pp_size=2, tp_size=tp, num_microbatches=2)
         booster = Booster(plugin=plugin)
         opt = torch.optim.SGD(model.parameters(), lr=LR)
         pipe, opt, *_ = booster.boost(model, opt)
     except (ValueError, TypeError) as error:
         raise Refused(str(error)) from None
     losses = []
-    for ids in _batches():
-        out = booster.execute_pipeline(iter([{"input_ids": ids, "labels": ids}]), pipe, None, opt)
+    for batch in _batches(head):
+        out = booster.execute_pipeline(iter([batch]), pipe, None, opt)
         opt.step()
         opt.zero_grad()
         losses.append(out["loss"].detach())
     state = plugin.model_state_dict(pipe)
-    _compare("pp", losses, state, ref)
+    _compare(f"pp ({head}, tp {tp})" if tp > 1 else f"pp ({head})", losses, state, ref)
+
+
+def check_classification(family: Family) -> str:
+    """tp 2 and pp 2 with each classification head the family has."""
+    done = []
+    for head in ("sequence", "token"):
+        try:
+            ref = _reference(family, head)
+        except Skip:
+            continue
+        check_tp(family, False, ref, head)
+        check_pp(family, ref, head)
+        done.append(head)
+    if not done:
+        raise Skip("no sequence- or token-classification class")
+    return "pass (" + ", ".join(done) + ")"
 
 
 def _run_family(family: Family, modes: tuple[str, ...]) -> dict[str, str]:
@@ -131,11 +166,17 @@ def _run_family(family: Family, modes: tuple[str, ...]) -> dict[str, str]:
             return {mode: f"skip: single-process training fails ({text})" for mode in modes}
         for mode in modes:
             try:
+                result[mode] = "pass"
                 if mode == "pp":
                     check_pp(family, ref)
+                elif mode == "cls":
+                    result[mode] = check_classification(family)
+                elif mode == "tp-pp":
+                    check_pp(family, ref, tp=2)
                 else:
                     check_tp(family, mode == "sp", ref)
-                result[mode] = "pass"
+            except Skip as skip:
+                result[mode] = f"skip: {skip}"
             except Refused as refused:
                 result[mode] = "refused: " + " ".join(str(refused).split())[:300]
             except Exception as error:  # noqa: BLE001
@@ -152,12 +193,15 @@ def _worker(names: list[str], modes: tuple[str, ...], out: str) -> None:
         results: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(results, result)
         if dist.get_rank() == 0:
-            merged = {m: next((r[m] for r in results if r[m] != "pass"), "pass") for m in modes}
+            merged = {m: next((r[m] for r in results if r[m] != results[0][m]), results[0][m])
+                      for m in modes}  # fmt: skip
             with open(out, "a") as handle:
                 handle.write(json.dumps({"family": name, **merged}) + "\n")
 
 
-def sweep(names: list[str], modes: tuple[str, ...] = MODES, batch: int = 8) -> list[dict[str, str]]:
+def sweep(
+    names: list[str], modes: tuple[str, ...] = MODES, world: int = 2, batch: int = 8
+) -> list[dict[str, str]]:
     from pc_comm.testing import spawn
 
     rows: list[dict[str, str]] = []
@@ -168,7 +212,7 @@ def sweep(names: list[str], modes: tuple[str, ...] = MODES, batch: int = 8) -> l
             chunk, todo = todo[:batch], todo[batch:]
             start = time.perf_counter()
             try:
-                spawn(_worker, 2, args=(chunk, modes, out), timeout=120 + 60 * len(chunk))
+                spawn(_worker, world, args=(chunk, modes, out), timeout=120 + 60 * len(chunk))
             except Exception as error:  # noqa: BLE001
                 print(f"group failed on {chunk}: {str(error).splitlines()[0]}", file=sys.stderr)
             done = {}
@@ -192,17 +236,31 @@ def table(rows: list[dict[str, str]], modes: tuple[str, ...]) -> str:
     return "\n".join(lines)
 
 
+# tp 2 x pp 2 needs world 4: run on this sample (shapes: GQA, packed
+# projections with gathered outputs, parallel blocks, per-head norms).
+TP_PP_SAMPLE = ("llama", "qwen2", "phi3", "gpt_neox", "gemma3_text")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--families", nargs="*", default=None)
-    parser.add_argument("--modes", nargs="*", default=list(MODES), choices=MODES)
+    parser.add_argument("--modes", nargs="*", default=[*MODES, "tp-pp"], choices=[*MODES, "tp-pp"])
+    parser.add_argument("--tp-pp-families", nargs="*", default=list(TP_PP_SAMPLE))
     parser.add_argument("--write", default=None, help="a markdown file for the table")
     args = parser.parse_args()
     names = args.families or [f.model_type for f in families()]
-    modes = tuple(args.modes)
-    rows = sweep(names, modes)
-    built = [r for r in rows if not all(r[m].startswith("skip") for m in modes)]
-    passing = [r for r in built if all(r[m] == "pass" for m in modes)]
+    modes = tuple(m for m in args.modes if m != "tp-pp")
+    rows = sweep(names, modes) if modes else [{"family": n} for n in names]
+    if "tp-pp" in args.modes:
+        sample = [n for n in args.tp_pp_families if n in names]
+        by_family = {r["family"]: r for r in sweep(sample, ("tp-pp",), world=4)}
+        for row in rows:
+            row["tp-pp"] = by_family.get(row["family"], {}).get("tp-pp", "not in the sample")
+        modes = (*modes, "tp-pp")
+    built = [r for r in rows if not all(r[m].startswith(("skip", "not in")) for m in modes)]
+    passing = [r for r in built
+               if all(r[m].startswith(("pass", "skip", "not in")) for m in modes)
+               and any(r[m].startswith("pass") for m in modes)]  # fmt: skip
     text = table(rows, modes)
     print(text)
     summary = f"{len(passing)} of {len(built)} families pass ({len(rows)} with a plan)"

@@ -2,6 +2,14 @@
 plugin: the embedding, each transformer block, and the head, each taking
 the previous one's output (token ids, then hidden states, then logits).
 
+Any family whose config carries transformers' ``base_model_pp_plan`` is cut
+from it, whatever its head (causal LM, masked LM, sequence or token
+classification): each block gets the arguments the base model's own forward
+gives it (masks of every kind, rotary embeddings), recorded once per shape
+by running that forward with the blocks replaced; the first layer is that
+forward up to the first block, the last the model's forward after the last
+block. GPT-2 and BERT, which have no plan, are cut from pc's own lists:
+
 Causal models get their causal mask from the attention itself under
 ``sdpa`` and FlashAttention (``is_causal`` when no mask is given); under
 ``eager`` attention, which applies only the mask it is given, every block
@@ -17,9 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["SUPPORTED", "pipeline_layers"]
-
-SUPPORTED = ("gpt2", "llama", "bert")
+__all__ = ["pipeline_layers"]
 
 
 class _GPT2Embed(nn.Module):
@@ -99,26 +105,241 @@ class _BertEmbed(nn.Module):
         return out
 
 
+class _Stop(Exception):  # noqa: N818  (control flow, not an error)
+    """Raised inside a base model's forward once what was needed is seen."""
+
+    def __init__(self, hidden: Any = None) -> None:
+        super().__init__()
+        self.hidden = hidden
+
+
+class _Recorder(nn.Module):
+    """Stands in for block ``index`` during one base-model forward: keeps
+    the arguments the base model passes it (masks, position embeddings)
+    and passes the hidden states on, or stops the forward."""
+
+    def __init__(self, index: int, calls: list[Any], stop: bool, value: Any = None) -> None:
+        super().__init__()
+        self.index, self.calls, self.stop, self.value = index, calls, stop, value
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls[self.index] = (args[1:], kwargs)
+        if self.stop:
+            raise _Stop(args[0] if args else kwargs.get("hidden_states"))
+        return args[0] if self.value is None else self.value
+
+
+class _PlanContext:
+    """What a model's pipeline layers share: the model, its base model and
+    block list, and, per hidden-state shape, the arguments the base model's
+    own forward passes each block (its causal or sliding-window masks,
+    rotary position embeddings, position ids), found by running that
+    forward with every block replaced by a recorder. They depend on the
+    shape alone (padding masks are not carried), so they are computed once
+    per shape, on real tensors even inside a shape-inference pass."""
+
+    def __init__(self, model: nn.Module, base: nn.Module, blocks: nn.ModuleList) -> None:
+        self.model, self.base, self.blocks = model, base, blocks
+        self.cache: dict[Any, list[Any]] = {}
+        self.block_returns_tuple = False
+
+    def swapped(self, make: Any) -> Any:
+        """A context manager: each block ``i`` replaced by ``make(i)`` (None
+        keeps it) for the duration."""
+        from contextlib import contextmanager
+
+        @contextmanager
+        def run() -> Any:
+            originals = list(self.blocks)
+            try:
+                for i in range(len(originals)):
+                    stand_in = make(i)
+                    if stand_in is not None:
+                        self.blocks[i] = stand_in
+                yield
+            finally:
+                for i, block in enumerate(originals):
+                    self.blocks[i] = block
+
+        return run()
+
+    def call_base(self, **inputs: Any) -> Any:
+        try:
+            return self.base(use_cache=False, **inputs)
+        except _Stop as stop:
+            return stop
+
+    def block_arguments(self, hidden: torch.Tensor) -> list[Any]:
+        key = (tuple(hidden.shape), hidden.dtype, str(hidden.device))
+        found = self.cache.get(key)
+        if found is None:
+            from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+            with unset_fake_temporarily(), torch.no_grad():
+                dummy = torch.zeros(hidden.shape, dtype=hidden.dtype, device=hidden.device)
+                calls: list[Any] = [None] * len(self.blocks)
+                last = len(self.blocks) - 1
+                with self.swapped(lambda i: _Recorder(i, calls, stop=i == last)):
+                    self.call_base(inputs_embeds=dummy)
+            if any(c is None for c in calls):
+                raise ValueError(
+                    f"pipeline parallelism: {type(self.base).__name__}'s forward did not call "
+                    f"each of its {len(self.blocks)} blocks once in order; pc cannot cut it."
+                )
+            found = self.cache[key] = calls
+        return found
+
+
+class _PlanEmbed(nn.Module):
+    """The first layer: the base model's forward up to its first block (the
+    embedding and whatever the model does to it: scaling, dropout)."""
+
+    def __init__(self, context: _PlanContext, modules: dict[str, nn.Module]) -> None:
+        super().__init__()
+        self.context = context
+        self.parts = nn.ModuleDict(modules)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        calls: list[Any] = [None] * len(self.context.blocks)
+        with self.context.swapped(lambda i: _Recorder(i, calls, stop=True) if i == 0 else None):
+            stop = self.context.call_base(input_ids=ids)
+        if not isinstance(stop, _Stop) or not isinstance(stop.hidden, torch.Tensor):
+            raise ValueError(
+                f"pipeline parallelism: {type(self.context.base).__name__}'s forward did not "
+                "reach its first block with the hidden states; pc cannot cut it."
+            )
+        return stop.hidden
+
+
+class _PlanBlock(nn.Module):
+    """Block ``index`` called with the arguments its base model gives it."""
+
+    def __init__(
+        self, context: _PlanContext, index: int, block: nn.Module, shared: dict[str, nn.Module]
+    ) -> None:
+        super().__init__()
+        self.context, self.index = context, index
+        self.block = block
+        self.shared = nn.ModuleDict(shared)  # parameter-free: rotary embeddings
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        args, kwargs = self.context.block_arguments(hidden)[self.index]
+        out = self.block(hidden, *args, **kwargs)
+        if isinstance(out, tuple):
+            self.context.block_returns_tuple = True
+            out = out[0]
+        result: torch.Tensor = out
+        return result
+
+
+class _PlanHead(nn.Module):
+    """The last layer: what the model does after its last block (final
+    norm, the head, soft-capping or scaling of the logits), by running the
+    model's own forward with every block standing aside and the last one
+    handing over these hidden states. Sequence classification applies its
+    head to every position; the loss pools them (it has the token ids)."""
+
+    def __init__(self, context: _PlanContext, modules: dict[str, nn.Module], pooled: bool) -> None:
+        super().__init__()
+        self.context, self.pooled = context, pooled
+        self.parts = nn.ModuleDict(modules)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.pooled:
+            for module in self.parts.values():
+                hidden = module(hidden)
+            return hidden
+        handed = (hidden,) if self.context.block_returns_tuple else hidden
+        last = len(self.context.blocks) - 1
+        calls: list[Any] = [None] * len(self.context.blocks)
+        with self.context.swapped(
+            lambda i: _Recorder(i, calls, stop=False, value=handed if i == last else None)
+        ):
+            out = self.context.model(inputs_embeds=hidden, use_cache=False)
+        logits = out["logits"] if isinstance(out, dict) else out[0]
+        result: torch.Tensor = logits
+        return result
+
+
+_HEADS = {
+    "ForCausalLM": "causal",
+    "LMHeadModel": "causal",
+    "ForMaskedLM": "masked",
+    "ForSequenceClassification": "sequence",
+    "ForTokenClassification": "token",
+}
+
+
+def _plan_layers(model: nn.Module, plan: dict[str, Any], kind: str) -> list[nn.Module]:
+    """The layers of a model whose config has a ``base_model_pp_plan``: its
+    keys name the base model's modules in order, one of them the block list."""
+    base: nn.Module = getattr(model, "base_model", model)
+    names = list(plan)
+    lists = [n for n in names if isinstance(getattr(base, n, None), nn.ModuleList)]
+    if len(lists) != 1:
+        raise ValueError(
+            f"pipeline parallelism: {type(model).__name__}'s base_model_pp_plan {names} names "
+            f"{len(lists)} block lists; pc cuts a model with one."
+        )
+    blocks: nn.ModuleList = getattr(base, lists[0])
+    if len(blocks) < 2:
+        raise ValueError(f"pipeline parallelism needs 2 or more blocks; {type(model).__name__} has {len(blocks)}.")  # fmt: skip
+    after = set(names[names.index(lists[0]) + 1 :])
+    shared = {n: m for n, m in base.named_children()
+              if m is not blocks and not any(True for _ in m.parameters())}  # fmt: skip
+    before = {n: m for n, m in base.named_children()
+              if m is not blocks and n not in after and n not in shared}  # fmt: skip
+    post = {n: getattr(base, n) for n in names if n in after}
+    heads = {n: m for n, m in model.named_children() if m is not base}
+    if model is base:
+        raise ValueError(
+            f"pipeline parallelism: {type(model).__name__} is a base model without a head; "
+            "give it one (ForCausalLM, ForSequenceClassification, ...)."
+        )
+    context = _PlanContext(model, base, blocks)
+    first = _PlanEmbed(context, {**before, **shared})
+    middle = [_PlanBlock(context, i, b, shared) for i, b in enumerate(blocks)]
+    pooled = kind == "sequence"
+    if pooled:
+        last = _PlanHead(context, {**post, **heads}, pooled=True)
+    else:
+        # The model's forward runs on this stage too; what it computes before
+        # the blocks is discarded, and the token embedding is not read.
+        embedding = base.get_input_embeddings() if hasattr(base, "get_input_embeddings") else None
+        kept = {n: m for n, m in before.items() if m is not embedding}
+        last = _PlanHead(context, {**kept, **shared, **post, **heads}, pooled=False)
+    return [first, *middle, last]
+
+
 def pipeline_layers(model: nn.Module) -> tuple[list[nn.Module], str]:
-    """The layers of ``model`` in order, and its loss kind (``"causal"`` or
-    ``"masked"``). Supported: ``GPT2LMHeadModel``, ``LlamaForCausalLM``,
-    ``BertForMaskedLM``."""
-    kind = getattr(getattr(model, "config", None), "model_type", None)
+    """The layers of ``model`` in order, and its loss kind (``"causal"``,
+    ``"masked"``, ``"sequence"`` or ``"token"``). Any model whose family's
+    config has transformers' ``base_model_pp_plan``, with a causal-LM,
+    masked-LM, sequence- or token-classification head; GPT-2's LM head and
+    BERT's masked LM from pc's own layer lists."""
+    config = getattr(model, "config", None)
+    kind = getattr(config, "model_type", None)
     name = type(model).__name__
     lm: Any = model
     if kind == "gpt2" and name == "GPT2LMHeadModel":
         causal = _needs_causal_mask(model)
         blocks = [_Block(b, causal_mask=causal) for b in lm.transformer.h]
         return [_GPT2Embed(lm), *blocks, _Head(lm.transformer.ln_f, lm.lm_head)], "causal"
-    if kind == "llama" and name == "LlamaForCausalLM":
-        rotary, causal = lm.model.rotary_emb, _needs_causal_mask(model)
-        blocks = [_Block(b, rotary, causal) for b in lm.model.layers]
-        return [lm.model.embed_tokens, *blocks, _Head(lm.model.norm, lm.lm_head)], "causal"
     if kind == "bert" and name == "BertForMaskedLM":
         blocks = [_Block(b) for b in lm.bert.encoder.layer]
         return [_BertEmbed(lm), *blocks, _Head(None, lm.cls)], "masked"
+    plan = getattr(config, "base_model_pp_plan", None)
+    head = next((v for k, v in _HEADS.items() if name.endswith(k)), None)
+    if plan and head is not None:
+        return _plan_layers(model, dict(plan), head), head
+    reason = (
+        f"its head ({name}) is not one of {', '.join(_HEADS)}"
+        if plan
+        else "its config has no base_model_pp_plan"
+    )
     raise ValueError(
-        f"pipeline parallelism in HybridParallelPlugin splits GPT2LMHeadModel, "
-        f"LlamaForCausalLM and BertForMaskedLM; got {name} (model_type={kind!r}). For "
-        "another model, build the stages yourself with pc_pipeline (partition a Sequential)."
+        f"pipeline parallelism in HybridParallelPlugin cuts a transformers model from its "
+        f"family's base_model_pp_plan (and GPT2LMHeadModel, BertForMaskedLM from pc's own "
+        f"lists); {name} (model_type={kind!r}) cannot be cut: {reason}. For another model, "
+        "build the stages yourself with pc_pipeline (partition a Sequential)."
     )

@@ -77,6 +77,14 @@ def _path_of(root: nn.Module, target: nn.Module | None) -> str | None:
     return None
 
 
+def _get(root: Any, path: str) -> Any:
+    for part in path.split("."):
+        root = getattr(root, part, None)
+        if root is None:
+            return None
+    return root
+
+
 def plan_policy(model: nn.Module) -> Policy:
     """The :class:`Policy` that ``model``'s ``config.base_model_tp_plan``
     describes (see the module docstring). Raises ``ValueError`` naming the
@@ -152,12 +160,46 @@ def plan_policy(model: nn.Module) -> Policy:
                 f"{name} (model_type={kind!r}): plan style {style!r} (key {key!r}) is not one "
                 "pc knows."
             )
-    if blocks is None or embedding is None:
-        what = "a block list" if blocks is None else "an input embedding"
+    if blocks is None:
         raise ValueError(
-            f"{name} (model_type={kind!r}): its tensor-parallel plan gives pc no {what} to "
-            "shard."
+            f"{name} (model_type={kind!r}): its tensor-parallel plan splits only "
+            f"{', '.join(plan)}, nothing inside its blocks, so tensor parallelism would save "
+            "nothing; train it with data parallelism, ZeRO or a pipeline."
         )
+    if embedding is None:
+        raise ValueError(
+            f"{name} (model_type={kind!r}): pc finds no token embedding "
+            "(get_input_embeddings) to split by vocabulary."
+        )
+    missing = [
+        f"{blocks}.{i}.{path}"
+        for i, block in enumerate(_get(base, blocks))
+        for path in (*column, *row, *grad_sum)
+        if _get(block, path) is None
+    ]
+    if missing:
+        raise ValueError(
+            f"{name} (model_type={kind!r}): its blocks differ in kind (hybrid attention), and "
+            f"{missing[0]} named by its tensor-parallel plan does not exist; pc shards blocks "
+            "of one kind."
+        )
+    # Inside a module whose column layers keep their outputs split (an MLP,
+    # an attention module), what else holds parameters works on this rank's
+    # features or heads (a learned activation, a per-head norm): its
+    # gradient is partial, as for the plan's replicated_with_grad_allreduce.
+    gathered = set(gather_output)
+    for parent in {path.rpartition(".")[0] for path in column if path not in gathered}:
+        if not parent:
+            continue
+        for block in _get(base, blocks):
+            module = _get(block, parent)
+            for child, sub in module.named_modules():
+                path = f"{parent}.{child}" if child else parent
+                if path in column or path in row or path in grad_sum or not child:
+                    continue
+                if any(True for _ in sub.parameters(recurse=False)):
+                    grad_sum.append(path)
+            break
     # Under sequence parallelism the input of the modules holding column
     # layers is gathered once on entry (attention reads the sequence whole).
     parents = {path.rpartition(".")[0] for path in column}

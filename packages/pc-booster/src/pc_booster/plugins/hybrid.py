@@ -557,6 +557,7 @@ class HybridParallelPlugin(Plugin, SupportsNoSync, SupportsPipeline):
         self.stage_params: frozenset[str] | None = None
         self.tied: list[tuple[nn.Parameter, dist.ProcessGroup]] = []
         self.loss_kind = "causal"
+        self.loss_config: Any = None  # the model's config, for classification losses
         # zero_stage=0: each boosted optimizer's clipping across the tp and
         # pp groups, by id (clip_grad_by_norm calls it).
         self.clippers: dict[int, Callable[[Sequence[torch.Tensor], float], float]] = {}

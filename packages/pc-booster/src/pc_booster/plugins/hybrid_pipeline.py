@@ -65,6 +65,7 @@ class StageOutput:
 
 def _stage_layout(plugin: HybridParallelPlugin, model: nn.Module) -> tuple[Any, list[int]]:
     layers, plugin.loss_kind = pipeline_layers(model)
+    plugin.loss_config = getattr(model, "config", None)
     o = plugin.options
     stages = o.pp_size * o.chunks_per_rank()
     blocks = len(layers) - 2
@@ -203,11 +204,39 @@ def _tie_groups(
     return out
 
 
+def pooled(plugin: HybridParallelPlugin, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Sequence classification: each row's logits at its last token that is
+    not padding, as transformers' models pool them."""
+    config = plugin.loss_config
+    pad = getattr(config.get_text_config(), "pad_token_id", None) if config is not None else None
+    rows = torch.arange(logits.shape[0], device=logits.device)
+    if pad is None:
+        return logits[rows, -1]
+    mask = (ids != pad).to(logits.device, torch.int32)
+    positions = torch.arange(ids.shape[-1], device=logits.device, dtype=torch.int32)
+    return logits[rows, (positions * mask).argmax(-1)]
+
+
 def lm_loss(
     plugin: HybridParallelPlugin, logits: torch.Tensor, labels: torch.Tensor
 ) -> torch.Tensor:
     """The model's own loss: causal (shifted) or masked LM, vocabulary-
-    parallel under tensor parallelism."""
+    parallel under tensor parallelism; sequence classification on the
+    pooled logits, token classification per position, as transformers
+    computes them (regression, single- or multi-label by the config)."""
+    if plugin.loss_kind in ("sequence", "token"):
+        from transformers.loss.loss_utils import (
+            ForSequenceClassificationLoss,
+            ForTokenClassification,
+        )
+
+        if plugin.loss_kind == "sequence":
+            loss: torch.Tensor = ForSequenceClassificationLoss(
+                labels, logits, plugin.loss_config
+            )
+        else:
+            loss = ForTokenClassification(logits, labels, plugin.loss_config)
+        return loss
     if plugin.loss_kind == "causal":
         logits, labels = logits[:, :-1], labels[:, 1:]
     flat, target = logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)
@@ -269,6 +298,8 @@ def execute_pipeline(
     def loss_fn(logits: torch.Tensor, *parts: torch.Tensor) -> torch.Tensor:
         micro = dict(zip(keys, parts, strict=True))
         labels = micro["labels"] if "labels" in micro else micro["input_ids"]
+        if plugin.loss_kind == "sequence":
+            logits = pooled(plugin, logits, micro["input_ids"])
         out = StageOutput(logits, lambda: lm_loss(plugin, logits, labels))
         loss = user(out, micro)
         return loss * scale if scale != 1.0 else loss
