@@ -287,6 +287,21 @@ def plugin_matrix(session: nox.Session) -> None:
 
 
 @nox.session
+def plans(session: nox.Session) -> None:
+    """The plan sweep: every model family of the installed transformers
+    that ships a tensor-parallel plan, built tiny and trained under tp 2,
+    tp 2 + sequence parallelism, pp 2 (causal LM, sequence and token
+    classification) and, for a sample, tp 2 x pp 2 at world 4, each
+    against single-process training or refused with the reason. Rewrites
+    docs/plan-sweep.md (`tests` runs a sample of it)."""
+    _install_workspace(session, *TEST_DEPS)
+    session.run(
+        "python", "integration_tests/plans/sweep.py", "--write", "docs/plan-sweep.md",
+        *session.posargs,
+    )  # fmt: skip
+
+
+@nox.session
 def scale(session: nox.Session) -> None:
     """No rank holds the whole model: every plugin trains, saves and resumes
     (at another world size, under another plugin) with each rank under a

@@ -2,14 +2,16 @@
 ``parallelize_module`` with the Megatron plan and ``loss_parallel``), same
 model, same step, side by side in one run.
 
-A ``transformers`` Llama (4 layers, hidden 512, 8 heads, MLP 1408,
-vocabulary 8192), batch 4 x 256 tokens, next-token loss from vocabulary-
-sharded logits, AdamW; 2 ranks with one thread each on gloo, tp 2. Rows:
-the whole model in one process, pc tensor parallelism with and without
-sequence parallelism, and torch's. Also the parameter bytes each rank
-holds.
+A ``transformers`` Llama and a Qwen2 (4 layers, hidden 512, 8 heads, MLP
+1408, vocabulary 8192; Qwen2 adds biases to query, key and value), batch
+4 x 256 tokens, next-token loss from vocabulary-sharded logits, AdamW; 2
+ranks with one thread each on gloo, tp 2. Both are sharded by pc from
+transformers' own tensor-parallel plan (``config.base_model_tp_plan``),
+and torch's side from the same plan, style by style. Rows: the whole model
+in one process, pc tensor parallelism with and without sequence
+parallelism, and torch's. Also the parameter bytes each rank holds.
 
-    python benchmarks/bench_tensor.py [--iters 8]
+    python benchmarks/bench_tensor.py [--iters 8] [--families llama qwen2]
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import json
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -34,7 +37,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 from torch.distributed.tensor.placement_types import Replicate, Shard
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from pc_comm.testing import spawn
 from pc_tensor import shard_model
@@ -43,9 +46,10 @@ RESULTS = Path(__file__).resolve().parent.parent / "bench-results"
 LAYERS, BATCH, SEQUENCE, VOCAB = 4, 4, 256, 8192
 
 
-def _model() -> LlamaForCausalLM:
+def _model(family: str) -> nn.Module:
     torch.manual_seed(0)
-    config = LlamaConfig(
+    config = AutoConfig.for_model(
+        family,
         vocab_size=VOCAB,
         hidden_size=512,
         intermediate_size=1408,
@@ -55,22 +59,27 @@ def _model() -> LlamaForCausalLM:
         max_position_embeddings=SEQUENCE,
         tie_word_embeddings=False,
     )
-    return LlamaForCausalLM(config)
+    model: nn.Module = AutoModelForCausalLM.from_config(config)
+    return model
 
 
-def _torch_tp(model: LlamaForCausalLM) -> LlamaForCausalLM:
+def _torch_tp(model: nn.Module) -> nn.Module:
+    """torch's tensor parallelism from the family's transformers plan:
+    colwise -> ColwiseParallel, rowwise -> RowwiseParallel, the embedding
+    split by vocabulary and the LM head's logits left sharded for
+    loss_parallel."""
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     plan: dict[str, ParallelStyle] = {
         "model.embed_tokens": RowwiseParallel(input_layouts=Replicate()),
         "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
     }
-    for i in range(LAYERS):
-        for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"):
-            plan[f"model.layers.{i}.{name}"] = ColwiseParallel()
-        plan[f"model.layers.{i}.mlp.gate_proj"] = ColwiseParallel()
-        plan[f"model.layers.{i}.mlp.up_proj"] = ColwiseParallel()
-        plan[f"model.layers.{i}.self_attn.o_proj"] = RowwiseParallel()
-        plan[f"model.layers.{i}.mlp.down_proj"] = RowwiseParallel()
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    config: Any = model.config
+    for key, style in config.base_model_tp_plan.items():
+        if style not in styles:
+            raise ValueError(f"bench_tensor: torch has no style for {key}: {style}")
+        for i in range(LAYERS):
+            plan["model." + key.replace("*", str(i))] = styles[style]()
     parallelize_module(model, mesh, plan)
     return model
 
@@ -94,11 +103,11 @@ def _bytes(model: nn.Module) -> int:
     return total
 
 
-def _run(iters: int, out: str) -> None:
+def _run(iters: int, out: str, family: str) -> None:
     torch.set_num_threads(1)
     rank = dist.get_rank()
     ids = torch.randint(0, VOCAB, (BATCH, SEQUENCE), generator=torch.Generator().manual_seed(0))
-    base = _model()
+    base = _model(family)
     models = {
         "single process": base,
         "pc tp": shard_model(copy.deepcopy(base)),
@@ -144,23 +153,26 @@ def _run(iters: int, out: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--iters", type=int, default=8)
+    parser.add_argument("--families", nargs="+", default=["llama", "qwen2"])
     args = parser.parse_args()
     RESULTS.mkdir(exist_ok=True)
-    out = RESULTS / "tensor.json"
-    spawn(_run, 2, args=(args.iters, str(out)), timeout=1800)
-    result = json.loads(out.read_text())
-    times, sizes = result["times"], result["bytes"]
-    single = times["single process"]
-    print("\n## Tensor parallelism: Llama 4 layers, hidden 512, tp 2, 2 CPU ranks\n")
-    print("| | step (s) | / single process | / torch tp | parameter MiB per rank |")
-    print("|---|---:|---:|---:|---:|")
-    for name, seconds in times.items():
-        print(
-            f"| {name} | {seconds:.3f} | {seconds / single:.3f} | "
-            f"{seconds / times['torch tp']:.3f} | {sizes[name] / 2**20:.1f} |"
-        )
-    print(f"\nlosses after the last step (every row ran the same steps): {result['losses']}")
-    (RESULTS / "bench_tensor.json").write_text(json.dumps(result, indent=2))
+    everything = {}
+    for family in args.families:
+        out = RESULTS / f"tensor-{family}.json"
+        spawn(_run, 2, args=(args.iters, str(out), family), timeout=1800)
+        result = everything[family] = json.loads(out.read_text())
+        times, sizes = result["times"], result["bytes"]
+        single = times["single process"]
+        print(f"\n## Tensor parallelism: {family} 4 layers, hidden 512, tp 2, 2 CPU ranks\n")
+        print("| | step (s) | / single process | / torch tp | parameter MiB per rank |")
+        print("|---|---:|---:|---:|---:|")
+        for name, seconds in times.items():
+            print(
+                f"| {name} | {seconds:.3f} | {seconds / single:.3f} | "
+                f"{seconds / times['torch tp']:.3f} | {sizes[name] / 2**20:.1f} |"
+            )
+        print(f"\nlosses after the last step (every row ran the same steps): {result['losses']}")
+    (RESULTS / "bench_tensor.json").write_text(json.dumps(everything, indent=2))
 
 
 if __name__ == "__main__":

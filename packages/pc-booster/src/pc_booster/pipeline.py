@@ -283,7 +283,10 @@ def _plan_layers(model: nn.Module, plan: dict[str, Any], kind: str) -> list[nn.M
         )
     blocks: nn.ModuleList = getattr(base, lists[0])
     if len(blocks) < 2:
-        raise ValueError(f"pipeline parallelism needs 2 or more blocks; {type(model).__name__} has {len(blocks)}.")  # fmt: skip
+        raise ValueError(
+            f"pipeline parallelism needs 2 or more blocks; {type(model).__name__} has "
+            f"{len(blocks)}."
+        )
     after = set(names[names.index(lists[0]) + 1 :])
     shared = {n: m for n, m in base.named_children()
               if m is not blocks and not any(True for _ in m.parameters())}  # fmt: skip
@@ -305,7 +308,8 @@ def _plan_layers(model: nn.Module, plan: dict[str, Any], kind: str) -> list[nn.M
     else:
         # The model's forward runs on this stage too; what it computes before
         # the blocks is discarded, and the token embedding is not read.
-        embedding = base.get_input_embeddings() if hasattr(base, "get_input_embeddings") else None
+        find: Any = getattr(base, "get_input_embeddings", None)
+        embedding = find() if callable(find) else None
         kept = {n: m for n, m in before.items() if m is not embedding}
         last = _PlanHead(context, {**kept, **shared, **post, **heads}, pooled=False)
     return [first, *middle, last]

@@ -195,8 +195,9 @@ class Pipeline(nn.Module):
         key = tuple((tuple(t.shape), t.dtype) for t in first)
         if key not in self._metas:
             self._metas[key] = infer_boundary_metas(
-                self._by_stage, self.schedule.stage_rank, self.comm, first, self.device
-            )
+                self._by_stage, self.schedule.stage_rank, self.comm, first, self.device,
+                timeout=self.timeout,
+            )  # fmt: skip
         return self._metas[key]
 
     def _run(

@@ -128,9 +128,11 @@ def infer_boundary_metas(
     comm: Communicator,
     first_inputs: Sequence[torch.Tensor],
     device: torch.device,
+    timeout: float | None = None,
 ) -> dict[int, list[TensorMeta]]:
     """Input metas of every stage this rank runs (after stage 0), and output
     metas of every stage it runs but the last [Note: shapes before the step].
+    ``timeout``: seconds to wait for a previous stage's shapes.
     Keys: ``s`` for stage ``s``'s input; the output of ``s`` is the input of
     ``s + 1``."""
     me = comm.rank
@@ -143,7 +145,16 @@ def infer_boundary_metas(
             continue
         if s > 0 and stage_rank[s - 1] != me:
             header = torch.empty(_HEADER, dtype=torch.int64, device=device)
-            comm.recv(header, stage_rank[s - 1])
+            handle = comm.recv(header, stage_rank[s - 1], async_op=True)
+            try:
+                handle.wait(timeout)
+            except (TimeoutError, RuntimeError) as error:
+                raise RuntimeError(
+                    f"pipeline rank {me} waited for the shapes stage {s - 1} sends from rank "
+                    f"{stage_rank[s - 1]} (the first step with new shapes): nothing came "
+                    f"within {timeout} s, so that rank failed or is stuck; its own error "
+                    f"says why. ({type(error).__name__}: {error})"
+                ) from error
             metas[s] = _decode(header.cpu())
         if s == last:
             continue

@@ -68,13 +68,20 @@ def has_plan(model: nn.Module) -> bool:
     return _plan(getattr(model, "config", None)) is not None
 
 
-def _path_of(root: nn.Module, target: nn.Module | None) -> str | None:
+def _path_of(root: nn.Module, target: object) -> str | None:
     if target is None:
         return None
     for name, module in root.named_modules():
         if module is target:
-            return name
+            return str(name)
     return None
+
+
+def _ask(model: nn.Module, method: str) -> Any:
+    """``model.<method>()`` (transformers' get_input/output_embeddings), or
+    None where the model has no such method."""
+    found: Any = getattr(model, method, None)
+    return found() if callable(found) else None
 
 
 def _get(root: Any, path: str) -> Any:
@@ -109,7 +116,7 @@ def plan_policy(model: nn.Module) -> Policy:
                 "data parallelism, ZeRO or a pipeline (pp_size) instead."
             )
     base: nn.Module = getattr(model, "base_model", model)
-    embedding = _path_of(base, base.get_input_embeddings()) if hasattr(base, "get_input_embeddings") else None  # fmt: skip
+    embedding = _path_of(base, _ask(base, "get_input_embeddings"))
     blocks: str | None = None
     column: dict[str, int] = {}
     row: list[str] = []
@@ -203,14 +210,14 @@ def plan_policy(model: nn.Module) -> Policy:
     # Under sequence parallelism the input of the modules holding column
     # layers is gathered once on entry (attention reads the sequence whole).
     parents = {path.rpartition(".")[0] for path in column}
-    heads = {}
+    heads: dict[str, tuple[str, ...]] = {}
     lm_heads: dict[str, str] = {}
     loss: Any = "causal"
     if name.endswith(("ForCausalLM", "ForMaskedLM")):
-        output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-        path = _path_of(model, output)
-        if path is not None and type(output) is nn.Linear:
-            lm_heads[name] = path
+        output = _ask(model, "get_output_embeddings")
+        head_path = _path_of(model, output)
+        if head_path is not None and type(output) is nn.Linear:
+            lm_heads[name] = head_path
             loss = "causal" if name.endswith("ForCausalLM") else "masked"
     return Policy(
         name=f"{kind} (transformers plan)",

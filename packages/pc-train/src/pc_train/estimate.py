@@ -97,13 +97,16 @@ def _numel(module: nn.Module) -> int:
 
 def model_shape(spec: ModelSpec) -> ModelShape:
     """Count the model's parameters on the meta device (no memory)."""
-    from pc_tensor import POLICIES
+    from pc_tensor import policy_for
 
     # From the config alone: a pretrained directory's weights are not read.
     model = build_model(replace(spec, pretrained=None), seed=0, device="meta")
     params = _numel(model)
     base = getattr(model, "base_model", model)
-    policy = POLICIES.get(spec.family)
+    try:  # the family's transformers plan, or pc's own policy
+        policy = policy_for(model)
+    except (ValueError, TypeError):
+        policy = None
     sharded = 0
     blocks: list[nn.Module] = []
     if policy is not None:

@@ -231,9 +231,7 @@ def lm_loss(
         )
 
         if plugin.loss_kind == "sequence":
-            loss: torch.Tensor = ForSequenceClassificationLoss(
-                labels, logits, plugin.loss_config
-            )
+            loss: torch.Tensor = ForSequenceClassificationLoss(labels, logits, plugin.loss_config)
         else:
             loss = ForTokenClassification(logits, labels, plugin.loss_config)
         return loss
