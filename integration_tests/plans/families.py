@@ -1,11 +1,12 @@
 """The model families of the installed ``transformers`` that carry a
 tensor-parallel plan, each built tiny from its config (hidden 64, 2 layers,
-4 query heads over 2 key/value heads, vocabulary 130): the families the
+4 query heads over 2 key/value heads, vocabulary 131: padded to 132 at tp 2): the families the
 plan sweep (``sweep.py``) and its sample test run."""
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import warnings
 from dataclasses import dataclass
@@ -14,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-HIDDEN, LAYERS, HEADS, KV_HEADS, VOCAB, SEQ = 64, 2, 4, 2, 130, 8
+HIDDEN, LAYERS, HEADS, KV_HEADS, VOCAB, SEQ = 64, 2, 4, 2, 131, 8
 
 # Read from each config class's defaults and overridden with the tiny sizes.
 _TINY: dict[str, Any] = {
@@ -26,6 +27,7 @@ _TINY: dict[str, Any] = {
     "head_dim": HIDDEN // HEADS,
     "vocab_size": VOCAB,
     "max_position_embeddings": 64,
+    "rotary_dim": HIDDEN // HEADS // 2,  # GPT-J, CodeGen: partial rotary within a head
     "pad_token_id": 0,
     "bos_token_id": 1,
     "eos_token_id": 2,
@@ -42,7 +44,7 @@ _TINY: dict[str, Any] = {
 }
 
 
-class Skip(Exception):
+class Skip(Exception):  # noqa: N818  (a result, not an error)
     """A family the sweep cannot build tiny, with the reason."""
 
 
@@ -52,8 +54,36 @@ class Family:
     config_class: str
     tp_plan: dict[str, str]
     has_pp_plan: bool
+    overrides: tuple[tuple[str, Any], ...] = ()  # config fields beside the tiny sizes
+    variant: str = ""
+
+    @property
+    def name(self) -> str:
+        return f"{self.model_type}+{self.variant}" if self.variant else self.model_type
 
 
+# Variants a name can ask for: "llama+tied" is Llama with its LM head tied
+# to the embedding (the tiny default unties every family's head).
+VARIANTS: dict[str, dict[str, Any]] = {
+    "tied": {"tie_word_embeddings": True},
+    "gqa1": {"num_key_value_heads": 1},  # one key/value head: tp 2 refuses it
+}
+
+
+def family(name: str) -> Family:
+    """A family by ``model_type``, with ``+variant`` (:data:`VARIANTS`)."""
+    from dataclasses import replace
+
+    model_type, _, variant = name.partition("+")
+    found = next((f for f in families() if f.model_type == model_type), None)
+    if found is None:
+        raise ValueError(f"no family {model_type!r} with a tensor-parallel plan is installed")
+    if variant:
+        found = replace(found, overrides=tuple(VARIANTS[variant].items()), variant=variant)
+    return found
+
+
+@functools.cache
 def families() -> list[Family]:
     """Every config class of the installed transformers with a
     ``base_model_tp_plan``, in name order."""
@@ -80,9 +110,8 @@ def tiny_config(family: Family, **overrides: Any) -> Any:
         warnings.simplefilter("ignore")
         config = cls(**values)
     # Sizes some families keep under other names.
-    for name, value in (("layer_types", None),):
-        if getattr(config, name, None) is not None and isinstance(getattr(config, name), list):
-            config.layer_types = config.layer_types[:LAYERS]
+    if isinstance(getattr(config, "layer_types", None), list):
+        config.layer_types = config.layer_types[:LAYERS]
     config._attn_implementation = "eager"
     return config
 
@@ -101,7 +130,7 @@ def build(family: Family, head: str = "causal", seed: int = 0, **overrides: Any)
         "sequence": AutoModelForSequenceClassification,
         "token": AutoModelForTokenClassification,
     }[head]
-    config = tiny_config(family, **overrides)
+    config = tiny_config(family, **{**dict(family.overrides), **overrides})
     if getattr(config, "sub_configs", None):
         raise Skip(
             "a composite config (its text model is a family of its own here); "

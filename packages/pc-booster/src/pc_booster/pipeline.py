@@ -170,6 +170,12 @@ class _PlanContext:
             return stop
 
     def block_arguments(self, hidden: torch.Tensor) -> list[Any]:
+        if hidden.dim() != 3:
+            raise ValueError(
+                f"pipeline parallelism: {type(self.base).__name__}'s blocks pass hidden states "
+                f"of shape {tuple(hidden.shape)}, not [batch, sequence, hidden] as its "
+                "embeddings (several residual streams); pc cannot cut it."
+            )
         key = (tuple(hidden.shape), hidden.dtype, str(hidden.device))
         found = self.cache.get(key)
         if found is None:
@@ -186,8 +192,27 @@ class _PlanContext:
                     f"pipeline parallelism: {type(self.base).__name__}'s forward did not call "
                     f"each of its {len(self.blocks)} blocks once in order; pc cannot cut it."
                 )
+            for i, (args, kwargs) in enumerate(calls):
+                for name, value in [*enumerate(args), *kwargs.items()]:
+                    if not _carried(value):
+                        raise ValueError(
+                            f"pipeline parallelism: {type(self.base).__name__} passes block {i} "
+                            f"{name!r}, a {type(value).__name__} its blocks share state "
+                            "through (key/value sharing across layers, a cache); a pipeline "
+                            "carries only the hidden states between stages, so pc cannot cut it."
+                        )
             found = self.cache[key] = calls
         return found
+
+
+def _carried(value: Any) -> bool:
+    """Whether a block argument is fixed per shape (a mask, rotary
+    embeddings, positions, flags), not state the blocks share."""
+    if value is None or isinstance(value, (torch.Tensor, bool, int, float, str)):
+        return True
+    if isinstance(value, tuple):
+        return all(_carried(v) for v in value)
+    return False
 
 
 class _PlanEmbed(nn.Module):

@@ -7,7 +7,9 @@ advance. They depend only on the microbatch's shapes, which every rank
 knows (every rank gets the same batch). On the first step with new shapes,
 the ranks pass small headers along the stages in order; each rank runs its
 stages on fake tensors (no compute, no random numbers drawn; buffers a
-forward would update are restored) to find its outputs. The table is cached
+forward would update are restored) to find its outputs; a stage fake tensors
+cannot run (a kernel without a fake implementation on this device) runs
+once on zeros instead, with a forked random generator. The table is cached
 per microbatch signature.
 """
 
@@ -98,7 +100,29 @@ def _decode(header: torch.Tensor) -> list[TensorMeta]:
     return metas
 
 
-def _fake_forward(module: nn.Module, metas: Sequence[TensorMeta], stage: int) -> list[TensorMeta]:
+def _real_forward(
+    module: nn.Module, metas: Sequence[TensorMeta], stage: int, device: torch.device
+) -> list[TensorMeta]:
+    """The fallback for a stage fake tensors cannot run (kernels without a
+    fake implementation on this device, such as grouped expert matmuls on
+    the CPU): one forward on zeros, its random numbers drawn from a forked
+    generator, its graph dropped at once."""
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices), torch.enable_grad():
+        args = []
+        for meta in metas:
+            zeros = torch.zeros(meta.shape, dtype=meta.dtype, device=device)
+            args.append(zeros.requires_grad_(meta.requires_grad))
+        out = flatten_output(module(*args), stage)
+        return [TensorMeta.of(t) for t in out]
+
+
+def _fake_forward(
+    module: nn.Module,
+    metas: Sequence[TensorMeta],
+    stage: int,
+    device: torch.device | None = None,
+) -> list[TensorMeta]:
     saved = [(b, b.detach().clone()) for b in module.buffers()]
     try:
         with torch.enable_grad(), FakeTensorMode(allow_non_fake_inputs=True) as mode:
@@ -108,9 +132,20 @@ def _fake_forward(module: nn.Module, metas: Sequence[TensorMeta], stage: int) ->
                 args.append(fake.requires_grad_(meta.requires_grad))
             out = flatten_output(module(*args), stage)
             return [TensorMeta.of(t) for t in out]
-    except TypeError:
-        raise
+    except (TypeError, ValueError):
+        raise  # the stage refuses its inputs or its model: its own words
     except Exception as error:
+        if device is not None:
+            try:
+                return _real_forward(module, metas, stage, device)
+            except (TypeError, ValueError):
+                raise
+            except Exception as real:
+                raise RuntimeError(
+                    f"could not find the output shapes of stage {stage}: it fails on fake "
+                    f"tensors ({type(error).__name__}: {error}) and on zeros "
+                    f"({type(real).__name__}: {real})."
+                ) from real
         raise RuntimeError(
             f"could not find the output shapes of stage {stage} by running it on fake "
             f"tensors ({type(error).__name__}: {error}). Stages must be traceable with "
@@ -158,7 +193,7 @@ def infer_boundary_metas(
             metas[s] = _decode(header.cpu())
         if s == last:
             continue
-        metas[s + 1] = _fake_forward(modules[s], metas[s], s)
+        metas[s + 1] = _fake_forward(modules[s], metas[s], s, device)
         if stage_rank[s + 1] != me:
             comm.send(_encode(metas[s + 1], device), stage_rank[s + 1])
     return metas

@@ -58,6 +58,18 @@ _REFUSED = {
 }
 
 
+# Families whose plan pc follows but whose tensor-parallel training the plan
+# sweep (integration_tests/plans) measured away from single-process
+# training: refused until the cause is found, never trained wrong.
+_DIFFERS = {
+    "gemma4_unified_text": (
+        "pc's plan sweep measured its tensor-parallel training away from single-process "
+        "training (1.5e-6 in float64 after 3 steps, where the families that pass agree to "
+        "rounding); the cause is not found yet"
+    ),
+}
+
+
 def _plan(config: Any) -> Mapping[str, str] | None:
     plan = getattr(config, "base_model_tp_plan", None)
     return plan if isinstance(plan, Mapping) and plan else None
@@ -106,6 +118,8 @@ def plan_policy(model: nn.Module) -> Policy:
             f"{name} (model_type={kind!r}) has no tensor-parallel plan in its config "
             "(config.base_model_tp_plan) and no pc policy: describe it with pc_tensor.Policy."
         )
+    if kind in _DIFFERS:
+        raise ValueError(f"{name} (model_type={kind!r}): {_DIFFERS[kind]}.")
     for key, style in plan.items():
         if style.startswith("moe") or ".experts" in f".{key}" or key.endswith("experts"):
             block = key.split(".experts")[0] if ".experts" in key else key
