@@ -118,14 +118,18 @@ def tiny_config(family: Family, **overrides: Any) -> Any:
 
 def build(family: Family, head: str = "causal", seed: int = 0, **overrides: Any) -> nn.Module:
     """The tiny model of ``family`` with ``head`` (``causal``, ``sequence``,
-    ``token``), fp32, in eval-free training mode with dropout off."""
+    ``token``, or ``base``: the base model alone, for the text models of
+    multimodal families that have no head class of their own), fp32, with
+    dropout off."""
     from transformers import (
+        AutoModel,
         AutoModelForCausalLM,
         AutoModelForSequenceClassification,
         AutoModelForTokenClassification,
     )
 
     auto = {
+        "base": AutoModel,
         "causal": AutoModelForCausalLM,
         "sequence": AutoModelForSequenceClassification,
         "token": AutoModelForTokenClassification,
