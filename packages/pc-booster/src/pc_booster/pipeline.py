@@ -340,6 +340,16 @@ def _plan_layers(model: nn.Module, plan: dict[str, Any], kind: str) -> list[nn.M
     return [first, *middle, last]
 
 
+def _generic_pooling(model: nn.Module) -> bool:
+    """Whether a sequence classifier is transformers' generic one (the head
+    on every position, the last token that is not padding pooled)."""
+    try:
+        from transformers.modeling_layers import GenericForSequenceClassification
+    except ImportError:
+        return False
+    return isinstance(model, GenericForSequenceClassification)
+
+
 def pipeline_layers(model: nn.Module) -> tuple[list[nn.Module], str]:
     """The layers of ``model`` in order, and its loss kind (``"causal"``,
     ``"masked"``, ``"sequence"`` or ``"token"``). Any model whose family's
@@ -359,6 +369,12 @@ def pipeline_layers(model: nn.Module) -> tuple[list[nn.Module], str]:
         return [_BertEmbed(lm), *blocks, _Head(None, lm.cls)], "masked"
     plan = getattr(config, "base_model_pp_plan", None)
     head = next((v for k, v in _HEADS.items() if name.endswith(k)), None)
+    if plan and head == "sequence" and not _generic_pooling(model):
+        raise ValueError(
+            f"pipeline parallelism: {name} pools its sequence classification in its own way "
+            "(a first token, a mean, a dense layer); pc's pipeline pools each row's last token "
+            "that is not padding, as transformers' generic head does, so it refuses this one."
+        )
     if plan and head is not None:
         return _plan_layers(model, dict(plan), head), head
     reason = (

@@ -125,6 +125,26 @@ def _drop_split(layer: nn.Module, materialize: Callable[[nn.Module], None] | Non
             param.data = param.data.new_empty(0)
 
 
+def _check_whole_heads(
+    block: nn.Module, path: str, layer: nn.Module, parts: int, tp: int, policy: str
+) -> None:
+    """A projection inside an attention module with a ``head_dim`` must
+    split into whole heads: a rank holding part of a head would attend over
+    part of its dimensions, silently."""
+    parent = _get(block, path.rpartition(".")[0]) if "." in path else block
+    head_dim = getattr(parent, "head_dim", None)
+    weight = getattr(layer, "weight", None)
+    if not isinstance(head_dim, int) or head_dim <= 0 or not isinstance(weight, torch.Tensor):
+        return
+    out = (weight.shape[1] if _is_conv1d(layer) else weight.shape[0]) // parts
+    if out % head_dim == 0 and (out // head_dim) % tp:
+        raise ValueError(
+            f"{policy}: {path} holds {out // head_dim} heads of {head_dim} (out features "
+            f"{out}), which the tensor-parallel size {tp} does not divide; heads are split "
+            "whole across ranks. Use a tp size that divides every head count."
+        )
+
+
 def _hidden_arg(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[torch.Tensor | None, bool]:
     """The hidden states a block or module was called with, and whether they
     came as a keyword."""
@@ -303,6 +323,7 @@ def shard_model(
         gathered = [prefix + "." for prefix in policy.gather_at]
         for path, parts in policy.column.items():
             old = _get(block, path)
+            _check_whole_heads(block, path, old, parts, tp, policy.name)
             inside = sequence_parallel and any(path.startswith(p) for p in gathered)
             options: dict[str, Any] = {
                 "parts": parts,
