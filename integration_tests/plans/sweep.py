@@ -304,8 +304,8 @@ model on the same batches: losses and every parameter within rtol
 refused when the model is sharded or boosted, never trained wrong. "skip"
 is a family this sweep could not build tiny or train in one process.
 
-**{summary}.** A family passes when nothing in its row fails and something
-passes.
+**{summary}.** A family passes when nothing in its row fails and its first
+column passes; "refused" is not a failure, "FAIL" is.
 
 {text}
 """
@@ -328,12 +328,18 @@ def main() -> None:
             row["tp-pp"] = by_family.get(row["family"], {}).get("tp-pp", "not in the sample")
         modes = (*modes, "tp-pp")
     built = [r for r in rows if not all(r[m].startswith(("skip", "not in")) for m in modes)]
-    passing = [r for r in built
-               if all(r[m].startswith(("pass", "skip", "not in")) for m in modes)
-               and any(r[m].startswith("pass") for m in modes)]  # fmt: skip
+    failed = [r for r in built if any(r[m].startswith("FAIL") for m in modes)]
+
+    def passing(mode: str) -> list[dict[str, str]]:
+        return [r for r in built if mode in r and r[mode].startswith("pass") and r not in failed]
+
+    counts = [f"{len(passing(m))} pass {m}" for m in modes]
+    summary = (
+        f"{len(passing(modes[0]))} of {len(built)} families pass ({len(rows)} with a plan; "
+        f"{', '.join(counts)}; {len(failed)} fail)"
+    )
     text = table(rows, modes)
     print(text)
-    summary = f"{len(passing)} of {len(built)} families pass ({len(rows)} with a plan)"
     print(summary)
     if args.write:
         Path(args.write).write_text(_page(text, summary, modes))
