@@ -269,13 +269,21 @@ REFUSED: dict[str, tuple[dict[str, Any], str]] = {
         {"pp_size": 2, "num_model_chunks": 2},
         "pass pp_style='interleaved' with num_model_chunks=2",
     ),
-    "ulysses": (
+    "ulysses without sp_size": (
         {
             "tp_size": 2,
             "enable_sequence_parallelism": True,
             "sequence_parallelism_mode": "all_to_all",
         },
-        "all-to-all \\(Ulysses\\) and ring attention are not in pc yet",
+        "Ulysses splits the sequence over sp_size ranks of its own; pass sp_size >= 2",
+    ),
+    "ring attention": (
+        {
+            "tp_size": 2,
+            "enable_sequence_parallelism": True,
+            "sequence_parallelism_mode": "ring_attn",
+        },
+        "ring attention \\('ring', 'ring_attn'\\) is not in pc yet",
     ),
     "sp_size": ({"tp_size": 2, "sp_size": 2}, "leave sp_size out"),
     "fp8": ({"fp8_communication": True}, "fp8 compression is not implemented"),

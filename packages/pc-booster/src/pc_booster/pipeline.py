@@ -341,13 +341,22 @@ def _plan_layers(model: nn.Module, plan: dict[str, Any], kind: str) -> list[nn.M
 
 
 def _generic_pooling(model: nn.Module) -> bool:
-    """Whether a sequence classifier is transformers' generic one (the head
-    on every position, the last token that is not padding pooled)."""
+    """Whether a sequence classifier pools as transformers' decoder models
+    do: one linear ``score`` head applied to every position, the last token
+    that is not padding pooled (its generic class, and the families that
+    write the same head out, such as GPT-NeoX). Encoders pool otherwise
+    (a first token, a dense layer)."""
     try:
         from transformers.modeling_layers import GenericForSequenceClassification
     except ImportError:
-        return False
-    return isinstance(model, GenericForSequenceClassification)
+        GenericForSequenceClassification = None  # noqa: N806
+    if GenericForSequenceClassification is not None and isinstance(
+        model, GenericForSequenceClassification
+    ):
+        return True
+    base = getattr(model, "base_model", model)
+    heads = [(n, m) for n, m in model.named_children() if m is not base]
+    return len(heads) == 1 and heads[0][0] == "score" and type(heads[0][1]) is nn.Linear
 
 
 def pipeline_layers(model: nn.Module) -> tuple[list[nn.Module], str]:

@@ -39,6 +39,12 @@ from pc_tensor.shard import (
     shard_tensor,
     unshard_tensor,
 )
+from pc_tensor.ulysses import (
+    heads_to_sequence,
+    sequence_to_heads,
+    sync_sequence_grads,
+    ulysses_model,
+)
 
 __version__ = "0.1.0"
 
@@ -57,17 +63,21 @@ __all__ = [
     "gather_logits",
     "gather_sequence",
     "has_plan",
+    "heads_to_sequence",
     "load_full_state_dict",
     "place_local_box",
     "plan_policy",
     "policy_for",
     "reduce_from_tp",
     "reduce_scatter_sequence",
+    "sequence_to_heads",
     "shard_info",
     "shard_model",
     "shard_tensor",
     "split_to_tp",
     "sync_replicated_grads",
+    "sync_sequence_grads",
+    "ulysses_model",
     "unshard_tensor",
     "vocab_parallel_cross_entropy",
 ]

@@ -113,10 +113,11 @@ def _zero2_pipeline(o: HybridParallelOptions, setting: RunSetting) -> str | None
 
 
 def _sp_needs_tp(o: HybridParallelOptions, setting: RunSetting) -> str | None:
-    if o.enable_sequence_parallelism and o.tp_size == 1:
+    if o.megatron_sp() and o.tp_size == 1:
         return (
-            "sequence parallelism splits the sequence over the tensor-parallel ranks; set "
-            "tp_size > 1 or enable_sequence_parallelism=False."
+            "sequence parallelism ('split_gather') splits the sequence over the tensor-"
+            "parallel ranks; set tp_size > 1, or sequence_parallelism_mode='all_to_all' with "
+            "an sp_size (Ulysses), or enable_sequence_parallelism=False."
         )
     return None
 
@@ -170,7 +171,7 @@ def _pipeline_accumulation(o: HybridParallelOptions, setting: RunSetting) -> str
     return None
 
 
-SP_MODES = ("split_gather",)
+SP_MODES = ("split_gather", "all_to_all")
 
 
 def _microbatch_size(o: HybridParallelOptions, setting: RunSetting) -> str | None:
@@ -202,19 +203,38 @@ def _sp_mode(o: HybridParallelOptions, setting: RunSetting) -> str | None:
     mode = o.sequence_parallelism_mode
     if mode is not None and mode not in SP_MODES:
         return (
-            f"sequence_parallelism_mode={mode!r}: pc splits the sequence over the "
-            "tensor-parallel ranks ('split_gather', Megatron's sequence parallelism); "
-            "all-to-all (Ulysses) and ring attention are not in pc yet."
-        )
-    if o.sp_size not in (None, 1):
-        return (
-            f"sp_size={o.sp_size}: 'split_gather' sequence parallelism runs over the "
-            "tensor-parallel ranks, so it has no size of its own; leave sp_size out."
+            f"sequence_parallelism_mode={mode!r}: pc has 'split_gather' (Megatron's sequence "
+            "parallelism over the tensor-parallel ranks) and 'all_to_all' (Ulysses, over "
+            "sp_size ranks of its own); ring attention ('ring', 'ring_attn') is not in pc yet."
         )
     if mode is not None and not o.enable_sequence_parallelism:
         return (
             f"sequence_parallelism_mode={mode!r} without enable_sequence_parallelism=True; "
             "turn sequence parallelism on, or drop the mode."
+        )
+    if mode == "all_to_all":
+        if isinstance(o.sp_size, bool) or not isinstance(o.sp_size, int) or o.sp_size < 2:
+            return (
+                f"sequence_parallelism_mode='all_to_all' with sp_size={o.sp_size!r}: Ulysses "
+                "splits the sequence over sp_size ranks of its own; pass sp_size >= 2."
+            )
+        if o.pp_size > 1:
+            return (
+                "sequence_parallelism_mode='all_to_all' with pp_size > 1: Ulysses inside "
+                "pipeline stages is not in pc yet; use it with data and tensor parallelism."
+            )
+        if setting.world is not None and setting.world % (o.sp_size * o.tp_size):
+            return (
+                f"sp_size={o.sp_size} x tp_size={o.tp_size} must divide the world "
+                f"({setting.world})."
+            )
+        return None
+    if o.sp_size not in (None, 1):
+        return (
+            f"sp_size={o.sp_size}: 'split_gather' sequence parallelism runs over the "
+            "tensor-parallel ranks, so it has no size of its own; leave sp_size out, or pass "
+            "sequence_parallelism_mode='all_to_all' (Ulysses) for sequence parallelism of "
+            "its own size."
         )
     return None
 
@@ -354,9 +374,12 @@ class HybridParallelOptions(PluginConfig):
             ({"num_model_chunks": 2}, RunSetting()),
         ),
         Rule(
-            "sequence parallelism other than split_gather, or an sp_size",
+            "ring attention, or an sp_size without all_to_all",
             _sp_mode,
-            ({"sequence_parallelism_mode": "all_to_all"}, RunSetting()),
+            (
+                {"sequence_parallelism_mode": "ring", "enable_sequence_parallelism": True},
+                RunSetting(),
+            ),
         ),
         Rule(
             "fp8_communication, enable_jit_fused, custom_policy, or parallel_output=False "
@@ -417,6 +440,11 @@ class HybridParallelOptions(PluginConfig):
 
     def chunks_per_rank(self) -> int:
         return 2 if self.pp_style == "interleaved" else 1
+
+    def megatron_sp(self) -> bool:
+        """Megatron's sequence parallelism inside tensor parallelism (the
+        default mode), not Ulysses'."""
+        return self.enable_sequence_parallelism and self.sequence_parallelism_mode != "all_to_all"
 
     def model_parallel(self) -> int:
         return self.tp_size * self.pp_size
@@ -579,12 +607,24 @@ class HybridParallelPlugin(Plugin, SupportsNoSync, SupportsPipeline):
     def layout(self) -> ParallelLayout:
         if self._layout is None:
             require_initialized("HybridParallelPlugin")
-            self._layout = ParallelLayout.build(tp=self.tp_size, pp=self.pp_size)
+            self._layout = ParallelLayout.build(tp=self.tp_size, pp=self.pp_size, sp=self.sp_size)
         return self._layout
 
     @property
     def dp_group(self) -> dist.ProcessGroup:
-        return self.layout.dp_group
+        """The ranks that read different batches (Ulysses' sequence-parallel
+        ranks share one); gradients are averaged over ``layout.dp_group``."""
+        return self.layout.batch_group
+
+    @property
+    def sp_size(self) -> int:
+        """Ulysses' sequence-parallel ranks (1 unless all_to_all)."""
+        o = self.options
+        return o.sp_size if o.sequence_parallelism_mode == "all_to_all" and o.sp_size else 1
+
+    @property
+    def sp_group(self) -> dist.ProcessGroup | None:
+        return self.layout.sp_group
 
     @property
     def tp_group(self) -> dist.ProcessGroup:
@@ -633,7 +673,7 @@ class HybridParallelPlugin(Plugin, SupportsNoSync, SupportsPipeline):
             shard_model(
                 model,
                 layout.tp_group,
-                sequence_parallel=self.options.enable_sequence_parallelism,
+                sequence_parallel=self.options.megatron_sp(),
                 materialize=materializer(device()),
             )
             model = model.to(device())
@@ -645,8 +685,13 @@ class HybridParallelPlugin(Plugin, SupportsNoSync, SupportsPipeline):
                 shard_model(
                     model,
                     layout.tp_group,
-                    sequence_parallel=self.options.enable_sequence_parallelism,
+                    sequence_parallel=self.options.megatron_sp(),
                 )
+        if self.sp_size > 1:  # Ulysses: gradients averaged over dp x sp, so scaled by sp
+            from pc_tensor import ulysses_model
+
+            assert layout.sp_group is not None
+            ulysses_model(model, layout.sp_group, grad_scale=float(self.sp_size))
         built = values_a_cast_rounds([model], precision.dtype) if self.zero_stage else {}
         cast_floating(model, precision.dtype)
         wrapped: nn.Module = model

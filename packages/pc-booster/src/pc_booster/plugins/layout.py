@@ -24,11 +24,36 @@ class ParallelLayout:
     # Groups over explicit global ranks, by those ranks; every rank makes
     # each one (new_group is collective), in the same order.
     extra: dict[tuple[int, ...], dist.ProcessGroup] = field(default_factory=dict)
+    # Ulysses sequence parallelism: the data-parallel ranks of one model
+    # replica split in blocks of sp consecutive ranks; each block shares a
+    # batch (its sequence split among them), the blocks read different ones.
+    sp: int = 1
+    sp_group: dist.ProcessGroup | None = None
+    data_group: dist.ProcessGroup | None = None
 
     @staticmethod
-    def build(tp: int = 1, pp: int = 1) -> ParallelLayout:
+    def build(tp: int = 1, pp: int = 1, sp: int = 1) -> ParallelLayout:
         """Collective over the default group: every rank calls it with the same sizes."""
-        return ParallelLayout(make_subgroups(pp_size=pp, tp_size=tp))
+        layout = ParallelLayout(make_subgroups(pp_size=pp, tp_size=tp), sp=sp)
+        if sp > 1:
+            if layout.dims.dp % sp:
+                raise ValueError(
+                    f"sp_size={sp} must divide the {layout.dims.dp} data-parallel ranks of each "
+                    f"model replica (world {layout.dims.world_size} / tp {tp} / pp {pp})."
+                )
+            me = dist.get_rank()
+            for ranks in layout.dims.groups("dp"):  # every rank makes every group, in order
+                for start in range(0, len(ranks), sp):
+                    block = tuple(ranks[start : start + sp])
+                    group = layout.group_over(block)  # collective: every rank makes it
+                    if me in block:
+                        layout.sp_group = group
+                for offset in range(sp):
+                    across = tuple(ranks[offset::sp])
+                    group = layout.group_over(across)
+                    if me in across:
+                        layout.data_group = group
+        return layout
 
     @property
     def dims(self) -> ParallelDims:
@@ -48,7 +73,15 @@ class ParallelLayout:
 
     @property
     def dp_group(self) -> dist.ProcessGroup:
+        """Every data-parallel rank of this replica, the sequence-parallel
+        ones too: the group gradients are averaged over."""
         return self.groups.dp
+
+    @property
+    def batch_group(self) -> dist.ProcessGroup:
+        """The ranks that read different batches (without Ulysses, the
+        data-parallel group): what the dataloader samples by."""
+        return self.data_group if self.data_group is not None else self.groups.dp
 
     @property
     def tp_group(self) -> dist.ProcessGroup:

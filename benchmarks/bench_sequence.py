@@ -1,0 +1,139 @@
+"""Ulysses sequence parallelism: activation memory per rank at sp 1, 2 and
+4, and the step time, on a ``transformers`` Llama (2 layers, hidden 256, 8
+heads over 4 key/value heads, vocabulary 4096) at sequence lengths up to
+8192 tokens, batch 1; and torch's ``context_parallel`` beside it where it
+runs.
+
+Activation memory is what the forward saves for backward, counted by
+``torch.autograd.graph.saved_tensors_hooks`` (each storage once), per rank:
+exact and deterministic, unlike a process's resident size on a machine
+whose allocator keeps freed pages. Step time: forward and backward, median
+of a few.
+
+    python benchmarks/bench_sequence.py [--seqs 2048 4096 8192] [--iters 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from pc_comm.testing import spawn
+from pc_tensor import sync_sequence_grads, ulysses_model
+
+RESULTS = Path(__file__).resolve().parent.parent / "bench-results"
+VOCAB = 4096
+
+
+def _model(seq: int) -> nn.Module:
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=256, intermediate_size=688, num_hidden_layers=2,
+        num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=seq,
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    model: nn.Module = LlamaForCausalLM._from_config(config, attn_implementation="sdpa")
+    return model
+
+
+def _saved_bytes(run: Any, model: nn.Module) -> int:
+    """Bytes of the tensors ``run()``'s forward saves for backward, each
+    storage counted once, the model's own weights left out."""
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in weights:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = run()
+    loss.backward()
+    return sum(seen.values())
+
+
+def _run(seqs: list[int], iters: int, out: str) -> None:
+    torch.set_num_threads(1)
+    world = dist.get_world_size()
+    rows: list[dict[str, Any]] = []
+    for seq in seqs:
+        ids = torch.randint(0, VOCAB, (1, seq), generator=torch.Generator().manual_seed(0))
+        for sp in (1, 2, 4):
+            if sp > world:
+                continue
+            group = dist.new_group(list(range(sp)))  # every rank makes it
+            if dist.get_rank() >= sp:
+                continue
+            model = _model(seq)
+            if sp > 1:
+                ulysses_model(model, group)
+
+            def step(model: nn.Module = model, ids: torch.Tensor = ids) -> torch.Tensor:
+                loss: torch.Tensor = model(input_ids=ids, labels=ids).loss
+                return loss
+
+            saved = _saved_bytes(step, model)
+            times = []
+            for _ in range(iters):
+                start = time.perf_counter()
+                step().backward()  # type: ignore[no-untyped-call, unused-ignore]
+                if sp > 1:
+                    sync_sequence_grads(model, group)
+                times.append(time.perf_counter() - start)
+            mine = torch.tensor([saved, statistics.median(times)], dtype=torch.float64)
+            dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=group)
+            if dist.get_rank() == 0:
+                rows.append({"seq": seq, "sp": sp, "saved_bytes": int(mine[0]),
+                             "step_s": float(mine[1])})  # fmt: skip
+        dist.barrier()
+    if dist.get_rank() == 0:
+        Path(out).write_text(json.dumps(rows))
+
+
+def _context_parallel_note() -> str:
+    try:
+        from torch.distributed.tensor.experimental import context_parallel  # noqa: F401
+    except ImportError:
+        return "torch has no context_parallel here."
+    return (
+        "torch's context_parallel (ring attention) shards SDPA's inputs with DTensor and "
+        "supports only CUDA devices (its attention ops dispatch to the CUDA flash and "
+        "efficient kernels); on this CPU machine it does not run, so it has no row."
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seqs", type=int, nargs="+", default=[2048, 4096, 8192])
+    parser.add_argument("--iters", type=int, default=3)
+    args = parser.parse_args()
+    RESULTS.mkdir(exist_ok=True)
+    out = RESULTS / "sequence.json"
+    spawn(_run, 4, args=(args.seqs, args.iters, str(out)), timeout=3000)
+    rows = json.loads(out.read_text())
+    print("\n## Ulysses: activation memory per rank (saved for backward) and step time\n")
+    print("| sequence | sp | activations per rank (MiB) | / sp 1 | x sp | step (s) |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    base = {r["seq"]: r["saved_bytes"] for r in rows if r["sp"] == 1}
+    for r in rows:
+        ratio = r["saved_bytes"] / base[r["seq"]]
+        print(
+            f"| {r['seq']} | {r['sp']} | {r['saved_bytes'] / 2**20:.1f} | {ratio:.3f} | "
+            f"{ratio * r['sp']:.3f} | {r['step_s']:.3f} |"
+        )
+    print(f"\n{_context_parallel_note()}")
+
+
+if __name__ == "__main__":
+    main()
