@@ -32,11 +32,14 @@ def _build() -> torch.nn.Module:
 
 
 def check_plugin(layout: str) -> None:
-    sizes = {"sp": (1, 0), "dp-sp": (1, 0), "dp-sp-zero1": (1, 1), "tp-sp": (2, 0)}
-    tp, zero = sizes[layout]
+    sizes = {  # tp, ZeRO stage, clipping norm
+        "sp": (1, 0, 0.0), "dp-sp": (1, 0, 0.0), "dp-sp-zero1-clip": (1, 1, 0.5),
+        "dp-sp-zero2": (1, 2, 0.0), "tp-sp": (2, 0, 0.0), "tp-sp-clip": (2, 0, 0.5),
+    }  # fmt: skip
+    tp, zero, max_norm = sizes[layout]
     plugin = HybridParallelPlugin(
         tp_size=tp, zero_stage=zero, enable_sequence_parallelism=True,
-        sequence_parallelism_mode="all_to_all", sp_size=2, max_norm=0.0,
+        sequence_parallelism_mode="all_to_all", sp_size=2, max_norm=max_norm,
     )  # fmt: skip
     booster = Booster(plugin=plugin)
     data, data_rank = plugin.dp_size, dist.get_rank(plugin.dp_group)
@@ -51,6 +54,8 @@ def check_plugin(layout: str) -> None:
     for ids in batches:
         loss = reference(input_ids=ids, labels=ids).loss
         loss.backward()
+        if max_norm:
+            torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm)
         ref_opt.step()
         ref_opt.zero_grad()
         ref_losses.append(loss.detach())
@@ -74,7 +79,8 @@ def check_plugin(layout: str) -> None:
 
 
 def test_ulysses_through_the_plugin_matches_single_process() -> None:
-    run_subtests(check_plugin, 4, {"layout": ["dp-sp", "dp-sp-zero1", "tp-sp"]}, timeout=280)
+    layouts = ["dp-sp", "dp-sp-zero1-clip", "dp-sp-zero2", "tp-sp", "tp-sp-clip"]
+    run_subtests(check_plugin, 4, {"layout": layouts}, timeout=280)
 
 
 def test_ulysses_alone_at_world_2() -> None:
@@ -90,6 +96,14 @@ def test_ulysses_refusals() -> None:
         HybridParallelPlugin(
             pp_size=2, enable_sequence_parallelism=True, sequence_parallelism_mode="all_to_all",
             sp_size=2,
+        )  # fmt: skip
+    with pytest.raises(ValueError, match=r"Ulysses is proven in fp32 only"):
+        Booster(
+            plugin=HybridParallelPlugin(
+                zero_stage=1, enable_sequence_parallelism=True,
+                sequence_parallelism_mode="all_to_all", sp_size=2,
+            ),
+            mixed_precision="bf16",
         )  # fmt: skip
     with pytest.raises(ValueError, match=r"ring attention"):
         HybridParallelPlugin(
