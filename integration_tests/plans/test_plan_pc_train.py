@@ -47,7 +47,9 @@ def test_estimate_counts_a_plan_family_from_its_config(tmp_path: Path) -> None:
     assert shape.tp_sharded == expected
 
 
-@pytest.mark.parametrize("layout", [["--tp", "2"], ["--pp", "2"]])
+@pytest.mark.parametrize(
+    "layout", [["--tp", "2"], ["--pp", "2"], ["--sp", "2", "--clip-norm", "0"]]
+)
 def test_pc_train_trains_a_plan_family_config(tmp_path: Path, layout: list[str]) -> None:
     out = tmp_path / "run"
     result = subprocess.run(

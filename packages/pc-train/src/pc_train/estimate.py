@@ -274,9 +274,10 @@ def _activation_bytes(
         per_layer = s * b * h * (34 + 5 * a * s / h) / t
     else:
         per_layer = s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
+    per_layer /= options.sp  # Ulysses: 1/sp of the tokens, and of the heads in attention
     layers = shape.layers / options.pp
     in_flight = min(options.pp, options.microbatches or options.pp) if options.pp > 1 else 1
-    logits = 3 * b * s * shape.vocab * 4 / t  # fp32 logits, their softmax and gradient
+    logits = 3 * b * s * shape.vocab * 4 / (t * options.sp)  # fp32 logits, softmax, gradient
     return int(scale * per_layer * layers * in_flight + logits)
 
 
@@ -299,8 +300,9 @@ def estimate(
     p = 2 if precision != "fp32" else 4
     g = p
     plugin = options.config()
-    # The plugin states its own memory model.
-    states = plugin.model_states(psi, n, TrainPrecision.parse(precision))
+    # The plugin states its own memory model; ZeRO shards over the data-
+    # and sequence-parallel ranks together.
+    states = plugin.model_states(psi, n * options.sp, TrainPrecision.parse(precision))
     params, grads = states.parameters, states.gradients
     master, host = states.masters, states.host
     states_bytes = states.optimizer
@@ -519,6 +521,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument(
+        "--sp", type=int, default=1, help="Ulysses sequence-parallel size (with --plugin hybrid)"
+    )
     parser.add_argument("--zero-stage", type=int, default=1)
     parser.add_argument(
         "--device-memory-gib",
@@ -551,7 +556,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         shape = model_shape(spec)
         if args.plugin is not None:
             options = PluginOptions.parse(
-                args.plugin, tp=args.tp, pp=args.pp, zero_stage=args.zero_stage
+                args.plugin, tp=args.tp, pp=args.pp, zero_stage=args.zero_stage, sp=args.sp
             )
             if args.step_in_backward:
                 options = replace(options, step_in_backward=True)

@@ -38,6 +38,8 @@ _FLAGS = {
     "num_microbatches": "--microbatches",
     "step_in_backward": "--step-in-backward",
     "enable_sequence_parallelism": "--sequence-parallel",
+    "sp_size": "--sp",
+    "sequence_parallelism_mode": "--sp-mode",
     "offload_param_frac": "--offload-frac",
     "no_sync": "--accumulation",
 }
@@ -61,6 +63,8 @@ class PluginOptions:
     - ``cpu_offload``: ZeRO-1/2 optimizer states and step on the host.
     - ``step_in_backward``: Gemini steps each chunk inside backward (12
       bytes per parameter of model states instead of 16).
+    - ``sp`` / ``sp_mode``: sequence parallelism over ``sp`` ranks of its
+      own (hybrid; ``all_to_all``: Ulysses).
     """
 
     kind: PluginKind
@@ -72,6 +76,8 @@ class PluginOptions:
     offload_frac: float = 0.0
     cpu_offload: bool = False
     step_in_backward: bool = False
+    sp: int = 1
+    sp_mode: str = "all_to_all"
 
     @property
     def name(self) -> str:
@@ -88,6 +94,7 @@ class PluginOptions:
             extra += " step-in-backward" if self.step_in_backward else ""
             return f"{self.name}{extra}"
         sp = " sp" if self.sequence_parallel else ""
+        sp += f" {self.sp_mode} sp{self.sp}" if self.sp > 1 else ""
         return f"hybrid tp{self.tp} pp{self.pp} zero{self.zero_stage}{sp}"
 
     def flags(self) -> str:
@@ -96,6 +103,7 @@ class PluginOptions:
         if self.kind is PluginKind.HYBRID:
             out += [f"--tp {self.tp}", f"--pp {self.pp}", f"--zero-stage {self.zero_stage}"]
             out += ["--sequence-parallel"] if self.sequence_parallel else []
+            out += [f"--sp {self.sp}", f"--sp-mode {self.sp_mode}"] if self.sp > 1 else []
         if self.offload_frac:
             out.append(f"--offload-frac {self.offload_frac:g}")
         if self.cpu_offload:
@@ -105,7 +113,8 @@ class PluginOptions:
         return " ".join(out)
 
     def dp_size(self, world: int) -> int:
-        return world // self.model_parallel
+        """Ranks that read different batches (sequence-parallel ranks share one)."""
+        return world // (self.model_parallel * self.sp)
 
     def config(self, max_norm: float = 0.0, timeout: float = 300.0) -> PluginConfig:
         """The plugin's own options dataclass for these flags.
@@ -134,17 +143,26 @@ class PluginOptions:
             pp_size=self.pp,
             zero_stage=self.zero_stage,
             num_microbatches=self.microbatches,
-            enable_sequence_parallelism=self.sequence_parallel,
+            enable_sequence_parallelism=self.sequence_parallel or self.sp > 1,
+            sequence_parallelism_mode=self.sp_mode if self.sp > 1 else None,
+            sp_size=self.sp if self.sp > 1 else None,
             max_norm=max_norm,
             pp_timeout=timeout,
         )
 
     def check_flags(self) -> None:
         """Raise ValueError for a flag of another plugin than the one chosen."""
-        for name in ("tp", "pp"):
+        for name in ("tp", "pp", "sp"):
             value = getattr(self, name)
             if value < 1:
                 raise ValueError(f"--{name} must be at least 1, got {value}.")
+        if self.sp > 1 and self.kind is not PluginKind.HYBRID:
+            raise ValueError(f"--sp {self.sp} needs --plugin hybrid.")
+        if self.sp > 1 and self.sequence_parallel:
+            raise ValueError(
+                "--sequence-parallel (Megatron's, inside tensor parallelism) and --sp "
+                f"{self.sp} (--sp-mode {self.sp_mode}) do not combine yet; pass one of them."
+            )
         if self.kind is not PluginKind.HYBRID and self.model_parallel > 1:
             raise ValueError(
                 f"--tp {self.tp} / --pp {self.pp} need --plugin hybrid; {self.name} is data "

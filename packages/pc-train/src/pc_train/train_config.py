@@ -41,6 +41,8 @@ class TrainConfig:
     offload_frac: float = 0.0
     cpu_offload: bool = False
     step_in_backward: bool = False
+    sp: int = 1
+    sp_mode: str = "all_to_all"
     precision: str = "fp32"
     corpus: str | None = None
     corpus_bytes: int = 2_000_000
@@ -136,6 +138,8 @@ _HELP = {
     "pp": "pipeline-parallel size (hybrid: GPT-2 and Llama)",
     "zero_stage": "ZeRO stage over the data-parallel ranks (hybrid: 0, 1, 2)",
     "microbatches": "pipeline micro-batches per step (default: pp)",
+    "sp": "sequence-parallel size of its own (hybrid): each sequence split over sp ranks",
+    "sp_mode": "sequence parallelism with --sp: all_to_all (Ulysses)",
     "offload_frac": "share of Gemini's chunks kept on the host",
     "cpu_offload": "ZeRO-1/2 optimizer step on the host",
     "step_in_backward": "Gemini: step each chunk as soon as its gradients are reduced (12 "
