@@ -275,15 +275,11 @@ REFUSED: dict[str, tuple[dict[str, Any], str]] = {
             "enable_sequence_parallelism": True,
             "sequence_parallelism_mode": "all_to_all",
         },
-        "Ulysses splits the sequence over sp_size ranks of its own; pass sp_size >= 2",
+        "it splits the sequence over sp_size ranks of its own; pass sp_size >= 2",
     ),
-    "ring attention": (
-        {
-            "tp_size": 2,
-            "enable_sequence_parallelism": True,
-            "sequence_parallelism_mode": "ring_attn",
-        },
-        "ring attention \\('ring', 'ring_attn'\\) is not in pc yet",
+    "ring": (
+        {"tp_size": 2, "enable_sequence_parallelism": True, "sequence_parallelism_mode": "ring"},
+        "Colossal-AI's 'ring' computes the same with ring communication",
     ),
     "sp_size": ({"tp_size": 2, "sp_size": 2}, "leave sp_size out"),
     "fp8": ({"fp8_communication": True}, "fp8 compression is not implemented"),

@@ -1,5 +1,6 @@
-"""HybridParallelPlugin(sequence_parallelism_mode="all_to_all", sp_size=N):
-Ulysses sequence parallelism through the Booster, against single-process
+"""HybridParallelPlugin(sequence_parallelism_mode="all_to_all" (Ulysses) or
+"ring_attn" (ring attention), sp_size=N): sequence parallelism of its own
+size through the Booster, against single-process
 training on the global batch (3 SGD steps, losses and every parameter):
 sp 2 alone; dp 2 x sp 2 with DDP and with ZeRO-1; tp 2 x sp 2. The sp
 ranks of a replica share a batch; the dataloader's group leaves them out."""
@@ -31,7 +32,7 @@ def _build() -> torch.nn.Module:
     return model
 
 
-def check_plugin(layout: str) -> None:
+def check_plugin(layout: str, mode: str) -> None:
     sizes = {  # tp, ZeRO stage, clipping norm
         "sp": (1, 0, 0.0), "dp-sp": (1, 0, 0.0), "dp-sp-zero1-clip": (1, 1, 0.5),
         "dp-sp-zero2": (1, 2, 0.0), "tp-sp": (2, 0, 0.0), "tp-sp-clip": (2, 0, 0.5),
@@ -39,7 +40,7 @@ def check_plugin(layout: str) -> None:
     tp, zero, max_norm = sizes[layout]
     plugin = HybridParallelPlugin(
         tp_size=tp, zero_stage=zero, enable_sequence_parallelism=True,
-        sequence_parallelism_mode="all_to_all", sp_size=2, max_norm=max_norm,
+        sequence_parallelism_mode=mode, sp_size=2, max_norm=max_norm,
     )  # fmt: skip
     booster = Booster(plugin=plugin)
     data, data_rank = plugin.dp_size, dist.get_rank(plugin.dp_group)
@@ -80,11 +81,14 @@ def check_plugin(layout: str) -> None:
 
 def test_ulysses_through_the_plugin_matches_single_process() -> None:
     layouts = ["dp-sp", "dp-sp-zero1-clip", "dp-sp-zero2", "tp-sp", "tp-sp-clip"]
-    run_subtests(check_plugin, 4, {"layout": layouts}, timeout=280)
+    cases = {"layout": layouts, "mode": ["all_to_all", "ring_attn"]}
+    run_subtests(check_plugin, 4, cases, timeout=280)
 
 
 def test_ulysses_alone_at_world_2() -> None:
-    run_subtests(check_plugin, 2, {"layout": ["sp"]}, timeout=200)
+    run_subtests(
+        check_plugin, 2, {"layout": ["sp"], "mode": ["all_to_all", "ring_attn"]}, timeout=200
+    )
 
 
 def test_ulysses_refusals() -> None:
@@ -97,7 +101,7 @@ def test_ulysses_refusals() -> None:
             pp_size=2, enable_sequence_parallelism=True, sequence_parallelism_mode="all_to_all",
             sp_size=2,
         )  # fmt: skip
-    with pytest.raises(ValueError, match=r"Ulysses is proven in fp32 only"):
+    with pytest.raises(ValueError, match=r"proven in fp32 only"):
         Booster(
             plugin=HybridParallelPlugin(
                 zero_stage=1, enable_sequence_parallelism=True,

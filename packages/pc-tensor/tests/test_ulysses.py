@@ -1,5 +1,6 @@
-"""Ulysses sequence parallelism (pc_tensor.ulysses_model) against single-
-process training of the same model on the same global batch: 3 SGD steps,
+"""Ulysses sequence parallelism (pc_tensor.ulysses_model) and ring attention
+(pc_tensor.ring_model, zig-zag) against single-process training of the same
+model on the same global batch: 3 SGD steps,
 losses and every parameter, on Llama and Qwen2 tiny models with grouped-
 query attention (4 query heads over 2 key/value heads), at sp 2 and sp 4
 (key/value heads repeated), dp 2 x sp 2 and tp 2 x sp 2; and the
@@ -15,7 +16,13 @@ from pc_comm.testing import run_subtests
 
 transformers = pytest.importorskip("transformers")
 
-from pc_tensor import full_state_dict, shard_model, sync_sequence_grads, ulysses_model  # noqa: E402
+from pc_tensor import (  # noqa: E402
+    full_state_dict,
+    ring_model,
+    shard_model,
+    sync_sequence_grads,
+    ulysses_model,
+)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -58,7 +65,7 @@ def _groups(world: int, inner: int) -> tuple[dist.ProcessGroup, dist.ProcessGrou
     return mine_inner, mine_outer
 
 
-def check_ulysses(family: str, layout: str) -> None:
+def check_ulysses(family: str, layout: str, mode: str) -> None:
     world, rank = dist.get_world_size(), dist.get_rank()
     sp_group: dist.ProcessGroup | None
     dp = 1
@@ -86,7 +93,7 @@ def check_ulysses(family: str, layout: str) -> None:
     model = _build(family)
     if tp_group is not None:
         shard_model(model, tp_group)
-    ulysses_model(model, sp_group)
+    (ulysses_model if mode == "ulysses" else ring_model)(model, sp_group)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     losses = []
     for ids in batches:
@@ -118,9 +125,8 @@ def check_ulysses(family: str, layout: str) -> None:
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_ulysses_matches_single_process(world_size: int) -> None:
     layouts = ["sp"] if world_size == 2 else ["sp", "dp-sp", "tp-sp"]
-    run_subtests(
-        check_ulysses, world_size, {"family": ["llama", "qwen2"], "layout": layouts}, timeout=280
-    )
+    cases = {"family": ["llama", "qwen2"], "layout": layouts, "mode": ["ulysses", "ring"]}
+    run_subtests(check_ulysses, world_size, cases, timeout=280)
 
 
 def check_refusals() -> None:
@@ -131,8 +137,11 @@ def check_refusals() -> None:
     padded = torch.ones_like(ids).index_fill_(1, torch.tensor([0]), 0)
     with pytest.raises(ValueError, match=r"the batch has padding"):
         model(input_ids=ids, attention_mask=padded)
-    with pytest.raises(ValueError, match=r"already runs Ulysses"):
+    with pytest.raises(ValueError, match=r"already runs sequence parallelism"):
         ulysses_model(model, dist.group.WORLD)
+    ring = ring_model(_build("llama"), dist.group.WORLD)
+    with pytest.raises(ValueError, match=r"into 4 equal blocks: 18 tokens do not divide by 4"):
+        ring(input_ids=torch.randint(3, VOCAB, (1, 18)))
     config = transformers.LlamaConfig(
         vocab_size=VOCAB, hidden_size=48, intermediate_size=96, num_hidden_layers=1,
         num_attention_heads=3, num_key_value_heads=3,

@@ -26,6 +26,7 @@ from pc_tensor.layers import (
 )
 from pc_tensor.plans import has_plan, plan_policy, policy_for
 from pc_tensor.policies import POLICIES, Policy
+from pc_tensor.ring import ring_model
 from pc_tensor.shard import (
     ShardInfo,
     ShardSpec,
@@ -70,6 +71,7 @@ __all__ = [
     "policy_for",
     "reduce_from_tp",
     "reduce_scatter_sequence",
+    "ring_model",
     "sequence_to_heads",
     "shard_info",
     "shard_model",

@@ -220,17 +220,40 @@ def _register() -> None:
     _registered = True
 
 
-class _UlyssesForward:
-    """The model's forward on the whole batch: this rank's block of the
-    sequence with its positions; with ``labels``, the next-token loss of
-    the whole sequence (labels shifted before the split), summed over the
-    group, divided by the whole sequence's tokens."""
+class _SequenceForward:
+    """The model's forward on the whole batch: this rank's share of the
+    sequence (one contiguous block; under ``zigzag``, blocks ``r`` and
+    ``2 * world - 1 - r`` of ``2 * world``, which balances causal
+    attention's work) with its positions; with ``labels``, the next-token
+    loss of the whole sequence (labels shifted before the split), summed
+    over the group, divided by the whole sequence's tokens."""
 
     def __init__(
-        self, forward: Any, group: dist.ProcessGroup, causal: bool, grad_scale: float
+        self,
+        forward: Any,
+        group: dist.ProcessGroup,
+        causal: bool,
+        grad_scale: float,
+        zigzag: bool = False,
+        name: str = "Ulysses sequence parallelism",
     ) -> None:
         self.forward, self.group, self.causal = forward, group, causal
-        self.grad_scale = grad_scale
+        self.grad_scale, self.zigzag, self.name = grad_scale, zigzag, name
+
+    def share(self, total: int, device: torch.device) -> torch.Tensor:
+        """The positions of the sequence this rank holds."""
+        world, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        parts = 2 * world if self.zigzag else world
+        if total % parts:
+            raise ValueError(
+                f"{self.name} over {world} ranks splits the sequence into {parts} equal "
+                f"blocks: {total} tokens do not divide by {parts}. Pad or cut the sequence to "
+                f"a multiple of {parts} (e.g. {total - total % parts} or "
+                f"{total + parts - total % parts})."
+            )
+        size = total // parts
+        blocks = [rank, parts - 1 - rank] if self.zigzag else [rank]
+        return torch.cat([torch.arange(b * size, (b + 1) * size, device=device) for b in blocks])
 
     def __call__(
         self,
@@ -241,40 +264,34 @@ class _UlyssesForward:
         **kwargs: Any,
     ) -> Any:
         if input_ids is None:
-            raise ValueError("a Ulysses sequence-parallel model takes input_ids (the whole batch).")
+            raise ValueError(f"a model under {self.name} takes input_ids (the whole batch).")
         if attention_mask is not None and not bool(attention_mask.bool().all()):
             raise ValueError(
-                "Ulysses sequence parallelism: the batch has padding (an attention_mask with "
-                "zeros), which pc's Ulysses attention does not mask yet; pack the sequences "
-                "or pass batches without padding."
+                f"{self.name}: the batch has padding (an attention_mask with zeros), which "
+                "pc's sequence-parallel attention does not mask yet; pack the sequences or "
+                "pass batches without padding."
             )
-        world, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         batch, total = input_ids.shape
-        if total % world:
-            raise ValueError(
-                f"Ulysses sequence parallelism over {world} ranks splits the sequence evenly: "
-                f"{total} tokens do not divide by {world}. Pad or cut the sequence to a "
-                f"multiple of {world} (e.g. {total - total % world} or "
-                f"{total + world - total % world})."
-            )
-        size = total // world
-        block = slice(rank * size, (rank + 1) * size)
+        mine = self.share(total, input_ids.device)
         if position_ids is None:
             position_ids = torch.arange(total, device=input_ids.device).expand(batch, -1)
-        local = {"input_ids": input_ids[:, block], "position_ids": position_ids[:, block]}
+        local = {
+            "input_ids": input_ids.index_select(1, mine),
+            "position_ids": position_ids.index_select(1, mine),
+        }
         if labels is None:
             return self.forward(**local, **kwargs)
         if not self.causal:
             raise ValueError(
-                "Ulysses sequence parallelism computes the loss of causal language models; "
-                "for another head, call the model without labels and compute the loss from "
-                "each rank's block of the outputs."
+                f"{self.name} computes the loss of causal language models; for another head, "
+                "call the model without labels and compute the loss from each rank's share "
+                "of the outputs."
             )
         shifted = nn.functional.pad(labels, (0, 1), value=-100)[:, 1:]
         count = (shifted != -100).sum()
-        mine = shifted[:, block].contiguous()
+        targets = shifted.index_select(1, mine.to(shifted.device)).contiguous()
         out = self.forward(
-            **local, labels=mine, shift_labels=mine, num_items_in_batch=count, **kwargs
+            **local, labels=targets, shift_labels=targets, num_items_in_batch=count, **kwargs
         )
         out["loss"] = _SumOverGroup.apply(out["loss"], self.group, self.grad_scale)  # type: ignore[no-untyped-call, unused-ignore]
         return out
@@ -294,7 +311,7 @@ def ulysses_model(
     group = group if group is not None else dist.group.WORLD
     assert group is not None
     if getattr(model, "_pc_ulysses", None) is not None:
-        raise ValueError("this model already runs Ulysses sequence parallelism.")
+        raise ValueError("this model already runs sequence parallelism (Ulysses or ring).")
     for module in model.modules():
         module.__dict__["_pc_ulysses_group"] = group
     setter: Any = getattr(model, "set_attn_implementation", None)
@@ -304,7 +321,7 @@ def ulysses_model(
         config: Any = model.config
         config._attn_implementation = ATTENTION
     causal = type(model).__name__.endswith("ForCausalLM")
-    model.forward = _UlyssesForward(model.forward, group, causal, grad_scale)
+    model.forward = _SequenceForward(model.forward, group, causal, grad_scale)
     model.__dict__["_pc_ulysses"] = group
     return model
 

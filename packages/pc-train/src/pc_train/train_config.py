@@ -139,7 +139,7 @@ _HELP = {
     "zero_stage": "ZeRO stage over the data-parallel ranks (hybrid: 0, 1, 2)",
     "microbatches": "pipeline micro-batches per step (default: pp)",
     "sp": "sequence-parallel size of its own (hybrid): each sequence split over sp ranks",
-    "sp_mode": "sequence parallelism with --sp: all_to_all (Ulysses)",
+    "sp_mode": "sequence parallelism with --sp: all_to_all (Ulysses) or ring_attn (ring attention)",
     "offload_frac": "share of Gemini's chunks kept on the host",
     "cpu_offload": "ZeRO-1/2 optimizer step on the host",
     "step_in_backward": "Gemini: step each chunk as soon as its gradients are reduced (12 "

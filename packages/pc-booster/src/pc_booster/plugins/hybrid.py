@@ -171,7 +171,9 @@ def _pipeline_accumulation(o: HybridParallelOptions, setting: RunSetting) -> str
     return None
 
 
-SP_MODES = ("split_gather", "all_to_all")
+SP_MODES = ("split_gather", "all_to_all", "ring_attn")
+# Sequence parallelism over sp_size ranks of its own (not inside tp).
+OWN_SP_MODES = ("all_to_all", "ring_attn")
 
 
 def _microbatch_size(o: HybridParallelOptions, setting: RunSetting) -> str | None:
@@ -204,29 +206,31 @@ def _sp_mode(o: HybridParallelOptions, setting: RunSetting) -> str | None:
     if mode is not None and mode not in SP_MODES:
         return (
             f"sequence_parallelism_mode={mode!r}: pc has 'split_gather' (Megatron's sequence "
-            "parallelism over the tensor-parallel ranks) and 'all_to_all' (Ulysses, over "
-            "sp_size ranks of its own); ring attention ('ring', 'ring_attn') is not in pc yet."
+            "parallelism over the tensor-parallel ranks; Colossal-AI's 'ring' computes the "
+            "same with ring communication: use 'split_gather'), 'all_to_all' (Ulysses) and "
+            "'ring_attn' (ring attention), the last two over sp_size ranks of their own."
         )
     if mode is not None and not o.enable_sequence_parallelism:
         return (
             f"sequence_parallelism_mode={mode!r} without enable_sequence_parallelism=True; "
             "turn sequence parallelism on, or drop the mode."
         )
-    if mode == "all_to_all":
+    if mode in OWN_SP_MODES:
         if isinstance(o.sp_size, bool) or not isinstance(o.sp_size, int) or o.sp_size < 2:
             return (
-                f"sequence_parallelism_mode='all_to_all' with sp_size={o.sp_size!r}: Ulysses "
-                "splits the sequence over sp_size ranks of its own; pass sp_size >= 2."
+                f"sequence_parallelism_mode={mode!r} with sp_size={o.sp_size!r}: it splits "
+                "the sequence over sp_size ranks of its own; pass sp_size >= 2."
             )
         if o.pp_size > 1:
             return (
-                "sequence_parallelism_mode='all_to_all' with pp_size > 1: Ulysses inside "
-                "pipeline stages is not in pc yet; use it with data and tensor parallelism."
+                f"sequence_parallelism_mode={mode!r} with pp_size > 1: sequence parallelism "
+                "inside pipeline stages is not in pc yet; use it with data and tensor "
+                "parallelism."
             )
         if setting.precision is not None and setting.precision is not TrainPrecision.FP32:
             return (
-                f"sequence_parallelism_mode='all_to_all' in {setting.precision.value}: Ulysses "
-                "is proven in fp32 only so far (parity tests against single-process "
+                f"sequence_parallelism_mode={mode!r} in {setting.precision.value}: it is "
+                "proven in fp32 only so far (parity tests against single-process "
                 "training); train it in fp32."
             )
         if setting.world is not None and setting.world % (o.sp_size * o.tp_size):
@@ -450,7 +454,9 @@ class HybridParallelOptions(PluginConfig):
     def megatron_sp(self) -> bool:
         """Megatron's sequence parallelism inside tensor parallelism (the
         default mode), not Ulysses'."""
-        return self.enable_sequence_parallelism and self.sequence_parallelism_mode != "all_to_all"
+        return (
+            self.enable_sequence_parallelism and self.sequence_parallelism_mode not in OWN_SP_MODES
+        )
 
     def model_parallel(self) -> int:
         return self.tp_size * self.pp_size
@@ -626,7 +632,7 @@ class HybridParallelPlugin(Plugin, SupportsNoSync, SupportsPipeline):
     def sp_size(self) -> int:
         """Ulysses' sequence-parallel ranks (1 unless all_to_all)."""
         o = self.options
-        return o.sp_size if o.sequence_parallelism_mode == "all_to_all" and o.sp_size else 1
+        return o.sp_size if o.sequence_parallelism_mode in OWN_SP_MODES and o.sp_size else 1
 
     @property
     def sp_group(self) -> dist.ProcessGroup | None:
@@ -693,11 +699,16 @@ class HybridParallelPlugin(Plugin, SupportsNoSync, SupportsPipeline):
                     layout.tp_group,
                     sequence_parallel=self.options.megatron_sp(),
                 )
-        if self.sp_size > 1:  # Ulysses: gradients averaged over dp x sp, so scaled by sp
-            from pc_tensor import ulysses_model
+        if self.sp_size > 1:  # gradients averaged over dp x sp, so scaled by sp
+            from pc_tensor import ring_model, ulysses_model
 
             assert layout.sp_group is not None
-            ulysses_model(model, layout.sp_group, grad_scale=float(self.sp_size))
+            wrap = (
+                ulysses_model
+                if self.options.sequence_parallelism_mode == "all_to_all"
+                else ring_model
+            )
+            wrap(model, layout.sp_group, grad_scale=float(self.sp_size))
         built = values_a_cast_rounds([model], precision.dtype) if self.zero_stage else {}
         cast_floating(model, precision.dtype)
         wrapped: nn.Module = model
