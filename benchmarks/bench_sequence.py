@@ -1,5 +1,5 @@
-"""Ulysses sequence parallelism: activation memory per rank at sp 1, 2 and
-4, and the step time, on a ``transformers`` Llama (2 layers, hidden 256, 8
+"""Ulysses sequence parallelism and ring attention: activation memory per
+rank at sp 1, 2 and 4, and the step time, on a ``transformers`` Llama (2 layers, hidden 256, 8
 heads over 4 key/value heads, vocabulary 4096) at sequence lengths up to
 8192 tokens, batch 1; and whether torch's ``context_parallel`` runs here
 (on this CPU machine it does not: DTensor has no sharding strategy for the
@@ -29,7 +29,7 @@ from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from pc_comm.testing import spawn
-from pc_tensor import sync_sequence_grads, ulysses_model
+from pc_tensor import ring_model, sync_sequence_grads, ulysses_model
 
 RESULTS = Path(__file__).resolve().parent.parent / "bench-results"
 VOCAB = 4096
@@ -70,7 +70,7 @@ def _run(seqs: list[int], iters: int, out: str) -> None:
     rows: list[dict[str, Any]] = []
     for seq in seqs:
         ids = torch.randint(0, VOCAB, (1, seq), generator=torch.Generator().manual_seed(0))
-        for sp in (1, 2, 4):
+        for sp, mode in ((1, "-"), (2, "ulysses"), (2, "ring"), (4, "ulysses"), (4, "ring")):
             if sp > world:
                 continue
             group = dist.new_group(list(range(sp)))  # every rank makes it
@@ -78,7 +78,7 @@ def _run(seqs: list[int], iters: int, out: str) -> None:
                 continue
             model = _model(seq)
             if sp > 1:
-                ulysses_model(model, group)
+                (ulysses_model if mode == "ulysses" else ring_model)(model, group)
 
             def step(model: nn.Module = model, ids: torch.Tensor = ids) -> torch.Tensor:
                 loss: torch.Tensor = model(input_ids=ids, labels=ids).loss
@@ -95,7 +95,7 @@ def _run(seqs: list[int], iters: int, out: str) -> None:
             mine = torch.tensor([saved, statistics.median(times)], dtype=torch.float64)
             dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=group)
             if dist.get_rank() == 0:
-                rows.append({"seq": seq, "sp": sp, "saved_bytes": int(mine[0]),
+                rows.append({"seq": seq, "sp": sp, "mode": mode, "saved_bytes": int(mine[0]),
                              "step_s": float(mine[1])})  # fmt: skip
         dist.barrier()
     note = _try_context_parallel()
@@ -133,13 +133,14 @@ def main() -> None:
     result = json.loads(out.read_text())
     rows = result["rows"]
     print("\n## Ulysses: activation memory per rank (saved for backward) and step time\n")
-    print("| sequence | sp | activations per rank (MiB) | / sp 1 | x sp | step (s) |")
-    print("|---:|---:|---:|---:|---:|---:|")
+    print("| sequence | sp | mode | activations per rank (MiB) | / sp 1 | x sp | step (s) |")
+    print("|---:|---:|---|---:|---:|---:|---:|")
     base = {r["seq"]: r["saved_bytes"] for r in rows if r["sp"] == 1}
     for r in rows:
         ratio = r["saved_bytes"] / base[r["seq"]]
+        mib = r["saved_bytes"] / 2**20
         print(
-            f"| {r['seq']} | {r['sp']} | {r['saved_bytes'] / 2**20:.1f} | {ratio:.3f} | "
+            f"| {r['seq']} | {r['sp']} | {r['mode']} | {mib:.1f} | {ratio:.3f} | "
             f"{ratio * r['sp']:.3f} | {r['step_s']:.3f} |"
         )
     print(f"\n{result['context_parallel']}")
