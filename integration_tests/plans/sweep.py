@@ -61,7 +61,8 @@ def _batches(head: str = "causal") -> list[dict[str, torch.Tensor]]:
 def _loss(model: nn.Module, batch: dict[str, torch.Tensor], head: str) -> torch.Tensor:
     if head == "base":  # a base model alone: a loss over its last hidden states
         hidden = model(input_ids=batch["input_ids"]).last_hidden_state
-        return hidden.float().square().mean()
+        base: torch.Tensor = hidden.float().square().mean()
+        return base
     loss: torch.Tensor = model(**batch).loss
     return loss
 
@@ -78,7 +79,7 @@ def _reference(
     losses = []
     for batch in _batches(head):
         loss = _loss(model, batch, head)
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call, unused-ignore]
         opt.step()
         opt.zero_grad()
         losses.append(loss.detach())
@@ -118,7 +119,7 @@ def check_tp(family: Family, sp: bool, ref: Any, head: str = "causal") -> None:
     losses = []
     for batch in _batches(head):
         loss = _loss(model, batch, head)
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call, unused-ignore]
         opt.step()
         opt.zero_grad()
         losses.append(loss.detach())
