@@ -12,6 +12,11 @@ whose allocator keeps freed pages. Step time: forward and backward, median
 of a few.
 
     python benchmarks/bench_sequence.py [--seqs 2048 4096 8192] [--iters 3]
+    python benchmarks/bench_sequence.py --cap-mib 128 [--modes ulysses ring]
+
+The second form finds the longest sequence (doubling) whose step fits a
+per-rank memory cap the kernel enforces (a cgroup per rank, joined after
+the model is built), at sp 1, 2 and 4.
 """
 
 from __future__ import annotations
@@ -103,6 +108,48 @@ def _run(seqs: list[int], iters: int, out: str) -> None:
         Path(out).write_text(json.dumps({"rows": rows, "context_parallel": note}))
 
 
+def _capped_step(seq: int, mode: str, cap: int, tag: str) -> None:
+    """One forward and backward at ``seq`` tokens with each rank's memory
+    from then on capped at ``cap`` bytes (its own cgroup; the kernel kills
+    a rank that goes over)."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "integration_tests"))
+    from memory_cap import MemoryCap  # type: ignore[import-not-found, unused-ignore]
+
+    torch.set_num_threads(1)
+    group = dist.group.WORLD
+    model = _model(seq)
+    if dist.get_world_size() > 1:
+        (ulysses_model if mode == "ulysses" else ring_model)(model, group)
+    ids = torch.randint(0, VOCAB, (1, seq), generator=torch.Generator().manual_seed(0))
+    MemoryCap(f"pc-bench-seq-{tag}-{dist.get_rank()}", cap).join()
+    loss: torch.Tensor = model(input_ids=ids, labels=ids).loss
+    loss.backward()  # type: ignore[no-untyped-call, unused-ignore]
+    dist.barrier()
+
+
+def search(cap_mib: int, start: int, modes: list[str]) -> None:
+    """The longest sequence (doubling from ``start``) whose step fits under
+    a per-rank cap of ``cap_mib`` MiB (what a rank allocates after its
+    model is built: activations and gradients), at sp 1, 2 and 4."""
+    from pc_comm.testing import DistributedTestError
+
+    print(f"\n## Longest sequence under a per-rank cap of {cap_mib} MiB\n")
+    print("| sp | mode | longest sequence that trains | next (killed) |")
+    print("|---:|---|---:|---:|")
+    for sp, mode in [(1, "-"), *((n, m) for n in (2, 4) for m in modes)]:
+        seq, best = start, 0
+        while True:
+            tag = f"{sp}-{mode}-{seq}"
+            try:
+                spawn(_capped_step, sp, args=(seq, mode, cap_mib << 20, tag), timeout=900)
+            except DistributedTestError:
+                break
+            best, seq = seq, seq * 2
+        print(f"| {sp} | {mode} | {best} | {seq} |", flush=True)
+
+
 def _try_context_parallel() -> str:
     """torch's context_parallel on this machine's SDPA, or why it does not
     run here."""
@@ -126,7 +173,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seqs", type=int, nargs="+", default=[2048, 4096, 8192])
     parser.add_argument("--iters", type=int, default=3)
+    parser.add_argument(
+        "--cap-mib", type=int, default=0,
+        help="instead: the longest sequence whose step fits this per-rank cap (cgroup v1, root)",
+    )  # fmt: skip
+    parser.add_argument("--start", type=int, default=512, help="the search's first length")
+    parser.add_argument("--modes", nargs="+", default=["ulysses", "ring"])
     args = parser.parse_args()
+    if args.cap_mib:
+        search(args.cap_mib, args.start, args.modes)
+        return
     RESULTS.mkdir(exist_ok=True)
     out = RESULTS / "sequence.json"
     spawn(_run, 4, args=(args.seqs, args.iters, str(out)), timeout=3000)
