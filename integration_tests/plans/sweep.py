@@ -71,10 +71,8 @@ def _model(family: Family, head: str) -> nn.Module:
     return build(family, head=head, num_labels=LABELS) if head != "causal" else build(family)
 
 
-def _reference(
-    family: Family, head: str = "causal"
-) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
-    model = _model(family, head)
+def _train(model: nn.Module, head: str) -> list[torch.Tensor]:
+    """The sweep's steps (SGD) on ``model``, one process's view; the losses."""
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     losses = []
     for batch in _batches(head):
@@ -83,6 +81,14 @@ def _reference(
         opt.step()
         opt.zero_grad()
         losses.append(loss.detach())
+    return losses
+
+
+def _reference(
+    family: Family, head: str = "causal"
+) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+    model = _model(family, head)
+    losses = _train(model, head)
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
@@ -115,14 +121,7 @@ def check_tp(family: Family, sp: bool, ref: Any, head: str = "causal") -> None:
         shard_model(model, dist.group.WORLD, sequence_parallel=sp)
     except (ValueError, TypeError) as error:
         raise Refused(str(error)) from None
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    losses = []
-    for batch in _batches(head):
-        loss = _loss(model, batch, head)
-        loss.backward()  # type: ignore[no-untyped-call, unused-ignore]
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.detach())
+    losses = _train(model, head)
     _compare("sp" if sp else f"tp ({head})", losses, full_state_dict(model), ref)
 
 

@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from pc_tensor.ulysses import _SequenceForward
+from pc_tensor.ulysses import _group_of, _prepare, _refuse_unsupported
 
 __all__ = ["RING_ATTENTION", "ring_model"]
 
@@ -155,27 +155,12 @@ def _attention(
     is_causal: bool | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    group = getattr(module, "_pc_ring_group", None)
-    if group is None:
-        raise RuntimeError(
-            f"{type(module).__name__} runs pc's ring attention but was not prepared by "
-            "pc_tensor.ring_model."
-        )
+    group = _group_of(module, "ring attention", "ring_model")
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    what = type(module).__name__
     total = query.shape[2] * world
-    if dropout:
-        raise ValueError(
-            f"ring attention: {what} has attention dropout {dropout}; pc's ring attention "
-            "runs without it. Set the config's attention dropout to 0."
-        )
-    if sliding_window is not None and sliding_window < total:
-        raise ValueError(
-            f"ring attention: {what} attends over a sliding window of {sliding_window} "
-            f"tokens, shorter than the sequence ({total}); not implemented yet."
-        )
-    if softcap:
-        raise ValueError(f"ring attention: {what} soft-caps its attention logits; not implemented.")
+    _refuse_unsupported(
+        "ring attention", type(module).__name__, total, dropout, sliding_window, softcap
+    )
     causal = bool(getattr(module, "is_causal", True)) if is_causal is None else is_causal
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     # This rank's query blocks (zig-zag: r and 2 * world - 1 - r).
@@ -211,25 +196,6 @@ def _attention(
     return out.transpose(1, 2).contiguous(), None
 
 
-def _no_mask(*args: Any, **kwargs: Any) -> None:
-    return None
-
-
-_registered = False
-
-
-def _register() -> None:
-    global _registered
-    if _registered:
-        return
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
-
-    AttentionInterface.register(RING_ATTENTION, _attention)
-    AttentionMaskInterface.register(RING_ATTENTION, _no_mask)
-    _registered = True
-
-
 def ring_model(
     model: nn.Module, group: dist.ProcessGroup | None = None, *, grad_scale: float = 1.0
 ) -> nn.Module:
@@ -237,22 +203,4 @@ def ring_model(
     place (see the module docstring); after tensor parallelism, if any.
     Returns the model. ``grad_scale`` as for
     :func:`~pc_tensor.ulysses_model`."""
-    _register()
-    group = group if group is not None else dist.group.WORLD
-    assert group is not None
-    if getattr(model, "_pc_ulysses", None) is not None:
-        raise ValueError("this model already runs sequence parallelism (Ulysses or ring).")
-    for module in model.modules():
-        module.__dict__["_pc_ring_group"] = group
-    setter: Any = getattr(model, "set_attn_implementation", None)
-    if callable(setter):
-        setter(RING_ATTENTION)
-    else:
-        config: Any = model.config
-        config._attn_implementation = RING_ATTENTION
-    causal = type(model).__name__.endswith("ForCausalLM")
-    model.forward = _SequenceForward(
-        model.forward, group, causal, grad_scale, zigzag=True, name="ring attention"
-    )
-    model.__dict__["_pc_ulysses"] = group
-    return model
+    return _prepare(model, group, grad_scale, (RING_ATTENTION, _attention), True, "ring attention")

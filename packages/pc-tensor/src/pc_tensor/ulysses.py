@@ -154,31 +154,13 @@ def _attention(
     is_causal: bool | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    group = getattr(module, "_pc_ulysses_group", None)
-    if group is None:
-        raise RuntimeError(
-            f"{type(module).__name__} runs pc's Ulysses attention but was not prepared by "
-            "pc_tensor.ulysses_model."
-        )
+    group = _group_of(module, "Ulysses attention", "ulysses_model")
     world = dist.get_world_size(group)
     what = type(module).__name__
-    total = query.shape[2] * world
-    if dropout:
-        raise ValueError(
-            f"Ulysses sequence parallelism: {what} has attention dropout {dropout}; pc's "
-            "Ulysses attention runs without it. Set the config's attention dropout to 0."
-        )
-    if sliding_window is not None and sliding_window < total:
-        raise ValueError(
-            f"Ulysses sequence parallelism: {what} attends over a sliding window of "
-            f"{sliding_window} tokens, shorter than the sequence ({total}); pc's Ulysses "
-            "attention does not implement sliding windows yet."
-        )
-    if softcap:
-        raise ValueError(
-            f"Ulysses sequence parallelism: {what} soft-caps its attention logits, which "
-            "pc's Ulysses attention does not implement yet."
-        )
+    _refuse_unsupported(
+        "Ulysses sequence parallelism", what, query.shape[2] * world, dropout, sliding_window,
+        softcap,
+    )  # fmt: skip
     heads = query.shape[1]
     if heads % world:
         raise ValueError(
@@ -199,25 +181,94 @@ def _attention(
     return heads_to_sequence(out, group).transpose(1, 2).contiguous(), None
 
 
+# What both of pc's sequence-parallel attentions (Ulysses here, ring
+# attention in pc_tensor.ring) share: how a model is prepared for one, how
+# an attention call finds its group, and what either refuses.
+
+
+def _group_of(module: nn.Module, attention: str, maker: str) -> dist.ProcessGroup:
+    group: dist.ProcessGroup | None = getattr(module, "_pc_sequence_group", None)
+    if group is None:
+        raise RuntimeError(
+            f"{type(module).__name__} runs pc's {attention} but was not prepared by "
+            f"pc_tensor.{maker}."
+        )
+    return group
+
+
+def _refuse_unsupported(
+    label: str,
+    what: str,
+    total: int,
+    dropout: float,
+    sliding_window: int | None,
+    softcap: float | None,
+) -> None:
+    """What neither attention implements yet, refused with the numbers."""
+    if dropout:
+        raise ValueError(
+            f"{label}: {what} has attention dropout {dropout}; pc's attention for it runs "
+            "without it. Set the config's attention dropout to 0."
+        )
+    if sliding_window is not None and sliding_window < total:
+        raise ValueError(
+            f"{label}: {what} attends over a sliding window of {sliding_window} tokens, "
+            f"shorter than the sequence ({total}); sliding windows are not implemented yet."
+        )
+    if softcap:
+        raise ValueError(
+            f"{label}: {what} soft-caps its attention logits, which is not implemented yet."
+        )
+
+
 def _no_mask(*args: Any, **kwargs: Any) -> None:
-    """The mask pc's Ulysses attention is given: none (causality is the
-    attention's own; padding masks are refused at the model's forward)."""
+    """The mask pc's sequence-parallel attention is given: none (causality
+    is the attention's own; padding masks are refused at the forward)."""
     return
 
 
-_registered = False
+_registered: set[str] = set()
 
 
-def _register() -> None:
-    global _registered
-    if _registered:
+def _register(name: str, attention: Any) -> None:
+    if name in _registered:
         return
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
-    AttentionInterface.register(ATTENTION, _attention)
-    AttentionMaskInterface.register(ATTENTION, _no_mask)
-    _registered = True
+    AttentionInterface.register(name, attention)
+    AttentionMaskInterface.register(name, _no_mask)
+    _registered.add(name)
+
+
+def _prepare(
+    model: nn.Module,
+    group: dist.ProcessGroup | None,
+    grad_scale: float,
+    attention: tuple[str, Any],
+    zigzag: bool,
+    label: str,
+) -> nn.Module:
+    """``model`` set to run the registered ``attention`` (name, function)
+    over ``group``, its forward wrapped to take the whole batch."""
+    name, function = attention
+    _register(name, function)
+    group = group if group is not None else dist.group.WORLD
+    assert group is not None
+    if getattr(model, "_pc_ulysses", None) is not None:
+        raise ValueError("this model already runs sequence parallelism (Ulysses or ring).")
+    for module in model.modules():
+        module.__dict__["_pc_sequence_group"] = group
+    setter: Any = getattr(model, "set_attn_implementation", None)
+    if callable(setter):
+        setter(name)
+    else:
+        config: Any = model.config
+        config._attn_implementation = name
+    causal = type(model).__name__.endswith("ForCausalLM")
+    model.forward = _SequenceForward(model.forward, group, causal, grad_scale, zigzag, label)
+    model.__dict__["_pc_ulysses"] = group
+    return model
 
 
 class _SequenceForward:
@@ -307,23 +358,9 @@ def ulysses_model(
     sequence-parallel ranks (DDP or ZeRO over data x sequence parallel
     ranks: pass the sequence-parallel size) instead of summing them
     (:func:`sync_sequence_grads`)."""
-    _register()
-    group = group if group is not None else dist.group.WORLD
-    assert group is not None
-    if getattr(model, "_pc_ulysses", None) is not None:
-        raise ValueError("this model already runs sequence parallelism (Ulysses or ring).")
-    for module in model.modules():
-        module.__dict__["_pc_ulysses_group"] = group
-    setter: Any = getattr(model, "set_attn_implementation", None)
-    if callable(setter):
-        setter(ATTENTION)
-    else:
-        config: Any = model.config
-        config._attn_implementation = ATTENTION
-    causal = type(model).__name__.endswith("ForCausalLM")
-    model.forward = _SequenceForward(model.forward, group, causal, grad_scale)
-    model.__dict__["_pc_ulysses"] = group
-    return model
+    return _prepare(
+        model, group, grad_scale, (ATTENTION, _attention), False, "Ulysses sequence parallelism"
+    )
 
 
 def sync_sequence_grads(model: nn.Module, group: dist.ProcessGroup | None = None) -> None:
