@@ -200,3 +200,33 @@ def test_checkpoint_memory_is_counted() -> None:
         result = estimate(shape, PluginOptions(kind), 4, 2, 64, "fp32")
         assert result.full_save_bytes == 12 * shape.params
         assert abs(result.async_save_bytes - 12 * shape.params / share) <= 12 * 4096, kind
+
+
+def test_sequence_parallel_activations_by_mode() -> None:
+    """Activations per rank as a function of the sequence length and the
+    mode: both modes hold 1/sp of the tokens outside attention; Ulysses'
+    attention is the fused kernel (no scores kept), ring attention holds
+    the scores of one pair of blocks of s / 2sp tokens at a time."""
+    shape = model_shape(resolve_model("gpt2-small", 8192))
+
+    def activations(seq: int, sp: int, mode: str) -> int:
+        options = PluginOptions(PluginKind.HYBRID, sp=sp, sp_mode=mode)
+        return estimate(shape, options, sp, 1, seq, "fp32").activation_bytes
+
+    for seq in (2048, 8192):
+        whole = activations(seq, 1, "all_to_all")
+        for sp in (2, 4):
+            ulysses, ring = activations(seq, sp, "all_to_all"), activations(seq, sp, "ring_attn")
+            assert ulysses < ring < whole / sp
+        # 1/sp outside attention, and linear in the sequence.
+        assert activations(seq, 4, "all_to_all") == pytest.approx(
+            activations(seq, 2, "all_to_all") / 2, rel=1e-6
+        )
+        assert activations(4 * seq, 2, "all_to_all") == pytest.approx(
+            4 * activations(seq, 2, "all_to_all"), rel=1e-6
+        )
+        # Ring attention's extra term, one pair of blocks' scores, falls as 1/sp^2.
+        extra = [
+            activations(seq, sp, "ring_attn") - activations(seq, sp, "all_to_all") for sp in (2, 4)
+        ]
+        assert extra[1] == pytest.approx(extra[0] / 4, rel=1e-6)

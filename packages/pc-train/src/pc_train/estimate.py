@@ -269,16 +269,26 @@ def _activation_bytes(
     shape: ModelShape, options: PluginOptions, micro_batch: int, seq: int, precision: str
 ) -> int:
     s, b, h, a, t = seq, micro_batch, shape.hidden, shape.heads, options.tp
+    transient = 0.0  # held while computed, not kept for backward
     scale = 2.0 if precision == "fp32" else 1.0
     if options.sequence_parallel:
         per_layer = s * b * h * (34 + 5 * a * s / h) / t
+    elif options.sp > 1:
+        # Ulysses and ring attention: 1/sp of the tokens everywhere. Ulysses'
+        # attention is SDPA's fused kernel (no scores kept); ring
+        # attention's scores exist for one pair of blocks of s / 2sp tokens
+        # at a time, in one layer (on the CPU the pair runs the fused kernel
+        # and they do not exist at all: this is the bound elsewhere).
+        per_layer = s * b * h * (10 + 24 / t) / options.sp
+        if options.sp_mode == "ring_attn":  # fp32 scores and probabilities, once
+            block = s / (2 * options.sp)
+            transient = 2 * 4 * a * b * block * block / t
     else:
         per_layer = s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
-    per_layer /= options.sp  # Ulysses: 1/sp of the tokens, and of the heads in attention
     layers = shape.layers / options.pp
     in_flight = min(options.pp, options.microbatches or options.pp) if options.pp > 1 else 1
     logits = 3 * b * s * shape.vocab * 4 / (t * options.sp)  # fp32 logits, softmax, gradient
-    return int(scale * per_layer * layers * in_flight + logits)
+    return int(scale * per_layer * layers * in_flight + logits + transient)
 
 
 def estimate(
@@ -522,7 +532,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument(
-        "--sp", type=int, default=1, help="Ulysses sequence-parallel size (with --plugin hybrid)"
+        "--sp", type=int, default=1, help="sequence-parallel size (with --plugin hybrid)"
+    )
+    parser.add_argument(
+        "--sp-mode",
+        choices=("all_to_all", "ring_attn"),
+        default="all_to_all",
+        help="with --sp: all_to_all (Ulysses) or ring_attn (ring attention)",
     )
     parser.add_argument("--zero-stage", type=int, default=1)
     parser.add_argument(
@@ -556,7 +572,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         shape = model_shape(spec)
         if args.plugin is not None:
             options = PluginOptions.parse(
-                args.plugin, tp=args.tp, pp=args.pp, zero_stage=args.zero_stage, sp=args.sp
+                args.plugin,
+                tp=args.tp,
+                pp=args.pp,
+                zero_stage=args.zero_stage,
+                sp=args.sp,
+                sp_mode=args.sp_mode,
             )
             if args.step_in_backward:
                 options = replace(options, step_in_backward=True)
