@@ -60,7 +60,10 @@ def check_timeout_and_bad_peer() -> None:
         comm.send(torch.ones(2), rank)
     if rank == 0:
         handle = comm.recv(torch.empty(4), 1, async_op=True)  # rank 1 never sends
-        with pytest.raises(TimeoutError, match=r"recv with rank 1 not completed within 0.5 s"):
+        with pytest.raises(
+            TimeoutError,
+            match=r"recv of 16 bytes with rank 1 did not complete \(not completed within 0.5 s\)",
+        ):
             handle.wait(timeout=0.5)
     dist.barrier()
     comm.close()

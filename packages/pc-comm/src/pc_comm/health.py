@@ -40,10 +40,14 @@ __all__ = [
     "RankState",
     "board",
     "diagnose",
+    "gone_ranks",
+    "group_timeout",
     "headline",
     "is_peer_failure",
     "op_name",
     "peers_report",
+    "process_alive",
+    "set_group_timeout",
     "set_phase",
     "start_board",
     "started",
@@ -77,11 +81,18 @@ class RankState:
     ops: int  # operations started so far
     published: float  # time.time() of the entry
 
+    def gone(self, now: float, interval: float) -> bool:
+        """Its process is gone (on this host), or its entry has been silent
+        too long (another host)."""
+        if self.host == socket.gethostname():
+            return not process_alive(self.pid)
+        return now - self.published > 3 * interval + 2
+
     def describe(self, now: float, interval: float, mine: int) -> tuple[str, bool]:
         """A line about this rank, and whether it is a suspect."""
         where = f"it was in {self.phase}" if self.phase else "no phase declared"
         last = f"last operation {self.op} #{self.ops}" if self.ops else "no operation yet"
-        if self.host == socket.gethostname() and not _alive(self.pid):
+        if self.host == socket.gethostname() and not process_alive(self.pid):
             return f"rank {self.rank}: its process is gone ({where}; {last})", True
         silent = now - self.published
         if silent > 3 * interval + 2:
@@ -306,9 +317,25 @@ def _await_a_death(ranks: list[int] | None) -> None:
     pids = [s.pid for s in states if s is not None and s.host == board.host]
     deadline = time.monotonic() + _DEATH_WAIT_S
     while pids and time.monotonic() < deadline:
-        if any(not _alive(pid) for pid in pids):
+        if any(not process_alive(pid) for pid in pids):
             return
         time.sleep(0.05)
+
+
+def gone_ranks() -> list[int]:
+    """The other ranks whose process is gone (see :meth:`RankState.gone`);
+    empty without a board, or for ranks whose entry cannot be read."""
+    if _board is None:
+        return []
+    board, now = _board, time.time()
+    gone = []
+    for rank in range(board.world_size):
+        if rank == board.rank:
+            continue
+        state = board.read(rank)
+        if state is not None and state.gone(now, board.interval):
+            gone.append(rank)
+    return gone
 
 
 def headline(op: str, cause: str) -> str:
@@ -349,16 +376,55 @@ def peers_report(ranks: list[int] | None = None) -> tuple[str, list[int]]:
     return f"Where the other ranks are: {behind}.{blame}", suspects
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` on this host still runs. A process that has
+    exited or was killed but that its parent has not reaped yet (a zombie,
+    as under a launcher slow to wait for its children) is gone, though
+    ``kill(pid, 0)`` still finds it: Linux's ``/proc/<pid>/stat`` state
+    says so (``Z`` zombie, ``X`` dead). Elsewhere, ``kill(pid, 0)``."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+    except (OSError, IndexError):
+        pass  # no /proc here: ask the kernel
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    # A killed child not yet reaped by its launcher is a zombie: gone too.
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return True
+    return True
+
+
+# [Note: one timeout for every path]
+# The user gives one timeout (init_distributed's, pc-train's --timeout);
+# pc-comm's own paths (shared-memory collectives and sends) wait that long
+# too unless told otherwise, so a stalled peer surfaces within it on every
+# path, not after each path's own default.
+_group_timeout_s: float | None = None
+
+
+def set_group_timeout(seconds: float) -> None:
+    """Record the timeout the default process group was started with
+    (:func:`pc_comm.init_distributed` does)."""
+    global _group_timeout_s
+    _group_timeout_s = float(seconds)
+
+
+def group_timeout() -> float:
+    """Seconds pc-comm's own waits last by default: the default process
+    group's timeout as :func:`pc_comm.init_distributed` set it, else what
+    the group reports, else 300."""
+    if _group_timeout_s is not None:
+        return _group_timeout_s
+    if dist.is_initialized():
+        try:  # a group started by torch directly: its backend knows
+            world = dist.group.WORLD
+            assert world is not None
+            backend = world._get_backend(torch.device("cpu"))
+            return float(backend.options._timeout.total_seconds())
+        except Exception:  # private API; fall back below
+            pass
+    return 300.0

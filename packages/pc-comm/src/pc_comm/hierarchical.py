@@ -64,7 +64,8 @@ class HierarchicalCommunicator(HostExecutor):
     ``group`` (default: the world) is the set of ranks; ``local_size`` fixes
     how many consecutive ranks share a node (otherwise they are found from
     torchrun's environment, [Note: finding the nodes]). ``slot_bytes`` and
-    ``timeout`` go to the shared-memory level. Operations run on one worker
+    ``timeout`` go to the shared-memory level (default timeout: the default
+    process group's). Operations run on one worker
     thread in call order; CUDA tensors are staged through pinned host memory.
     """
 
@@ -74,7 +75,7 @@ class HierarchicalCommunicator(HostExecutor):
         *,
         local_size: int | None = None,
         slot_bytes: int = 16 * 1024 * 1024,
-        timeout: timedelta = timedelta(minutes=5),
+        timeout: timedelta | None = None,
     ) -> None:
         if not dist.is_initialized():
             raise RuntimeError(

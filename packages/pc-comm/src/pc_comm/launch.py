@@ -130,6 +130,7 @@ def _start_group(
         world_size=env.world_size,
         timeout=timeout,
     )
+    health.set_group_timeout(timeout.total_seconds())  # [Note: one timeout for every path]
     if health_interval is not None:
         health.start_board(health_interval)
     return DistContext(env=env, backend=chosen, device=device)

@@ -231,8 +231,11 @@ class ShmCommunicator(HostExecutor):
     ``group`` (default: the world) must contain only processes on this host;
     it is used only during construction and, on non-x86 machines, for
     barriers. ``slot_bytes`` bounds the piece each rank writes per step (the
-    segment is ``(L + 1) * slot_bytes``); ``timeout`` bounds every wait.
-    Every operation runs on one worker thread in call order, so an
+    segment is ``(L + 1) * slot_bytes``); ``timeout`` bounds every wait
+    (default: the default process group's timeout, as ``init_distributed``
+    set it). A peer that dies (exits, is killed, or is a zombie not yet
+    reaped) is noticed within 50 ms by any collective, send or receive
+    waiting for it. Every operation runs on one worker thread in call order, so an
     ``async_op=True`` call overlaps the caller's computation. CUDA tensors are
     staged through pinned host memory on a side stream.
     """
@@ -242,7 +245,7 @@ class ShmCommunicator(HostExecutor):
         group: dist.ProcessGroup | None = None,
         *,
         slot_bytes: int = _DEFAULT_SLOT_BYTES,
-        timeout: timedelta = timedelta(minutes=5),
+        timeout: timedelta | None = None,
     ) -> None:
         if not dist.is_initialized():
             raise RuntimeError(
@@ -259,7 +262,8 @@ class ShmCommunicator(HostExecutor):
         self._rank = dist.get_rank(self.group)
         self._world_size = dist.get_world_size(self.group)
         self._global_ranks = dist.get_process_group_ranks(self.group)
-        self._timeout_s = timeout.total_seconds()
+        # [Note: one timeout for every path], in pc_comm.health
+        self._timeout_s = timeout.total_seconds() if timeout is not None else health.group_timeout()
         self.slot_bytes = slot_bytes
         self._check_same_host()
 
@@ -295,6 +299,7 @@ class ShmCommunicator(HostExecutor):
         pids = [0] * self._world_size
         dist.all_gather_object(pids, os.getpid(), group=self.group)
         self._pids = pids
+        self._p2p.watch(self._p2p_failure, _CHECK_EVERY_S)
         HostExecutor.__init__(self, "pc-shm-comm")
 
     def _check_same_host(self) -> None:
@@ -465,19 +470,33 @@ class ShmCommunicator(HostExecutor):
             f"{health.headline(op, cause)} {report}", op, [self._global_ranks[r] for r in missing]
         )
 
+    def _p2p_failure(self, peer: int, what: str, timed_out: float | None) -> Exception | None:
+        """The error for a send or receive waiting on ``peer``: ShmPeerError
+        when it died (exited, killed, or a zombie); TimeoutError, with the
+        same report, when the wait's timeout passed (``timed_out``); None
+        while neither."""
+        if not health.process_alive(self._pids[peer]):
+            return self._peer_error(
+                f"rank {peer} (pid {self._pids[peer]}) died while rank {self._rank} waited for it",
+                what,
+                [peer],
+            )
+        if timed_out is not None:
+            cause = f"not completed within {timed_out:g} s"
+            return TimeoutError(str(self._peer_error(cause, what, [peer])))
+        return None
+
     def _check_peers(self, generation: int, what: str, deadline: float) -> None:
         control = self._control
         missing = [r for r in range(self._world_size) if control[r * _LINE_INT64] < generation]
         for rank in missing:
-            try:
-                os.kill(self._pids[rank], 0)
-            except ProcessLookupError:
+            if not health.process_alive(self._pids[rank]):  # exited, killed, or a zombie
                 raise self._peer_error(
                     f"rank {rank} (pid {self._pids[rank]}) died while rank {self._rank} "
                     "waited for it",
                     what,
                     [rank],
-                ) from None
+                )
         if time.monotonic() > deadline:
             raise self._peer_error(
                 f"rank(s) {missing} did not reach it within {self._timeout_s:g} s",

@@ -26,6 +26,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +36,10 @@ from pc_comm.communicator import P2PKind
 __all__ = ["P2PChannels", "P2PHandle"]
 
 _LINE_INT64 = 16  # 128-byte lines: counters of different writers never share one
+
+
+# (peer, what, timed out after these seconds or None) -> the error to raise, or None
+_Failure = Callable[[int, str, float | None], Exception | None]
 
 
 @dataclass
@@ -82,6 +87,15 @@ class P2PChannels:
         self._sends: list[deque[_Op]] = [deque() for _ in range(world)]
         self._recvs: list[deque[_Op]] = [deque() for _ in range(world)]
         self._lock = threading.Lock()  # one thread moves data at a time
+        self._failure: _Failure | None = None
+        self._check_every = 0.05
+
+    def watch(self, failure: _Failure, every: float) -> None:
+        """While a send or receive waits, ask ``failure(peer, what,
+        timed_out)`` every ``every`` seconds whether its peer is gone (and,
+        with ``timed_out`` set to the seconds waited, for the error to raise
+        once the wait's timeout passed); raise what it returns."""
+        self._failure, self._check_every = failure, every
 
     @staticmethod
     def segment_bytes(world: int, slot_bytes: int, slots: int) -> int:
@@ -128,14 +142,25 @@ class P2PChannels:
         return progressed
 
     def drive(self, op: _Op, timeout: float | None) -> None:
-        """Move data until ``op`` is done, or raise TimeoutError."""
-        deadline = None if timeout is None else time.monotonic() + timeout
+        """Move data until ``op`` is done. Raises the watcher's error (see
+        :meth:`watch`) as soon as the peer is gone, and when ``timeout``
+        passes (else TimeoutError)."""
+        start = time.monotonic()
+        next_check = start + self._check_every
         pause = 0.0
         while not op.done:
             if self.advance():
                 pause = 0.0
                 continue
-            if deadline is not None and time.monotonic() > deadline:
+            now = time.monotonic()
+            timed_out = timeout is not None and now - start > timeout
+            if self._failure is not None and (timed_out or now > next_check):
+                what = f"{op.kind.value} of {op.data.numel()} bytes with rank {op.peer}"
+                error = self._failure(op.peer, what, timeout if timed_out else None)
+                if error is not None:
+                    raise error
+                next_check = now + self._check_every
+            if timed_out:
                 raise TimeoutError(
                     f"shared-memory {op.kind.value} with rank {op.peer} not completed "
                     f"within {timeout} s"

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint as activation_checkpoint
 
-from pc_comm import Communicator, DistributedDataParallel, Handle, P2PKind, P2POp
+from pc_comm import Communicator, DistributedDataParallel, Handle, P2PKind, P2POp, PeerFailureError
 from pc_pipeline.actions import Action, ActionKind
 from pc_pipeline.options import CheckpointMode
 from pc_pipeline.schedule import Schedule
@@ -161,6 +161,14 @@ class _Runner:
                 handle.wait(timeout=self.step.timeout)
         except (TimeoutError, RuntimeError) as error:
             peer = self._peer(action)
+            if isinstance(error, PeerFailureError):  # the communicator knows the peer died
+                raise PeerFailureError(
+                    f"pipeline rank {self.comm.rank} failed while waiting for {action} from "
+                    f"rank {peer} ({action.peer_action()} there) in schedule "
+                    f"{self.schedule.name!r}: {error}",
+                    error.op,
+                    error.suspects,
+                ) from error
             why = "nothing came" if isinstance(error, TimeoutError) else "the connection broke"
             raise RuntimeError(
                 f"pipeline rank {self.comm.rank} failed while waiting for {action} from rank "

@@ -101,7 +101,8 @@ class _Stop:
         self.asked = False
         self.phases = phases
         self.grace = grace  # after SIGTERM, seconds to reach the step's end and save
-        self.timer: threading.Timer | None = None
+        self.timer: threading.Thread | None = None
+        self.agreed = False  # every rank agreed to stop: they save together and exit
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._ask)
 
@@ -111,11 +112,18 @@ class _Stop:
             # A scheduler's preemption or the launcher stopping the job after
             # another rank failed. A rank blocked on a dead peer never reaches
             # the step's end: leave after the grace period, saying where it was.
-            where = self.phases.current
-            message = f"rank {self.phases.rank} was in {where} when the launcher stopped it."
-            self.timer = threading.Timer(self.grace, _leave, args=(message, 143))
-            self.timer.daemon = True
+            # When a peer is gone (the failure that made the launcher stop
+            # the job) before the ranks agreed to stop, no step can finish:
+            # leave at once.
+            self.timer = threading.Thread(target=self._leave_when_stuck, daemon=True)
             self.timer.start()
+
+    def _leave_when_stuck(self) -> None:
+        deadline = time.monotonic() + self.grace
+        while time.monotonic() < deadline and (self.agreed or not health.gone_ranks()):
+            time.sleep(0.1)
+        where = self.phases.current
+        _leave(f"rank {self.phases.rank} was in {where} when the launcher stopped it.", 143)
 
     def agree(self, finite: bool) -> tuple[bool, list[int]]:
         """(stop asked on any rank, ranks whose loss is not finite)."""
@@ -124,7 +132,8 @@ class _Stop:
         flags[0] = 1.0 if self.asked else 0.0
         flags[1 + rank] = 0.0 if finite else 1.0
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        return bool(flags[0]), [r for r in range(world) if flags[1 + r] > 0]
+        self.agreed = bool(flags[0])
+        return self.agreed, [r for r in range(world) if flags[1 + r] > 0]
 
 
 def prepare(

@@ -1,0 +1,121 @@
+"""Liveness on every path of pc-comm, end to end through pc-train on 2 CPU
+ranks:
+
+- a rank killed and left a zombie (no launcher reaps it: the ranks are
+  started directly with torchrun's variables, by this test, which does not
+  wait for the dead one) is named by the survivor, waiting in pc DDP's
+  shared-memory all-reduce, in under 10 s; before, ``kill(pid, 0)`` found
+  the zombie and the survivor waited the shared-memory default of 300 s;
+- the same for a pipeline peer (hybrid pp 2: the 1F1B exchange runs over
+  shared-memory sends and receives, which had no dead-peer check at all and
+  waited the pipeline timeout);
+- a rank that stalls under pc DDP and Gemini (both shared-memory
+  collectives) ends the job within ``--timeout`` + 10 s; before, those
+  collectives ignored ``--timeout`` and waited 300 s.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.timeout(200), pytest.mark.slow]
+
+TIMEOUT_S = 10  # --timeout
+BASE = ["--model", "gpt2-tiny", "--steps", "8", "--checkpoint-every", "2", "--no-progress",
+        "--eval-every", "0", "--no-tensorboard", "--timeout", str(TIMEOUT_S)]  # fmt: skip
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def _state(pid: int) -> str:
+    """The process' state letter, without reaping it ('' once gone)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, IndexError):
+        return ""
+
+
+@pytest.mark.parametrize(
+    "plugin", [["--plugin", "ddp"], ["--plugin", "hybrid", "--pp", "2", "--clip-norm", "0"]],
+    ids=["ddp-all-reduce", "pipeline-exchange"],
+)  # fmt: skip
+def test_a_zombie_peer_is_named_without_a_launcher(plugin: list[str], tmp_path: Path) -> None:
+    port = _free_port()
+    procs = []
+    for rank in range(2):
+        env = {
+            **os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+            "PC_TRAIN_FAULT": "rank=1,step=3,phase=forward,action=kill",
+        }  # fmt: skip
+        command = [sys.executable, "-m", "pc_train.train", *BASE, *plugin,
+                   "--output-dir", str(tmp_path)]  # fmt: skip
+        pipe = subprocess.PIPE
+        procs.append(subprocess.Popen(command, env=env, stdout=pipe, stderr=pipe, text=True))
+    survivor, victim = procs
+    try:
+        # Not victim.poll(): that would reap it. It stays a zombie.
+        deadline = time.monotonic() + 150
+        while _state(victim.pid) != "Z":
+            assert time.monotonic() < deadline, "rank 1 never reached its fault"
+            assert survivor.poll() is None, survivor.communicate()[1][-3000:]
+            time.sleep(0.05)
+        died = time.monotonic()
+        _, err = survivor.communicate(timeout=60)
+        named_after = time.monotonic() - died
+        assert _state(victim.pid) == "Z"  # a zombie all along
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.communicate()
+    assert survivor.returncode == 1, err[-3000:]
+    assert "rank 1" in err, err[-3000:]
+    assert "died while rank 0 waited for it" in err, err[-3000:]
+    assert "rank 1: its process is gone (it was in forward of step 3" in err, err[-3000:]
+    assert named_after < 10, (named_after, err[-3000:])
+
+
+@pytest.mark.parametrize("plugin", ["ddp", "gemini"])
+def test_a_stall_ends_within_the_timeout(plugin: str, tmp_path: Path) -> None:
+    command = [sys.executable, "-m", "pc_train.train", *BASE, "--plugin", plugin,
+               "--output-dir", str(tmp_path)]  # fmt: skip
+    proc = subprocess.Popen(
+        command,
+        env={**os.environ, "PC_TRAIN_FAULT": "rank=1,step=3,phase=backward,action=stall"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        # Step 2's checkpoint is committed just before step 3 starts.
+        committed = tmp_path / "checkpoints" / "step-000002"
+        deadline = time.monotonic() + 150
+        while not committed.exists():
+            assert time.monotonic() < deadline, "step 2 never finished"
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            time.sleep(0.05)
+        stalled = time.monotonic()
+        _, err = proc.communicate(timeout=TIMEOUT_S + 60)
+        ended_after = time.monotonic() - stalled
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+            proc.communicate()
+    assert proc.returncode == 1, err[-3000:]
+    assert "shared-memory" in err, err[-3000:]
+    assert f"within {TIMEOUT_S:g} s" in err, err[-3000:]
+    assert "rank 1: in backward of step 3 for" in err, err[-3000:]
+    assert ended_after < TIMEOUT_S + 10, (ended_after, err[-3000:])
