@@ -18,7 +18,14 @@ from typing import Any
 
 import torch
 
-__all__ = ["batch_offsets", "load_byte_corpus", "load_corpus", "windows"]
+__all__ = [
+    "batch_offsets",
+    "corpus_bytes_available",
+    "load_byte_corpus",
+    "load_corpus",
+    "min_corpus_tokens",
+    "windows",
+]
 
 _TEXT_SUFFIXES = ("*.txt", "*.md", "*.py")
 _DATASET_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
@@ -84,6 +91,32 @@ def load_corpus(source: str | None, limit: int, tokenizer: Any = None) -> torch.
         return torch.frombuffer(bytearray(text), dtype=torch.uint8).long()
     ids = tokenizer(text.decode(errors="replace"))["input_ids"]
     return torch.tensor(ids, dtype=torch.long)
+
+
+def corpus_bytes_available(source: str | None, limit: int) -> int | None:
+    """The bytes :func:`load_corpus` would read from ``source`` (text
+    files, measured by their sizes, read nothing); None for a datasets
+    directory or a missing source (the load says why)."""
+    root = Path(source) if source else Path(sysconfig.get_paths()["stdlib"])
+    if not root.exists() or (
+        root.is_dir() and any((root / marker).exists() for marker in _DATASET_MARKERS)
+    ):
+        return None
+    total = 0
+    for path in _text_files(root):
+        try:
+            total += path.stat().st_size
+        except OSError:
+            continue
+        if total >= limit:
+            return limit
+    return total
+
+
+def min_corpus_tokens(seq_len: int) -> int:
+    """The shortest corpus a run of ``seq_len`` tokens per sequence takes:
+    its last 5% (the held-out split) holds a sequence and its next token."""
+    return 20 * (seq_len + 2)
 
 
 def load_byte_corpus(source: str | None, limit: int) -> torch.Tensor:

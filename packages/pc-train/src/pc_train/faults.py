@@ -3,7 +3,8 @@ stall, or run each rank under a memory cap.
 
 :class:`FaultInjector` reads ``PC_TRAIN_FAULT=rank=1,step=3,phase=backward,
 action=kill`` (``action`` ``kill``: SIGKILL itself, ``stall``: sleep until
-killed; ``phase`` one of :data:`PHASES`). It exists for the fault tests
+killed, ``raise``: raise :class:`InjectedFaultError`, an exception pc-train
+does not expect; ``phase`` one of :data:`PHASES`). It exists for the fault tests
 (integration_tests/fault/) and for trying the failure handling yourself; it
 does nothing without the variable. What a surviving rank reports about the
 others comes from pc-comm's health board (``pc_comm.health``).
@@ -23,13 +24,18 @@ import time
 
 import torch.distributed as dist
 
-__all__ = ["PHASES", "FaultInjector", "join_memory_cgroup"]
+__all__ = ["ACTIONS", "PHASES", "FaultInjector", "InjectedFaultError", "join_memory_cgroup"]
 
 PHASES = ("forward", "backward", "step", "save", "eval")
+ACTIONS = ("kill", "stall", "raise")
+
+
+class InjectedFaultError(RuntimeError):
+    """The exception of ``action=raise``: a crash pc-train has no message for."""
 
 
 class FaultInjector:
-    """Kill or stall this rank at one (step, phase), for fault tests."""
+    """Kill, stall or crash this rank at one (step, phase), for fault tests."""
 
     def __init__(self, spec: str | None = None, rank: int | None = None) -> None:
         spec = os.environ.get("PC_TRAIN_FAULT", "") if spec is None else spec
@@ -42,11 +48,12 @@ class FaultInjector:
             target = (int(fields["rank"]), int(fields["step"]), fields["phase"], fields["action"])
         except (KeyError, ValueError):
             raise ValueError(
-                f"PC_TRAIN_FAULT={spec!r}: expected rank=R,step=S,phase=P,action=kill|stall."
+                f"PC_TRAIN_FAULT={spec!r}: expected rank=R,step=S,phase=P,action="
+                f"{'|'.join(ACTIONS)}."
             ) from None
-        if target[2] not in PHASES or target[3] not in ("kill", "stall"):
+        if target[2] not in PHASES or target[3] not in ACTIONS:
             raise ValueError(
-                f"PC_TRAIN_FAULT={spec!r}: phase must be one of {PHASES}, action kill or stall."
+                f"PC_TRAIN_FAULT={spec!r}: phase must be one of {PHASES}, action one of {ACTIONS}."
             )
         self.target = target
 
@@ -55,6 +62,10 @@ class FaultInjector:
             return
         if self.target[3] == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
+        if self.target[3] == "raise":
+            raise InjectedFaultError(
+                f"PC_TRAIN_FAULT: injected on rank {self.rank} in {phase} of step {step}"
+            )
         while True:  # stall: a live rank that never arrives
             time.sleep(3600)
 

@@ -56,9 +56,17 @@ def _plots(history: dict[str, Any], out: Path) -> list[str]:
                 "throughput.png", "throughput", "tokens / s (all ranks)", [(steps, rates, "o-", "")]
             )
         )
+        # A run resumed at another world size logged fewer or more ranks
+        # before it: each rank's line covers the entries that have it.
+        ranks = max(len(e["peak_memory"]) for e in logs)
         memory: Series = [
-            (steps, [e["peak_memory"][r] / 2**20 for e in logs], "o-", f"rank {r}")
-            for r in range(len(logs[-1]["peak_memory"]))
+            (
+                [e["step"] for e in logs if r < len(e["peak_memory"])],
+                [e["peak_memory"][r] / 2**20 for e in logs if r < len(e["peak_memory"])],
+                "o-",
+                f"rank {r}",
+            )
+            for r in range(ranks)
         ]
         title = f"per-rank peak memory ({logs[-1]['memory_kind']})"
         written.append(figure("memory.png", title, "peak memory (MiB)", memory))

@@ -13,17 +13,20 @@ bitwise. See docs/packages/pc-train.md for the tour.
 from __future__ import annotations
 
 import copy
+import errno
 import logging
 import math
 import os
 import random
 import re
 import resource
+import shutil
 import signal
 import sys
 import tempfile
 import threading
 import time
+import traceback
 import uuid
 import warnings
 from collections.abc import Sequence
@@ -47,7 +50,14 @@ from pc_train.checkpoint import (
     model_and_optimizer,
     save_checkpoint,
 )
-from pc_train.data import batch_offsets, load_byte_corpus, load_corpus, windows
+from pc_train.data import (
+    batch_offsets,
+    corpus_bytes_available,
+    load_byte_corpus,
+    load_corpus,
+    min_corpus_tokens,
+    windows,
+)
 from pc_train.faults import FaultInjector, join_memory_cgroup
 from pc_train.memory import PhaseMemory
 from pc_train.models import (
@@ -83,10 +93,11 @@ class _Phases:
 
     def __init__(self) -> None:
         self.rank = dist.get_rank()
-        self.current = "start"
+        self.current = "start-up"
 
-    def enter(self, phase: str, step: int) -> None:
-        current = f"{phase} of step {step}"
+    def enter(self, phase: str, step: int | None = None) -> None:
+        """``phase`` of ``step``, or ``phase`` alone (start-up, the report)."""
+        current = phase if step is None else f"{phase} of step {step}"
         if current != self.current:  # accumulation re-enters backward
             self.current = current
             health.set_phase(current)
@@ -210,12 +221,115 @@ def prepare(
             f"data-parallel rank(s) x {config.accumulation} accumulation step(s); use a "
             f"multiple of {dp * config.accumulation}."
         )
+    _check_splits(config, spec, options, dp)
+    preflight(config, spec)
     if config.resume == "auto":  # restarts of one command line: resume when there is one
         config = replace(config, resume="latest" if has_checkpoint(config.checkpoint_dir) else None)
     if config.resume is not None:
         path = find_checkpoint(config.checkpoint_dir, config.resume)
         load_trainer_state(path, config)  # raises CheckpointError on a bad checkpoint
     return config, spec, reasons
+
+
+def _check_splits(config: TrainConfig, spec: ModelSpec, options: Any, dp: int) -> None:
+    """The divisibility rules of the plan that the plugin's own rules
+    cannot see (they know nothing of the batch and the sequence)."""
+    per_rank = config.global_batch_size // dp
+    if options.pp > 1:
+        micro = options.microbatches or options.pp
+        if per_rank % micro:
+            raise ValueError(
+                f"--microbatches {micro} does not divide the {per_rank} sequence(s) each "
+                f"pipeline takes per step (--global-batch-size {config.global_batch_size} over "
+                f"{dp} data-parallel rank(s)); use a divisor of {per_rank}."
+            )
+    if options.sp > 1:
+        blocks = 2 * options.sp if options.sp_mode == "ring_attn" else options.sp
+        if config.seq_len % blocks:
+            raise ValueError(
+                f"--seq-len {config.seq_len} does not split into {blocks} equal blocks (--sp "
+                f"{options.sp}, --sp-mode {options.sp_mode}); use a multiple of {blocks}."
+            )
+    if options.sequence_parallel and options.tp > 1 and config.seq_len % options.tp:
+        raise ValueError(
+            f"--seq-len {config.seq_len} does not split over --tp {options.tp} ranks "
+            f"(--sequence-parallel); use a multiple of {options.tp}."
+        )
+    positions = _max_positions(spec)
+    if positions is not None and config.seq_len > positions:
+        raise ValueError(
+            f"--seq-len {config.seq_len} is longer than model {spec.name!r} accepts "
+            f"({positions} positions); use --seq-len {positions} or less."
+        )
+
+
+def _max_positions(spec: ModelSpec) -> int | None:
+    for name in ("max_position_embeddings", "n_positions"):
+        value = getattr(spec.config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def checkpoint_bytes(params: int) -> int:
+    """What one checkpoint of a model of ``params`` parameters takes on
+    disk, all ranks' shares together, with a margin: 16 bytes per
+    parameter (fp32 values and masters, Adam's two moments)."""
+    return 16 * params
+
+
+def _bytes(n: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:,.1f} {unit}"
+    return f"{n:,.0f} bytes"
+
+
+def _os_reason(error: OSError) -> str:
+    if error.errno in (errno.ENOSPC, errno.EDQUOT):
+        return "the disk is full"
+    if error.errno == errno.EROFS:
+        return "read-only file system"
+    if error.errno in (errno.EACCES, errno.EPERM):
+        return "permission denied"
+    return error.strerror or type(error).__name__
+
+
+def preflight(config: TrainConfig, spec: ModelSpec) -> None:
+    """What the run needs of this machine, checked before any rank starts:
+    a writable ``--output-dir`` with room for two checkpoints (the newest
+    is written before the one before it goes), and a corpus long enough
+    for a batch and the held-out split. Raises ValueError with the fix."""
+    from pc_train.estimate import model_shape
+
+    out = Path(config.output_dir)
+    probe = out / f".pc-train-probe-{os.getpid()}"
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"pc-train")
+        probe.unlink()
+    except OSError as error:
+        raise ValueError(
+            f"--output-dir {out} must be writable, but writing {probe.name} there failed: "
+            f"{_os_reason(error)}; pass a writable --output-dir."
+        ) from None
+    need = 2 * checkpoint_bytes(model_shape(spec).params)
+    free = shutil.disk_usage(out).free
+    if free < need:
+        raise ValueError(
+            f"--output-dir {out} has {_bytes(free)} free; two checkpoints of {spec.name} need "
+            f"{_bytes(need)} ({need:,} bytes: 16 per parameter each); free space there or "
+            "pass --output-dir on a larger disk."
+        )
+    tokenized = _tokenizer_source(config, spec) is not None
+    available = None if tokenized else corpus_bytes_available(config.corpus, config.corpus_bytes)
+    least = min_corpus_tokens(config.seq_len)
+    if available is not None and available < least:  # bytes are tokens without a tokenizer
+        raise ValueError(
+            f"the corpus holds {available:,} byte(s); --seq-len {config.seq_len} needs at least "
+            f"{least:,} (95% trains, 5% is held out, each longer than a sequence); pass a "
+            "larger --corpus / --corpus-bytes or a shorter --seq-len."
+        )
 
 
 # -- the training loop ----------------------------------------------------------
@@ -241,20 +355,59 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def _schedule(config: TrainConfig) -> Any:
+def _schedule(total: int, warmup: int) -> Any:
+    """The learning rate's factor after ``step`` steps: a linear warm-up
+    over ``warmup`` steps, then a cosine from 1 to 0 at step ``total`` (the
+    schedule's length: the --steps of the run that started it), 0 after."""
+
     def factor(step: int) -> float:
-        warm = min(1.0, (step + 1) / config.warmup) if config.warmup else 1.0
-        return warm * 0.5 * (1 + math.cos(math.pi * min(step, config.steps) / config.steps))
+        warm = min(1.0, (step + 1) / warmup) if warmup else 1.0
+        return warm * 0.5 * (1 + math.cos(math.pi * min(step, total) / total))
 
     return factor
 
 
-def _tokenizer(config: TrainConfig, spec: ModelSpec) -> Any:
+def _schedule_steps(config: TrainConfig, state: dict[str, Any] | None) -> int:
+    """The schedule's length: the saved one on resume (a checkpoint written
+    before it was recorded: the --steps it was saved under), else --steps."""
+    if state is None:
+        return config.steps
+    saved = state.get("schedule_steps", state.get("config", {}).get("steps", config.steps))
+    return int(saved)
+
+
+def _cpu_threads(local_ranks: int) -> int:
+    """Threads per rank: the cores this process may run on, shared."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        cores = os.cpu_count() or 1
+    return max(1, cores // max(1, local_ranks))
+
+
+def _peak_flops(device: torch.device, local_ranks: int, precision: str) -> tuple[float, str]:
+    """The MFU's denominator per rank: the GPU's datasheet, or a CPU
+    matmul measured on the threads this rank trains with (the FLOP count
+    is per rank, so the peak must be too)."""
+    from pc_train.estimate import DeviceInfo, cpu_peak_flops
+
+    if device.type == "cuda":
+        return DeviceInfo.detect(local_ranks, precision).peak_flops, "datasheet"
+    threads = torch.get_num_threads()
+    return cpu_peak_flops(threads), f"measured matmul, {threads} thread(s) per rank"
+
+
+def _tokenizer_source(config: TrainConfig, spec: ModelSpec) -> str | None:
     source = config.tokenizer
     files = ("tokenizer.json", "tokenizer_config.json")
     if source is None and spec.pretrained is not None:
         pretrained = spec.pretrained
         source = str(pretrained) if any((pretrained / f).exists() for f in files) else None
+    return source
+
+
+def _tokenizer(config: TrainConfig, spec: ModelSpec) -> Any:
+    source = _tokenizer_source(config, spec)
     if source is None:
         return None
     from transformers import AutoTokenizer
@@ -323,7 +476,7 @@ class Trainer:
         phases: _Phases | None = None,
     ) -> None:
         from pc_booster import Booster
-        from pc_train.estimate import DeviceInfo, estimate, model_shape
+        from pc_train.estimate import estimate, model_shape
 
         self.config = config
         # pc_comm.init_distributed's result: this rank's environment, device, backend.
@@ -332,6 +485,17 @@ class Trainer:
         self.device: torch.device = context.device
         # Rank 0 prints, writes TensorBoard logs and the report.
         self.rank0 = self.env.rank == 0
+        # Where this rank is, on pc-comm's health board, for failure reports.
+        self.phases = phases or _Phases()
+        self.phases.enter("start-up")
+        # With --resume: the checkpoint and its trainer state, checked.
+        self.checkpoint: Path | None = None
+        self.saved: dict[str, Any] | None = None
+        if config.resume is not None:
+            self.checkpoint = find_checkpoint(config.checkpoint_dir, config.resume)
+            self.saved = load_trainer_state(self.checkpoint, config)
+        # The LR schedule's length, fixed by the run that started it.
+        self.schedule_steps = _schedule_steps(config, self.saved)
         # Why --plugin auto chose the plugin; printed under the header.
         self.reasons = tuple(reasons)
         self.spec = resolve_model(config.model, config.seq_len)
@@ -384,15 +548,13 @@ class Trainer:
             config.precision,
         )  # fmt: skip
         self.flops_per_token = self.predicted.flops_per_step / self.predicted.tokens_per_step
-        # The MFU's denominator: the GPU's datasheet, or a measured CPU matmul.
-        self.peak = (
-            DeviceInfo.detect(self.env.local_world_size, config.precision).peak_flops
+        # The MFU's denominator: the GPU's datasheet, or a CPU matmul
+        # measured on this rank's threads.
+        self.peak, self.peak_source = (
+            _peak_flops(self.device, self.env.local_world_size, config.precision)
             if self.rank0
-            else 1.0
+            else (1.0, "")
         )
-        self.peak_source = "datasheet" if self.device.type == "cuda" else "measured matmul"
-        # Where this rank is, on pc-comm's health board, for failure reports.
-        self.phases = phases or _Phases()
         # PC_TRAIN_FAULT: kill or stall this rank at one (step, phase), for fault tests.
         self.fault = FaultInjector()
         # Model states at their peak, measured in the first step this run
@@ -411,6 +573,13 @@ class Trainer:
     def _load_tokens(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         config, spec = self.config, self.spec
         tokens = load_corpus(config.corpus, config.corpus_bytes, _tokenizer(config, spec))
+        least = min_corpus_tokens(config.seq_len)
+        if len(tokens) < least:
+            raise ValueError(
+                f"the corpus holds {len(tokens):,} token(s); --seq-len {config.seq_len} needs at "
+                f"least {least:,} (95% trains, 5% is held out, each longer than a sequence); "
+                "pass a larger --corpus / --corpus-bytes or a shorter --seq-len."
+            )
         if int(tokens.max()) >= spec.vocab_size:
             raise ValueError(
                 f"the tokenizer makes ids up to {int(tokens.max())}, beyond the model's "
@@ -429,7 +598,9 @@ class Trainer:
         optimizer = torch.optim.AdamW(
             model.parameters(), lr=config.lr, weight_decay=config.weight_decay
         )
-        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule(config))
+        schedule = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, _schedule(self.schedule_steps, config.warmup)
+        )
         model, optimizer, _, _, schedule = self.booster.boost(
             model, optimizer, lr_scheduler=schedule
         )
@@ -441,10 +612,10 @@ class Trainer:
         """With ``--resume``: the model, optimizer, LR schedule, this rank's
         RNG (at the same world size) and the history from the checkpoint."""
         config, env = self.config, self.env
-        if config.resume is None:
+        if self.checkpoint is None or self.saved is None:
             return
-        path = find_checkpoint(config.checkpoint_dir, config.resume)
-        state = load_trainer_state(path, config)
+        path, state = self.checkpoint, self.saved
+        self.phases.enter(f"loading {path}")
         self.memory.enter("load")
         try:
             model_path, optimizer_path = model_and_optimizer(path)
@@ -465,6 +636,15 @@ class Trainer:
         self.start = state["step"]
         self.history = state["history"]
         self.resumed_at = [*state.get("resumed_at", []), self.start]
+        if self.rank0 and self.schedule_steps != config.steps:
+            print(
+                f"pc-train: --steps {config.steps}, the learning-rate schedule stays the saved "
+                f"run's: warm-up, then cosine to 0 at step {self.schedule_steps}"
+                + (", 0 after it" if config.steps > self.schedule_steps else "")
+                + f" (a schedule is fixed when its run starts; for a new one, pc-export {path} "
+                "<dir>, then start a run with --model <dir>)",
+                flush=True,
+            )
 
     def _eval_batch(self) -> torch.Tensor:
         """This rank's share of 32 held-out sequences, the same every evaluation."""
@@ -524,6 +704,7 @@ class Trainer:
             self.writer.close()
         seconds = time.perf_counter() - began
         if self.rank0:
+            self.phases.enter("writing the report")
             self.report(seconds)
         return self.history
 
@@ -717,7 +898,8 @@ class Trainer:
             self.finish_save()
             self.phases.enter("save", step)
             state = {"step": step, "history": self.history, "config": config.to_dict(),
-                     "world": self.env.world_size, "resumed_at": self.resumed_at}  # fmt: skip
+                     "world": self.env.world_size, "resumed_at": self.resumed_at,
+                     "schedule_steps": self.schedule_steps}  # fmt: skip
             self.pending_save = save_checkpoint(
                 self.booster, self.model, self.optimizer, self.schedule, config.checkpoint_dir,
                 step, copy.deepcopy(state), _rng_state(),
@@ -825,19 +1007,91 @@ def _note(message: str, overwrite: bool = False) -> None:
         _write_whole(path, message)
 
 
-def _fail(message: str) -> None:
-    """Report a user-facing error once, without a traceback."""
+# Exit codes [Note: exit codes]: 0 done; 1 a failure (a crash, a rank that
+# died or stalled: the same command may succeed when run again, with
+# --resume); 2 an error the user fixes before running again (bad settings or
+# input, a full disk, a read-only or unwritable directory, a bad checkpoint,
+# a run that diverged); 130 interrupted (SIGINT / SIGTERM), checkpoint saved.
+EXIT_FAILURE = 1
+EXIT_USER_ERROR = 2
+
+# Raised by pc-train's own checks, with a message that says the fix.
+_USER_ERRORS = (ValueError, TypeError, FileNotFoundError, MemoryError)
+
+
+def _os_error(error: BaseException) -> OSError | None:
+    """The OSError behind ``error`` (itself, or along its causes)."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        if isinstance(current, OSError) and current.errno is not None:
+            return current
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return None
+
+
+def _disk_full_text(error: BaseException) -> bool:
+    """torch.save and DCP's writers say a full disk in their own words."""
+    text = str(error).lower()
+    return "no space left" in text or "file write failed" in text or "disk quota" in text
+
+
+def describe_failure(error: BaseException, config: TrainConfig) -> tuple[int, str]:
+    """(exit code, one line) for an exception that ended a rank: what it
+    was, and the fix where the user has one."""
+    kind = type(error).__name__
+    text = " ".join(str(error).split()) or "(no message)"
+    out = Path(config.output_dir)
+    cause = _os_error(error)
+    full = cause is not None and cause.errno in (errno.ENOSPC, errno.EDQUOT)
+    if full or (cause is None and _disk_full_text(error)):
+        where = Path(cause.filename) if cause is not None and cause.filename else out
+        try:
+            usage = shutil.disk_usage(where if where.exists() else out)
+            room = f"{_bytes(usage.free)} free of {_bytes(usage.total)}"
+        except OSError:
+            room = "free space unknown"
+        return EXIT_USER_ERROR, (
+            f"{kind}: the disk is full writing {where} ({room}): {text}; free space there or "
+            "pass --output-dir on a larger disk, then --resume."
+        )
+    if cause is not None and cause.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+        where = cause.filename or out
+        return EXIT_USER_ERROR, (
+            f"{kind}: cannot write {where}: {_os_reason(cause)} ({text}); pass a writable "
+            "--output-dir."
+        )
+    if isinstance(error, _USER_ERRORS):
+        return EXIT_USER_ERROR, f"{kind}: {text}"
+    return EXIT_FAILURE, f"{kind}: {text}"
+
+
+def _traceback_file(config: TrainConfig, rank: int, error: BaseException) -> Path | None:
+    """The traceback, for a bug report: in ``<output-dir>/logs``, else the
+    temporary directory (a full or read-only disk); None if neither takes it."""
+    text = "".join(traceback.format_exception(error))
+    name = f"rank{rank}-error.log"
+    for folder in (Path(config.output_dir) / "logs", Path(tempfile.gettempdir())):
+        path = folder / name if folder.name == "logs" else folder / f"pc-train-{os.getpid()}-{name}"
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+        except OSError:
+            continue
+        return path
+    return None
+
+
+def _fail(message: str, code: int = EXIT_USER_ERROR) -> None:
+    """Report an error once, without a traceback, and exit with ``code``."""
     folder = os.environ.get(_ERROR_DIR)
     if folder:  # our own launcher prints it once
         note = Path(folder, f"rank{os.environ.get('RANK', '0')}.txt")
         _write_whole(note, f"error: {message}")
     else:
-        print(
-            f"pc-train: error (rank {os.environ.get('RANK', '0')}): {message}",
-            file=sys.stderr,
-            flush=True,
-        )
-    raise SystemExit(1)
+        print(f"pc-train: error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(code)
 
 
 def _worker(config: TrainConfig, reasons: Sequence[str]) -> None:
@@ -860,20 +1114,23 @@ def _worker(config: TrainConfig, reasons: Sequence[str]) -> None:
     )
     if context.device.type == "cpu":
         # Ranks share the host's cores; oversubscribing them slows every rank.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // context.env.local_world_size))
+        torch.set_num_threads(_cpu_threads(context.env.local_world_size))
         tune_host_allocator()  # no page faults for memory freed last step [Note: host allocator]
     phases = _Phases()
+    rank = context.env.rank
     try:
-        join_memory_cgroup(context.env.rank)  # PC_TRAIN_CGROUP: the memory tests' per-rank caps
+        join_memory_cgroup(rank)  # PC_TRAIN_CGROUP: the memory tests' per-rank caps
         train(config, context, reasons, phases)
-    except (ValueError, TypeError, FileNotFoundError) as error:  # CheckpointError and
-        # NonFiniteLossError are ValueErrors
-        _fail(str(error))
-    except RuntimeError as error:
-        if not health.is_peer_failure(error):
-            raise
-        failure = error if isinstance(error, health.PeerFailureError) else health.diagnose(error)
-        _leave(f"error: {failure}", 1)
+    except Exception as error:  # every rank's first exception, in one line
+        if isinstance(error, RuntimeError) and health.is_peer_failure(error):
+            peer = isinstance(error, health.PeerFailureError)
+            failure = error if peer else health.diagnose(error)
+            _leave(f"error: {failure}", EXIT_FAILURE)
+        code, text = describe_failure(error, config)
+        if code == EXIT_FAILURE:  # not ours: the traceback goes to a file, for a bug report
+            log = _traceback_file(config, rank, error)
+            text += f" (traceback: {log})" if log else ""
+        _fail(f"rank {rank} in {phases.current}: {text}", code)
     finally:
         health.stop_board()
         if dist.is_initialized():
@@ -884,7 +1141,8 @@ def _report_failure(failure: Any, errors: Path, config: TrainConfig) -> None:
     """Say once what went wrong: the ranks' own messages, and which rank
     failed first (a rank killed by a signal other than the SIGTERM the
     launcher stops the others with, else the earliest)."""
-    messages = sorted({p.read_text() for p in errors.glob("rank*.txt")})
+    notes = sorted(errors.glob("rank*.txt"), key=lambda p: int(p.stem[4:]))
+    messages = list(dict.fromkeys(p.read_text() for p in notes))  # by rank, each once
     failures = failure.failures
     codes = {f.exitcode for f in failures.values()}
     if codes == {130}:
@@ -904,7 +1162,7 @@ def _report_failure(failure: Any, errors: Path, config: TrainConfig) -> None:
             f"ranks. Checkpoints saved so far are in {latest}; continue with --resume.",
             file=sys.stderr,
         )
-    raise SystemExit(1)
+    raise SystemExit(EXIT_USER_ERROR if EXIT_USER_ERROR in codes else EXIT_FAILURE)
 
 
 def _start_method() -> str:
@@ -941,7 +1199,11 @@ def main(argv: Sequence[str] | None = None) -> None:
             torch.set_num_threads(threads)
     except (ValueError, CheckpointError) as error:
         print(f"pc-train: error: {error}", file=sys.stderr)
-        raise SystemExit(2) from None
+        raise SystemExit(EXIT_USER_ERROR) from None
+    except OSError as error:  # reading the model, corpus or checkpoint
+        code, text = describe_failure(error, config)
+        print(f"pc-train: error: before any rank started: {text}", file=sys.stderr)
+        raise SystemExit(code) from None
     if under_torchrun:  # join torchrun's job
         _worker(config, reasons)
         return

@@ -5,6 +5,7 @@ the one before."""
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from collections.abc import Sequence
 from dataclasses import MISSING, asdict, dataclass, fields
@@ -15,6 +16,16 @@ from pc_train.models import MODEL_PRESETS
 from pc_train.options import PLUGIN_NAMES, PRECISIONS, PluginOptions
 
 __all__ = ["TrainConfig", "parse_args"]
+
+
+# (field, lower bound test, upper bound, what it must be): the float settings.
+_RANGES: tuple[tuple[str, Any, float, str], ...] = (
+    ("lr", lambda v: v > 0, math.inf, "positive and finite"),
+    ("weight_decay", lambda v: v >= 0, math.inf, "finite and >= 0"),
+    ("clip_norm", lambda v: v >= 0, math.inf, "a finite global norm >= 0 (0: no clipping)"),
+    ("timeout", lambda v: v > 0, 1e7, "a number of seconds > 0 and at most 1e7 (116 days)"),
+    ("offload_frac", lambda v: v >= 0, 1.0, "a share in [0, 1]"),
+)
 
 
 @dataclass(frozen=True)
@@ -98,12 +109,12 @@ class TrainConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an integer >= 0 (0: never), got {value!r}.")
-        if not self.timeout > 0:
-            raise ValueError(f"timeout must be positive (seconds), got {self.timeout}.")
-        if not self.lr > 0:
-            raise ValueError(f"lr must be positive, got {self.lr}.")
-        if self.clip_norm < 0 or self.weight_decay < 0:
-            raise ValueError("clip_norm and weight_decay must be >= 0.")
+        # Every number in one place: finite, and in its range (nan compares
+        # false with everything, so each test is written to fail on it).
+        for name, low, high, what in _RANGES:
+            value = float(getattr(self, name))
+            if not (math.isfinite(value) and low(value) and value <= high):
+                raise ValueError(f"{name} must be {what}, got {value!r}.")
         if self.plugin not in PLUGIN_NAMES:
             raise ValueError(
                 f"unknown plugin {self.plugin!r}; expected one of {', '.join(PLUGIN_NAMES)}."
