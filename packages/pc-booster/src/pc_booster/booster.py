@@ -33,6 +33,7 @@ import weakref
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import AbstractContextManager, contextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from pc_booster import checksum
 from pc_booster.export import atomic_write, indexed_files, remove_files
 from pc_booster.plugin import Plugin, Precision, SupportsNoSync, SupportsPipeline
 from pc_booster.rules import TrainPrecision
@@ -152,9 +154,14 @@ def _read_file(path: Path) -> dict[str, torch.Tensor]:
     """A single-file checkpoint: safetensors, or torch.save's state dict
     (mapped, so its pages are read only as they are copied)."""
     if path.suffix == ".safetensors" or _is_safetensors(path):
+        from safetensors import safe_open
         from safetensors.torch import load_file
 
-        return load_file(str(path))
+        with safe_open(str(path), framework="pt") as header:
+            metadata = header.metadata()
+        tensors = load_file(str(path))
+        checksum.check_tensors(path, tensors, metadata)  # in memory: no second read
+        return tensors
     state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise ValueError(
@@ -171,6 +178,12 @@ def _is_safetensors(path: Path) -> bool:
     return len(head) == 9 and head[8:9] == b"{"
 
 
+def _with_checksums(state: dict[str, torch.Tensor]) -> dict[str, str]:
+    """A safetensors header's metadata: the format transformers expects
+    and every tensor's checksum (``pc_booster.checksum``)."""
+    return {"format": "pt", **checksum.tensor_checksums(state)}
+
+
 def _distinct(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """safetensors refuses tensors sharing memory (tied weights): copies."""
     seen: set[int] = set()
@@ -182,6 +195,16 @@ def _distinct(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         seen.add(value.data_ptr())
         out[key] = value
     return out
+
+
+def _verify_safetensors_files(directory: Path, collective: bool) -> None:
+    """The safetensors files a load of ``directory`` reads (those its index
+    names, else model.safetensors) against their checksums, split over the
+    ranks with ``collective``."""
+    names = sorted(indexed_files(directory) or {_WEIGHTS})
+    files = [directory / name for name in names if (directory / name).is_file()]
+    checks = [partial(checksum.verify_safetensors, file) for file in files]
+    checksum.verify_split(checks, collective)
 
 
 class Booster:
@@ -394,7 +417,7 @@ class Booster:
             if as_safetensors:
                 from safetensors.torch import save_file
 
-                _atomic(out, lambda p: save_file(state, str(p)))
+                _atomic(out, lambda p: save_file(state, str(p), metadata=_with_checksums(state)))
             else:
                 _atomic(out, lambda p: torch.save(state, p))
         dist.barrier()
@@ -447,10 +470,16 @@ class Booster:
         from pc_zero import PiecesSavePlanner
 
         out.mkdir(parents=True, exist_ok=True)
+        rank = dist.get_rank(group)
+        if rank == 0:  # the old sums go before any file they describe is replaced
+            (out / checksum.CHECKSUMS).unlink(missing_ok=True)
         with _named_failures(f"the sharded save to {out}"):
             planner = PiecesSavePlanner(flatten_state_dict=False)
             writer = FileSystemWriter(str(out), thread_count=files)
-            save(state, storage_writer=writer, planner=planner, process_group=group)
+            metadata = save(state, storage_writer=writer, planner=planner, process_group=group)
+        # DCP names rank r's files __r_<k>.distcp; each rank hashes its own.
+        own = {info.relative_path for info in (metadata.storage_data or {}).values()}
+        checksum.write_sidecar(out, sorted(p for p in own if p.startswith(f"__{rank}_")), group)
 
     # [Note: async saves]
     # An async save takes, at the call, what training could change before
@@ -572,7 +601,7 @@ class Booster:
             out.mkdir(parents=True, exist_ok=True)
             (out / _DCP_METADATA).unlink(missing_ok=True)  # a sharded save's commit point
             old = indexed_files(out)
-            _atomic(out / _WEIGHTS, lambda p: save_file(state, str(p)))
+            _atomic(out / _WEIGHTS, lambda p: save_file(state, str(p), _with_checksums(state)))
             (out / _INDEX).unlink(missing_ok=True)  # first: the index points at the rest
             _remove(out, old)
             self._write_config(model, out)
@@ -609,8 +638,10 @@ class Booster:
             self.plugin.load_model_state_dict(model, _read_file(path))
             return
         if (path / _DCP_METADATA).exists():
+            checksum.verify_sidecar(path, collective=True)
             self._load_model_sharded(model, path, strict, pretrained=False)
         elif any(path.glob("*.safetensors")):
+            _verify_safetensors_files(path, collective=True)
             self._load_model_sharded(model, path, strict, pretrained=True)
         else:
             raise FileNotFoundError(
@@ -682,6 +713,10 @@ class Booster:
 
             own = model.state_dict()
             pretrained = not (path / _DCP_METADATA).exists()
+            if pretrained:
+                _verify_safetensors_files(path, collective=False)
+            else:
+                checksum.verify_sidecar(path, collective=False)
             present = (
                 pretrained_reader(path).read_metadata().state_dict_metadata
                 if pretrained
@@ -792,6 +827,7 @@ class Booster:
         if (path / _DCP_METADATA).exists():
             from pc_booster.plugins.sharded import saved_state_keys
 
+            checksum.verify_sidecar(path, collective=True)
             saved = self._saved_keys(path)
             targets = self.plugin.sharded_optimizer_state(optimizer, saved_state_keys(saved))
             loaded = {k: v for k, v in targets.items() if k in saved}

@@ -25,6 +25,7 @@ import math
 import os
 import struct
 import warnings
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +33,7 @@ from typing import Any
 
 import torch
 
+from pc_booster.checksum import SAFETENSORS_KEY
 from pc_zero import Pieces, PiecesLoadPlanner, PiecesSavePlanner
 
 __all__ = [
@@ -117,8 +119,19 @@ def plan_export(checkpoint: str | os.PathLike[str], size_per_shard: int = 1024) 
     return ExportPlan(tuple(tuple(f) for f in files))
 
 
-def _header(entries: Sequence[tuple[str, torch.Size, torch.dtype]]) -> bytes:
-    table: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+def _header(
+    entries: Sequence[tuple[str, torch.Size, torch.dtype]], sums: dict[str, str] | None = None
+) -> bytes:
+    """The header of a safetensors file of ``entries``, with each tensor's
+    checksum (``pc_booster.checksum``; zeros until known: the header has the
+    same length either way, so it is rewritten in place once the data is)."""
+    crcs = {name: (sums or {}).get(name, "0" * 8) for name, _, _ in entries}
+    table: dict[str, Any] = {
+        "__metadata__": {
+            "format": "pt",
+            SAFETENSORS_KEY: json.dumps(crcs, separators=(",", ":"), sort_keys=True),
+        }
+    }
     offset = 0
     for name, shape, dtype in entries:
         if dtype not in _DTYPES:
@@ -209,12 +222,17 @@ def write_file(
     """One safetensors file of ``entries``, read from ``checkpoint`` one
     tensor at a time."""
     reader = _reader(checkpoint)
+    sums: dict[str, str] = {}
     with open(path, "wb") as stream:
         stream.write(_header(entries))
         for name, shape, dtype in entries:
             tensor = _read_tensor(reader, name, shape, dtype)
-            stream.write(tensor.contiguous().reshape(-1).view(torch.uint8).numpy().data)
-            del tensor
+            data = tensor.contiguous().reshape(-1).view(torch.uint8).numpy().data
+            sums[name] = f"{zlib.crc32(data):08x}"
+            stream.write(data)
+            del tensor, data
+        stream.seek(0)
+        stream.write(_header(entries, sums))
 
 
 def export_files(

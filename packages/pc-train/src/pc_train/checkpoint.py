@@ -4,8 +4,8 @@ optimizer as sharded checkpoints (``model/``, ``optimizer/``: every rank
 writes only its share, and a resume under any plugin, world size or
 layout reads only its own; ``pc-export`` turns ``model/`` into a
 directory ``from_pretrained`` loads), ``scheduler.pt``, each rank's RNG
-state and ``trainer_state.json`` (step, history, the settings, the size of
-every file).
+state and ``trainer_state.json`` (step, history, the settings, the size and
+checksum of every file).
 
 A save writes ``step-N.partial/`` and renames it to ``step-N`` once every
 file is complete, so a run killed mid-save leaves the previous checkpoint
@@ -13,6 +13,19 @@ intact and the new one absent; leftovers are removed at the next save.
 Before resuming, the sizes recorded in ``trainer_state.json`` and the
 safetensors header are checked, so a truncated or foreign checkpoint is
 refused with a clear message instead of failing deep inside a load.
+
+[Note: checkpoint checksums]
+Every file's CRC-32 (``pc_booster.checksum``) is recorded beside its size.
+The large files are hashed by the ranks that wrote them, in parallel: the
+Booster's sharded saves leave ``.checksums.json`` in ``model/`` and
+``optimizer/``, which rank 0 copies into the trainer state at the commit
+and hashes only the small files itself (scheduler, RNG states, DCP
+metadata, the sidecars). The launcher's preflight (one process, before any
+rank starts) verifies every file, streamed on several threads (exit code 2
+on a mismatch); inside a rank (torchrun's, or ``train()`` called directly)
+only the files no sidecar covers are verified, and the Booster's loads
+verify the sidecars' files split over the ranks, so no rank reads the
+whole model. Checkpoints of earlier versions (sizes only) load as before.
 """
 
 from __future__ import annotations
@@ -28,6 +41,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from pc_booster.checksum import CHECKSUMS, file_checksums, read_sidecar
 
 __all__ = [
     "CheckpointError",
@@ -88,10 +103,15 @@ def find_checkpoint(root: Path, which: str) -> Path:
     return found[-1]
 
 
-def load_trainer_state(path: Path, config: Any) -> dict[str, Any]:
+def load_trainer_state(
+    path: Path, config: Any, verify_contents: bool | None = None
+) -> dict[str, Any]:
     """The checkpoint's trainer state, after checking that every file is
     present and whole and that it belongs to a run with ``config``'s
-    settings."""
+    settings. ``verify_contents``: hash every file against its recorded
+    checksum (True), or only those the Booster's loads do not verify
+    (False); None: True in a process outside any rank (the launcher's
+    preflight), else False [Note: checkpoint checksums]."""
     file = path / _STATE
     try:
         state: dict[str, Any] = json.loads(file.read_text())
@@ -115,6 +135,9 @@ def load_trainer_state(path: Path, config: Any) -> dict[str, Any]:
                 f"checkpoint {path} is corrupt: {name} has {part.stat().st_size} bytes, "
                 f"{size} were written. Resume from an earlier checkpoint."
             )
+    if verify_contents is None:
+        verify_contents = not _inside_a_rank()
+    _verify_checksums(path, state.get("checksums", {}), verify_contents)
     _check_model_opens(path)
     current = config.to_dict()
     differ = [k for k in _MUST_MATCH if saved.get(k) != current.get(k)]
@@ -127,6 +150,29 @@ def load_trainer_state(path: Path, config: Any) -> dict[str, Any]:
     if step > config.steps:
         raise CheckpointError(f"checkpoint {path} is at step {step}, past --steps {config.steps}.")
     return state
+
+
+def _inside_a_rank() -> bool:
+    return (dist.is_available() and dist.is_initialized()) or "RANK" in os.environ
+
+
+def _verify_checksums(path: Path, sums: dict[str, str], everything: bool) -> None:
+    if not isinstance(sums, dict):
+        raise CheckpointError(f"{path / _STATE} is corrupt (checksums: {sums!r}).")
+    if not everything:  # the files a Booster sidecar lists are verified by the loads
+        covered = {
+            str((parent / name).relative_to(path))
+            for parent in {(path / n).parent for n in sums if Path(n).name == CHECKSUMS}
+            for name in read_sidecar(parent)
+        }
+        sums = {k: v for k, v in sums.items() if k not in covered}
+    actual = file_checksums(path, sums)
+    for name, expected in sorted(sums.items()):
+        if actual[name] != expected:
+            raise CheckpointError(
+                f"checkpoint {path} is corrupt: {name} has checksum {actual[name]}, {expected} "
+                "was written. Resume from an earlier checkpoint."
+            )
 
 
 def _check_model_opens(path: Path) -> None:
@@ -227,19 +273,34 @@ def save_checkpoint(
 
 
 def _commit(partial: Path, final: Path, root: Path, state: dict[str, Any]) -> None:
-    """Rank 0: the trainer state (with every file's size), then the rename
-    that makes the checkpoint one."""
+    """Rank 0: the trainer state (with every file's size and checksum),
+    then the rename that makes the checkpoint one."""
     files = {
         str(p.relative_to(partial)): p.stat().st_size
         for p in sorted(partial.rglob("*"))
         if p.is_file()
     }
-    (partial / _STATE).write_text(json.dumps({**state, "files": files}))
+    (partial / _STATE).write_text(
+        json.dumps({**state, "files": files, "checksums": _checksums(partial, files)})
+    )
     _fsync_dir(partial)
     if final.exists():
         shutil.rmtree(final)
     os.replace(partial, final)
     _fsync_dir(root)
+
+
+def _checksums(partial: Path, files: dict[str, int]) -> dict[str, str]:
+    """Every file's checksum: from the sidecars of the Booster's sharded
+    saves (each rank hashed the files it wrote), the rest hashed here
+    [Note: checkpoint checksums]."""
+    sums: dict[str, str] = {}
+    for sidecar in partial.rglob(CHECKSUMS):
+        folder = sidecar.parent
+        for name, value in read_sidecar(folder).items():
+            sums[str((folder / name).relative_to(partial))] = value
+    rest = [name for name in files if name not in sums]
+    return {**sums, **file_checksums(partial, rest)}
 
 
 def _fsync_dir(path: Path) -> None:
