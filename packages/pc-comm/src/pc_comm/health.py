@@ -111,7 +111,13 @@ class HealthBoard:
     """This rank's entry on the board, kept fresh by a daemon thread."""
 
     def __init__(
-        self, store: Any, rank: int, world_size: int, interval: float = 1.0, group: Any = None
+        self,
+        store: Any,
+        rank: int,
+        world_size: int,
+        interval: float = 1.0,
+        group: Any = None,
+        store_host: int | None = None,
     ) -> None:
         if interval <= 0:
             raise ValueError(f"interval must be positive seconds, got {interval!r}.")
@@ -127,6 +133,11 @@ class HealthBoard:
         self.ops = 0
         self.group = group  # the default group it was started for
         self._lock = threading.Lock()  # one store call at a time from this process
+        # [Note: the store's host] The rank that serves the store (rank 0
+        # without an agent's store), its last entry, and whether it is gone.
+        self.store_host = store_host if store_host != rank else None
+        self._host_entry: RankState | None = None
+        self.store_gone = False
         self._stop = threading.Event()
         self._publish()
         self._thread = threading.Thread(target=self._beat, name="pc-comm-health", daemon=True)
@@ -162,13 +173,24 @@ class HealthBoard:
             }
         )
 
+    def _store_up(self) -> bool:
+        """False once the store's host is known gone: no more store calls,
+        each of which would fail after torch printed a C++ stack."""
+        if self.store_gone:
+            return False
+        entry = self._host_entry
+        if entry is not None and entry.host == self.host and not process_alive(entry.pid):
+            self.store_gone = True
+        return not self.store_gone
+
     def _publish(self) -> None:
         # Never wait long for the lock: a heartbeat stuck on a store whose
         # host is gone must not stall the training loop in set_phase.
         if not self._lock.acquire(timeout=0.5):
             return
         try:
-            self.store.set(_KEY.format(self.rank), self._entry())
+            if self._store_up():
+                self.store.set(_KEY.format(self.rank), self._entry())
         except Exception:  # the store's host may be gone; the board is best effort
             pass
         finally:
@@ -177,12 +199,19 @@ class HealthBoard:
     def _beat(self) -> None:
         while not self._stop.wait(self.interval):
             self._publish()
+            if self.store_host is not None and not self.store_gone:
+                entry = self.read(self.store_host)  # where it is, kept for when it dies
+                self._host_entry = entry if entry is not None else self._host_entry
 
     def read(self, rank: int) -> RankState | None:
+        """``rank``'s entry; None if it has none or the store does not
+        answer. The store's host's last entry once it is gone."""
         # Bounded: a heartbeat stuck on a store whose host is gone holds the lock.
         if not self._lock.acquire(timeout=2 * self.interval + 1):
             return None
         try:
+            if not self._store_up():
+                return self._host_entry if rank == self.store_host else None
             # check() does not block on a missing key, unlike get().
             if not self.store.check([_KEY.format(rank)]):
                 return None
@@ -225,12 +254,15 @@ def start_board(interval: float = 1.0) -> HealthBoard:
         stop_board()  # a board of an earlier, destroyed group
     from torch.distributed.distributed_c10d import _get_default_store
 
+    # Rank 0 serves the store, unless torchrun's agent does.
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
     _board = HealthBoard(
         _get_default_store(),
         dist.get_rank(),
         dist.get_world_size(),
         interval=interval,
         group=dist.group.WORLD,
+        store_host=None if agent_store else 0,
     )
     return _board
 
@@ -361,7 +393,12 @@ def peers_report(ranks: list[int] | None = None) -> tuple[str, list[int]]:
     for rank in (r for r in every if r != _board.rank):
         state = _board.read(rank)
         if state is None:
-            lines.append(f"rank {rank}: unknown (no entry, or the store does not answer)")
+            why = (
+                f"the job's store went down with rank {_board.store_host}"
+                if _board.store_gone
+                else "no entry, or the store does not answer"
+            )
+            lines.append(f"rank {rank}: unknown ({why})")
             continue
         line, suspect = state.describe(now, _board.interval, _board.ops)
         lines.append(line)
