@@ -7,6 +7,15 @@ of each plugin, and the one to use). The library they drive, ``Booster``
 and its plugins, is pc-booster.
 """
 
+import os
+
+# [Note: torch's C++ warnings] When the rank serving the job's store dies,
+# torch logs each failed store call with about 30 lines of C++ stack before
+# the Python error pc-train turns into one line. Its C++ log level is read
+# once, when torch loads: set here, before pc-train imports torch, unless
+# the user chose one (TORCH_CPP_LOG_LEVEL=WARNING shows them again).
+os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+
 from pc_train.data import load_byte_corpus
 from pc_train.estimate import estimate, recommend
 from pc_train.train_config import TrainConfig
