@@ -110,7 +110,7 @@ def test_a_checkpoint_of_another_model_is_refused(saved_run: Path, tmp_path: Pat
 
 def _resume_fails_on_every_rank(out: str) -> None:
     config = TrainConfig(**SETTINGS, output_dir=out, resume="latest")
-    with pytest.raises(CheckpointError, match=r"step-000004 does not load: "):
+    with pytest.raises(CheckpointError, match=r"step-000004 does not load: .* is corrupt: "):
         train(config, _context())
     dist.barrier()  # every rank got here: each raised the error itself
 
@@ -118,8 +118,22 @@ def _resume_fails_on_every_rank(out: str) -> None:
 def test_a_checkpoint_garbled_at_its_full_size_fails_every_rank(
     saved_run: Path, tmp_path: Path
 ) -> None:
+    """Without the launcher's checks (ranks started by torchrun, or train()
+    itself): the Booster's loads verify the shards' checksums, each rank a
+    part, and every rank raises."""
     out, latest = _copy(saved_run, tmp_path)
     optimizer = latest / "optimizer" / "__0_0.distcp"
     optimizer.write_bytes(os.urandom(optimizer.stat().st_size))  # sizes still match
     run_subtests(_resume_fails_on_every_rank, 2, {}, args=(str(out),), timeout=120)
+    _nothing_lost(out)
+
+
+def test_a_checkpoint_garbled_at_its_full_size_is_refused_before_any_rank_starts(
+    saved_run: Path, tmp_path: Path
+) -> None:
+    """The launcher verifies every file's checksum (pc_booster.checksum)."""
+    out, latest = _copy(saved_run, tmp_path)
+    optimizer = latest / "optimizer" / "__0_0.distcp"
+    optimizer.write_bytes(os.urandom(optimizer.stat().st_size))
+    _refused(out, "is corrupt: optimizer/__0_0.distcp has checksum crc32:")
     _nothing_lost(out)

@@ -446,6 +446,7 @@ class Booster:
         dist.barrier()
         if rank == 0:
             (out / _DCP_METADATA).unlink(missing_ok=True)  # a sharded save's commit point
+            (out / checksum.CHECKSUMS).unlink(missing_ok=True)  # and its checksums
             write_index(out, plan, names[0], atomic=_atomic, remove=_remove)  # type: ignore[arg-type]
             self._write_config(model, out)
             shutil.rmtree(staging, ignore_errors=True)
@@ -600,6 +601,7 @@ class Booster:
         if dist.get_rank() == 0:
             out.mkdir(parents=True, exist_ok=True)
             (out / _DCP_METADATA).unlink(missing_ok=True)  # a sharded save's commit point
+            (out / checksum.CHECKSUMS).unlink(missing_ok=True)  # and its checksums
             old = indexed_files(out)
             _atomic(out / _WEIGHTS, lambda p: save_file(state, str(p), _with_checksums(state)))
             (out / _INDEX).unlink(missing_ok=True)  # first: the index points at the rest

@@ -160,12 +160,18 @@ def _verify_checksums(path: Path, sums: dict[str, str], everything: bool) -> Non
     if not isinstance(sums, dict):
         raise CheckpointError(f"{path / _STATE} is corrupt (checksums: {sums!r}).")
     if not everything:  # the files a Booster sidecar lists are verified by the loads
+        sidecars = {k: v for k, v in sums.items() if Path(k).name == CHECKSUMS}
+        _compare(path, sidecars)  # first: the lists of what the loads verify
         covered = {
-            str((parent / name).relative_to(path))
-            for parent in {(path / n).parent for n in sums if Path(n).name == CHECKSUMS}
-            for name in read_sidecar(parent)
+            str((path / sidecar).parent.joinpath(name).relative_to(path))
+            for sidecar in sidecars
+            for name in read_sidecar((path / sidecar).parent)
         }
-        sums = {k: v for k, v in sums.items() if k not in covered}
+        sums = {k: v for k, v in sums.items() if k not in covered and k not in sidecars}
+    _compare(path, sums)
+
+
+def _compare(path: Path, sums: dict[str, str]) -> None:
     actual = file_checksums(path, sums)
     for name, expected in sorted(sums.items()):
         if actual[name] != expected:
