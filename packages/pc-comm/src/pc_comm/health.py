@@ -206,12 +206,12 @@ class HealthBoard:
     def read(self, rank: int) -> RankState | None:
         """``rank``'s entry; None if it has none or the store does not
         answer. The store's host's last entry once it is gone."""
+        if not self._store_up():  # no lock: the heartbeat may be stuck on that store
+            return self._host_entry if rank == self.store_host else None
         # Bounded: a heartbeat stuck on a store whose host is gone holds the lock.
         if not self._lock.acquire(timeout=2 * self.interval + 1):
             return None
         try:
-            if not self._store_up():
-                return self._host_entry if rank == self.store_host else None
             # check() does not block on a missing key, unlike get().
             if not self.store.check([_KEY.format(rank)]):
                 return None
