@@ -4,7 +4,13 @@ integration_tests/test_pc_train.py)."""
 
 from __future__ import annotations
 
+import errno
+import importlib
 import json
+import math
+import os
+import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -14,6 +20,15 @@ from pc_train.checkpoint import CheckpointError, find_checkpoint, load_trainer_s
 from pc_train.data import batch_offsets, load_byte_corpus, load_corpus
 from pc_train.models import resolve_model
 from pc_train.options import PluginKind, PluginOptions
+from pc_train.train import (
+    EXIT_FAILURE,
+    EXIT_USER_ERROR,
+    _cpu_threads,
+    _peak_flops,
+    _schedule,
+    _schedule_steps,
+    describe_failure,
+)
 from pc_train.train_config import TrainConfig
 
 
@@ -141,3 +156,82 @@ def test_corpus_reads_a_datasets_directory(tmp_path: Path) -> None:
     datasets.Dataset.from_dict({"body": ["x"]}).save_to_disk(str(tmp_path / "other"))
     with pytest.raises(ValueError, match="reads a 'text' column"):
         load_corpus(str(tmp_path / "other"), 1000)
+
+
+@pytest.mark.parametrize(
+    ("setting", "message"),
+    [
+        ({"clip_norm": math.nan}, "clip_norm must be a finite global norm >= 0"),
+        ({"clip_norm": math.inf}, "clip_norm must be a finite global norm >= 0"),
+        ({"lr": math.nan}, "lr must be positive and finite, got nan"),
+        ({"lr": -math.inf}, "lr must be positive and finite, got -inf"),
+        ({"weight_decay": math.inf}, "weight_decay must be finite and >= 0"),
+        ({"timeout": math.inf}, "timeout must be a number of seconds > 0"),
+        ({"timeout": math.nan}, "timeout must be a number of seconds > 0"),
+        ({"timeout": 0.0}, "timeout must be a number of seconds > 0"),
+        ({"offload_frac": math.nan}, "offload_frac must be a share in [0, 1]"),
+    ],
+)
+def test_config_numbers_are_finite_and_in_range(setting: dict[str, float], message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        TrainConfig(**setting)  # type: ignore[arg-type]
+
+
+def test_failures_are_told_apart_from_user_errors(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = TrainConfig(output_dir=str(tmp_path))
+    full = OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "x.pt"))
+    code, line = describe_failure(full, config)
+    assert code == EXIT_USER_ERROR
+    assert line.startswith(f"OSError: the disk is full writing {tmp_path / 'x.pt'} (")
+    wrapped = ValueError("the sharded save failed")
+    wrapped.__cause__ = full
+    assert describe_failure(wrapped, config)[1].startswith("ValueError: the disk is full")
+    read_only = OSError(errno.EROFS, "Read-only file system", str(tmp_path))
+    code, line = describe_failure(read_only, config)
+    assert (code, line.split(" (")[0]) == (
+        EXIT_USER_ERROR, f"OSError: cannot write {tmp_path}: read-only file system",
+    )  # fmt: skip
+    bad = describe_failure(ValueError("bad\n  input"), config)
+    assert bad == (EXIT_USER_ERROR, "ValueError: bad input")
+    assert describe_failure(KeyError("oops"), config) == (EXIT_FAILURE, "KeyError: 'oops'")
+    # torch.save's short write is a full disk where the disk is (nearly) full.
+    short = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+    usage = shutil.disk_usage(tmp_path)
+    for free, code in ((10**12, EXIT_FAILURE), (4096, EXIT_USER_ERROR)):
+        monkeypatch.setattr(shutil, "disk_usage", lambda path, f=free: usage._replace(free=f))
+        assert describe_failure(short, config)[0] == code, free
+
+
+def test_the_cpu_peak_is_measured_on_the_rank_s_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The FLOP count is per rank on torch.get_num_threads() threads; the
+    peak it is divided by must be measured on as many."""
+    estimate = importlib.import_module("pc_train.estimate")  # the package exports a function
+    asked: list[int] = []
+
+    def measure(threads: int) -> float:
+        asked.append(threads)
+        return 1e9
+
+    monkeypatch.setattr(estimate, "cpu_peak_flops", measure)
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        peak, source = _peak_flops(torch.device("cpu"), 1, "fp32")
+    finally:
+        torch.set_num_threads(previous)
+    assert (asked, peak, source) == ([1], 1e9, "measured matmul, 1 thread(s) per rank")
+    # The threads a rank trains with: the cores this process may use, shared.
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    assert (_cpu_threads(1), _cpu_threads(2), _cpu_threads(4)) == (2, 1, 1)
+
+
+def test_the_lr_schedule_keeps_the_length_it_was_saved_with() -> None:
+    config = TrainConfig(steps=10, warmup=2)
+    assert _schedule_steps(config, None) == 10
+    assert _schedule_steps(config, {"schedule_steps": 4, "config": {"steps": 6}}) == 4
+    assert _schedule_steps(config, {"config": {"steps": 6}}) == 6  # saved before it was recorded
+    factor = _schedule(4, 2)
+    assert [round(factor(s), 6) for s in range(7)] == [0.5, 0.853553, 0.5, 0.146447, 0, 0, 0]

@@ -317,9 +317,9 @@ def preflight(config: TrainConfig, spec: ModelSpec) -> None:
     free = shutil.disk_usage(out).free
     if free < need:
         raise ValueError(
-            f"--output-dir {out} has {_bytes(free)} free; two checkpoints of {spec.name} need "
-            f"{_bytes(need)} ({need:,} bytes: 16 per parameter each); free space there or "
-            "pass --output-dir on a larger disk."
+            f"--output-dir {out} has {_bytes(free)} ({free:,} bytes) free; two checkpoints of "
+            f"{spec.name} need {_bytes(need)} ({need:,} bytes: 16 per parameter each); free "
+            "space there or pass --output-dir on a larger disk."
         )
     tokenized = _tokenizer_source(config, spec) is not None
     available = None if tokenized else corpus_bytes_available(config.corpus, config.corpus_bytes)
@@ -1031,10 +1031,20 @@ def _os_error(error: BaseException) -> OSError | None:
     return None
 
 
-def _disk_full_text(error: BaseException) -> bool:
-    """torch.save and DCP's writers say a full disk in their own words."""
+def _disk_full(error: BaseException, out: Path) -> bool:
+    """Whether ``error`` is a write that failed on a full disk. torch.save
+    and DCP's writers say so in their own words, or only that a write came
+    out short; a short write counts when the disk of ``out`` is (nearly) full."""
     text = str(error).lower()
-    return "no space left" in text or "file write failed" in text or "disk quota" in text
+    if "no space left" in text or "disk quota" in text:
+        return True
+    if "file write failed" not in text and "unexpected pos" not in text:
+        return False
+    try:
+        usage = shutil.disk_usage(out)
+    except OSError:
+        return False
+    return usage.free < max(256 * 2**20, usage.total // 100)
 
 
 def describe_failure(error: BaseException, config: TrainConfig) -> tuple[int, str]:
@@ -1045,7 +1055,7 @@ def describe_failure(error: BaseException, config: TrainConfig) -> tuple[int, st
     out = Path(config.output_dir)
     cause = _os_error(error)
     full = cause is not None and cause.errno in (errno.ENOSPC, errno.EDQUOT)
-    if full or (cause is None and _disk_full_text(error)):
+    if full or (cause is None and _disk_full(error, out)):
         where = Path(cause.filename) if cause is not None and cause.filename else out
         try:
             usage = shutil.disk_usage(where if where.exists() else out)
