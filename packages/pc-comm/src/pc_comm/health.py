@@ -197,6 +197,16 @@ class HealthBoard:
             self._lock.release()
 
     def _beat(self) -> None:
+        # The store's host's entry (its pid) as soon as it is published: a
+        # job can lose it in its first second.
+        deadline = time.monotonic() + 5.0
+        while (
+            self.store_host is not None
+            and self._host_entry is None
+            and time.monotonic() < deadline
+            and not self._stop.wait(0.02)
+        ):
+            self._host_entry = self.read(self.store_host)
         while not self._stop.wait(self.interval):
             self._publish()
             if self.store_host is not None and not self.store_gone:
