@@ -1007,11 +1007,15 @@ def _note(message: str, overwrite: bool = False) -> None:
         _write_whole(path, message)
 
 
-# Exit codes [Note: exit codes]: 0 done; 1 a failure (a crash, a rank that
-# died or stalled: the same command may succeed when run again, with
-# --resume); 2 an error the user fixes before running again (bad settings or
-# input, a full disk, a read-only or unwritable directory, a bad checkpoint,
-# a run that diverged); 130 interrupted (SIGINT / SIGTERM), checkpoint saved.
+# [Note: exit codes]
+# 0: done. 1: a failure (a crash, a rank that died or stalled): the same
+# command may succeed when run again, with --resume. 2: an error the user
+# fixes before running again (bad settings or input, a full disk, a
+# read-only or unwritable directory, a bad checkpoint, memory exhausted, a
+# run that diverged): running it again as it is fails again, so a
+# scheduler that restarts on failure should stop on 2. 130: interrupted
+# (SIGINT / SIGTERM), a checkpoint saved. Each failed rank exits with its
+# own code; the launcher exits 2 when any rank did, else 1.
 EXIT_FAILURE = 1
 EXIT_USER_ERROR = 2
 
@@ -1172,7 +1176,9 @@ def _report_failure(failure: Any, errors: Path, config: TrainConfig) -> None:
             f"ranks. Checkpoints saved so far are in {latest}; continue with --resume.",
             file=sys.stderr,
         )
-    raise SystemExit(EXIT_USER_ERROR if EXIT_USER_ERROR in codes else EXIT_FAILURE)
+    raise SystemExit(
+        EXIT_USER_ERROR if EXIT_USER_ERROR in codes else EXIT_FAILURE
+    )  # [Note: exit codes]
 
 
 def _start_method() -> str:

@@ -194,6 +194,10 @@ def _parser() -> argparse.ArgumentParser:
         prog="pc-train",
         description="Train a transformers causal LM on local processes (or under torchrun) "
         "with any pc plugin. Settings: defaults < --config YAML < command line.",
+        epilog="Exit codes: 0 finished; 1 a failure (a crash, a rank that died or stalled: "
+        "running again with --resume may succeed); 2 an error to fix first (bad settings or "
+        "input, a full disk, a read-only directory, a bad checkpoint, a run that diverged); "
+        "130 interrupted after saving a checkpoint.",
     )
     parser.add_argument("--config", help="a YAML file of settings (keys as below, - or _)")
     for item in fields(TrainConfig):
