@@ -163,9 +163,8 @@ class _Runner:
             peer = self._peer(action)
             if isinstance(error, PeerFailureError):  # the communicator knows the peer died
                 raise PeerFailureError(
-                    f"pipeline rank {self.comm.rank} failed while waiting for {action} from "
-                    f"rank {peer} ({action.peer_action()} there) in schedule "
-                    f"{self.schedule.name!r}: {error}",
+                    f"{error} (The pipeline was waiting for {action} from rank {peer}, "
+                    f"{action.peer_action()} there, in schedule {self.schedule.name!r}.)",
                     error.op,
                     error.suspects,
                 ) from error

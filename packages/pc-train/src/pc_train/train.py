@@ -103,6 +103,11 @@ class _Phases:
             health.set_phase(current)
 
 
+# How long a rank stopped by the launcher after a peer died waits for its own
+# error about that peer (shared memory notices in 50 ms, gloo at once).
+_PEER_ERROR_S = 2.0
+
+
 class _Stop:
     """SIGINT / SIGTERM ask for a stop; the ranks agree on the step, save a
     checkpoint there and exit. The same tiny all-reduce, once per step
@@ -131,10 +136,17 @@ class _Stop:
 
     def _leave_when_stuck(self) -> None:
         deadline = time.monotonic() + self.grace
-        while time.monotonic() < deadline and (self.agreed or not health.gone_ranks()):
+        gone: list[int] = []
+        while time.monotonic() < deadline and (self.agreed or not gone):
             time.sleep(0.1)
+            gone = [] if self.agreed else health.gone_ranks()
+        if gone:
+            # This rank's own error, waiting on the gone peer, names it and
+            # where every rank was: give it a moment to come first.
+            time.sleep(min(_PEER_ERROR_S, max(0.0, deadline - time.monotonic())))
         where = self.phases.current
-        _leave(f"rank {self.phases.rank} was in {where} when the launcher stopped it.", 143)
+        after = f" (rank(s) {', '.join(map(str, gone))} gone)" if gone else ""
+        _leave(f"rank {self.phases.rank} was in {where} when the launcher stopped it{after}.", 143)
 
     def agree(self, finite: bool) -> tuple[bool, list[int]]:
         """(stop asked on any rank, ranks whose loss is not finite)."""
