@@ -11,11 +11,10 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import fault_runs
 import pytest
-import torch
 import torch.distributed as dist
 
-from pc_comm import DistContext, DistEnv
 from pc_comm.testing import run_subtests
 from pc_train.checkpoint import CheckpointError, load_trainer_state
 from pc_train.train import main, train
@@ -32,22 +31,10 @@ ARGV = ["--model", "gpt2-tiny", "--steps", "4", "--global-batch-size", "4", "--s
         "--corpus-bytes", "20000", "--nproc", "2", "--plugin", "zero2"]  # fmt: skip
 
 
-def _context() -> DistContext:
-    rank, world = dist.get_rank(), dist.get_world_size()
-    env = DistEnv(rank, world, rank, world, node_rank=0, master_addr="127.0.0.1", master_port=0)
-    return DistContext(env=env, backend="gloo", device=torch.device("cpu"))
-
-
-def _train(out: str) -> None:
-    train(TrainConfig(**SETTINGS, output_dir=out), _context())
-
-
 @pytest.fixture(scope="module")
 def saved_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 2-rank run with checkpoints at steps 2 and 4."""
-    out = tmp_path_factory.mktemp("run")
-    run_subtests(_train, 2, {}, args=(str(out),), timeout=240)
-    return out
+    return fault_runs.saved_run(SETTINGS, tmp_path_factory)
 
 
 def _copy(saved_run: Path, tmp_path: Path) -> tuple[Path, Path]:
@@ -111,7 +98,7 @@ def test_a_checkpoint_of_another_model_is_refused(saved_run: Path, tmp_path: Pat
 def _resume_fails_on_every_rank(out: str) -> None:
     config = TrainConfig(**SETTINGS, output_dir=out, resume="latest")
     with pytest.raises(CheckpointError, match=r"step-000004 does not load: .* is corrupt: "):
-        train(config, _context())
+        train(config, fault_runs.context())
     dist.barrier()  # every rank got here: each raised the error itself
 
 

@@ -15,12 +15,12 @@ import struct
 from pathlib import Path
 from typing import Any
 
+import fault_runs
 import pytest
 import torch
 import torch.distributed as dist
 
 from pc_booster import Booster, LowLevelZeroPlugin, TorchDDPPlugin
-from pc_comm import DistContext, DistEnv
 from pc_comm.testing import run_subtests, spawn, tiny_gpt2
 from pc_train.checkpoint import CheckpointError, load_trainer_state
 from pc_train.train import main, train
@@ -73,22 +73,10 @@ def garble_safetensors(file: Path) -> None:
 # -- pc-train ---------------------------------------------------------------------
 
 
-def _context() -> DistContext:
-    rank, world = dist.get_rank(), dist.get_world_size()
-    env = DistEnv(rank, world, rank, world, node_rank=0, master_addr="127.0.0.1", master_port=0)
-    return DistContext(env=env, backend="gloo", device=torch.device("cpu"))
-
-
-def _train(out: str) -> None:
-    train(TrainConfig(**SETTINGS, output_dir=out), _context())
-
-
 @pytest.fixture(scope="module")
 def saved_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 2-rank run with a checkpoint at step 2."""
-    out = tmp_path_factory.mktemp("run")
-    run_subtests(_train, 2, {}, args=(str(out),), timeout=240)
-    return out
+    return fault_runs.saved_run(SETTINGS, tmp_path_factory)
 
 
 def _garbled_run(saved_run: Path, tmp_path: Path) -> tuple[Path, Path]:
@@ -120,7 +108,7 @@ def test_pc_train_refuses_a_garbled_model_shard_before_any_rank_starts(
 def _resume_refused_on_every_rank(out: str) -> None:
     config = TrainConfig(**{**SETTINGS, "steps": 4}, output_dir=out, resume="latest")
     with pytest.raises(CheckpointError, match=r"is corrupt: __1_0\.distcp has checksum"):
-        train(config, _context())
+        train(config, fault_runs.context())
     dist.barrier()  # every rank got here: each raised the error itself
 
 

@@ -163,8 +163,9 @@ class _Runner:
             peer = self._peer(action)
             if isinstance(error, PeerFailureError):  # the communicator knows the peer died
                 raise PeerFailureError(
-                    f"{error} (The pipeline was waiting for {action} from rank {peer}, "
-                    f"{action.peer_action()} there, in schedule {self.schedule.name!r}.)",
+                    f"{error} (Pipeline rank {self.comm.rank} failed while waiting for "
+                    f"{action} from rank {peer}, {action.peer_action()} there, in schedule "
+                    f"{self.schedule.name!r}.)",
                     error.op,
                     error.suspects,
                 ) from error

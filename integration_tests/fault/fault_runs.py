@@ -1,0 +1,35 @@
+"""What the checkpoint fault tests share: a short pc-train run on 2 gloo
+ranks of the test harness, started in this process's own way (no
+launcher), so a test can damage its checkpoints afterwards."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from pc_comm import DistContext, DistEnv
+from pc_comm.testing import run_subtests
+from pc_train.train import train
+from pc_train.train_config import TrainConfig
+
+
+def context() -> DistContext:
+    """This harness rank as pc-train's ``train()`` expects it."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    env = DistEnv(rank, world, rank, world, node_rank=0, master_addr="127.0.0.1", master_port=0)
+    return DistContext(env=env, backend="gloo", device=torch.device("cpu"))
+
+
+def train_with(settings: dict[str, Any], out: str) -> None:
+    train(TrainConfig(**settings, output_dir=out), context())
+
+
+def saved_run(settings: dict[str, Any], factory: pytest.TempPathFactory) -> Path:
+    """The output directory of a 2-rank run with ``settings``."""
+    out = factory.mktemp("run")
+    run_subtests(train_with, 2, {}, args=(settings, str(out)), timeout=240)
+    return out
