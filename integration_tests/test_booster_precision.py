@@ -32,13 +32,26 @@ from pc_comm.testing import run_subtests
 
 pytestmark = pytest.mark.timeout(600)
 
+
+def _sequence_parallel(mode: str) -> Plugin:
+    return HybridParallelPlugin(
+        enable_sequence_parallelism=True, sequence_parallelism_mode=mode, sp_size=2,
+        zero_stage=1, initial_scale=SCALE,
+    )  # fmt: skip
+
+
 PLUGINS: dict[str, Callable[[], Plugin]] = {
     "zero1": lambda: LowLevelZeroPlugin(stage=1, initial_scale=SCALE),
     "zero2": lambda: LowLevelZeroPlugin(stage=2, initial_scale=SCALE),
     "gemini": lambda: GeminiPlugin(initial_scale=SCALE),
     "torch-fsdp": TorchFSDPPlugin,
     "hybrid-tp2-zero1": lambda: HybridParallelPlugin(tp_size=2, zero_stage=1, initial_scale=SCALE),
+    # Sequence parallelism of its own (dp 2 x sp 2), on a Llama with
+    # grouped-query attention.
+    "hybrid-sp2-all_to_all": lambda: _sequence_parallel("all_to_all"),
+    "hybrid-sp2-ring_attn": lambda: _sequence_parallel("ring_attn"),
 }
+MODEL_OF = {"hybrid-sp2-all_to_all": "llama", "hybrid-sp2-ring_attn": "llama"}
 # fp16 loss scale: 2^10 keeps every rank's scaled gradients (a quarter of
 # the tokens each) inside fp16's range, as they are in the reference.
 SCALE = 2.0**10
@@ -46,15 +59,15 @@ TOLERANCE = {"bf16": 2e-2, "fp16": 5e-3}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def _reference_losses(precision: str, steps: int, size: int) -> list[float]:
-    model = build("gpt2").to(DTYPES[precision])
+def _reference_losses(precision: str, steps: int, size: int, name: str) -> list[float]:
+    model = build(name).to(DTYPES[precision])
     params = list(model.parameters())
     masters = [p.detach().float().clone().requires_grad_() for p in params]
     optimizer = torch.optim.AdamW(masters, lr=1e-3, eps=1e-6, weight_decay=0.01)
     scale = SCALE if precision == "fp16" else 1.0
     losses = []
     for step in range(steps):
-        loss = model(**batch("gpt2", step, size=size)).loss
+        loss = model(**batch(name, step, size=size)).loss
         (loss * scale).backward()
         grads = [p.grad.float() / scale for p in params]
         for p in params:
@@ -76,8 +89,9 @@ def _reference_losses(precision: str, steps: int, size: int) -> list[float]:
 def check_precision(plugin: str, precision: str) -> None:
     if plugin == "torch-fsdp" and precision == "fp16":
         return  # refused: see check_refusals
+    name = MODEL_OF.get(plugin, "gpt2")
     booster = Booster(plugin=PLUGINS[plugin](), mixed_precision=precision)
-    model = build("gpt2")
+    model = build(name)
     model, optimizer, *_ = booster.boost(
         model, torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6, weight_decay=0.01)
     )
@@ -85,7 +99,7 @@ def check_precision(plugin: str, precision: str) -> None:
     dp_rank, dp = dist.get_rank(group), dist.get_world_size(group)
     losses = []
     for step in range(5):
-        full = batch("gpt2", step, size=2 * dp)
+        full = batch(name, step, size=2 * dp)
         loss = model(**{k: v[2 * dp_rank : 2 * dp_rank + 2] for k, v in full.items()}).loss
         booster.backward(loss, optimizer)
         optimizer.step()
@@ -93,7 +107,7 @@ def check_precision(plugin: str, precision: str) -> None:
         mean = loss.detach().float().clone()
         dist.all_reduce(mean, group=group)
         losses.append(mean.item() / dp)
-    expected = _reference_losses(precision, 5, 2 * dp)
+    expected = _reference_losses(precision, 5, 2 * dp, name)
     torch.testing.assert_close(
         torch.tensor(losses),
         torch.tensor(expected),

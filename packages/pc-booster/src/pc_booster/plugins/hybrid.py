@@ -227,12 +227,6 @@ def _sp_mode(o: HybridParallelOptions, setting: RunSetting) -> str | None:
                 "inside pipeline stages is not in pc yet; use it with data and tensor "
                 "parallelism."
             )
-        if setting.precision is not None and setting.precision is not TrainPrecision.FP32:
-            return (
-                f"sequence_parallelism_mode={mode!r} in {setting.precision.value}: it is "
-                "proven in fp32 only so far (parity tests against single-process "
-                "training); train it in fp32."
-            )
         if setting.world is not None and setting.world % (o.sp_size * o.tp_size):
             return (
                 f"sp_size={o.sp_size} x tp_size={o.tp_size} must divide the world "
