@@ -2,7 +2,8 @@
 "ring_attn" (ring attention), sp_size=N): sequence parallelism of its own
 size through the Booster, against single-process
 training on the global batch (3 SGD steps, losses and every parameter):
-sp 2 alone; dp 2 x sp 2 with DDP and with ZeRO-1; tp 2 x sp 2. The sp
+sp 2 alone; dp 2 x sp 2 with DDP and with ZeRO-1; tp 2 x sp 2; pp 2 x sp 2
+(execute_pipeline) with DDP and with ZeRO-1 and clipping. The sp
 ranks of a replica share a batch; the dataloader's group leaves them out."""
 
 from __future__ import annotations
@@ -33,19 +34,20 @@ def _build() -> torch.nn.Module:
 
 
 def check_plugin(layout: str, mode: str) -> None:
-    sizes = {  # tp, ZeRO stage, clipping norm
-        "sp": (1, 0, 0.0), "dp-sp": (1, 0, 0.0), "dp-sp-zero1-clip": (1, 1, 0.5),
-        "dp-sp-zero2": (1, 2, 0.0), "tp-sp": (2, 0, 0.0), "tp-sp-clip": (2, 0, 0.5),
+    sizes = {  # tp, pp, ZeRO stage, clipping norm
+        "sp": (1, 1, 0, 0.0), "dp-sp": (1, 1, 0, 0.0), "dp-sp-zero1-clip": (1, 1, 1, 0.5),
+        "dp-sp-zero2": (1, 1, 2, 0.0), "tp-sp": (2, 1, 0, 0.0), "tp-sp-clip": (2, 1, 0, 0.5),
+        "pp-sp": (1, 2, 0, 0.0), "pp-sp-zero1-clip": (1, 2, 1, 0.5),
     }  # fmt: skip
-    tp, zero, max_norm = sizes[layout]
+    tp, pp, zero, max_norm = sizes[layout]
     plugin = HybridParallelPlugin(
-        tp_size=tp, zero_stage=zero, enable_sequence_parallelism=True,
+        tp_size=tp, pp_size=pp, zero_stage=zero, enable_sequence_parallelism=True,
         sequence_parallelism_mode=mode, sp_size=2, max_norm=max_norm,
     )  # fmt: skip
     booster = Booster(plugin=plugin)
     data, data_rank = plugin.dp_size, dist.get_rank(plugin.dp_group)
     assert plugin.sp_size == 2
-    assert data == dist.get_world_size() // (2 * tp)
+    assert data == dist.get_world_size() // (2 * tp * pp)
     gen = torch.Generator().manual_seed(3)
     batches = [torch.randint(0, VOCAB, (BATCH * data, SEQ), generator=gen) for _ in range(STEPS)]
 
@@ -66,8 +68,12 @@ def check_plugin(layout: str, mode: str) -> None:
     losses = []
     for ids in batches:
         mine = ids[data_rank * BATCH : (data_rank + 1) * BATCH]
-        loss = model(input_ids=mine, labels=mine).loss
-        booster.backward(loss, opt)
+        if pp > 1:  # BATCH rows in pp micro-batches, each rank its share of each sequence
+            step = {"input_ids": mine, "labels": mine}
+            loss = booster.execute_pipeline(iter([step]), model, None, opt)["loss"]
+        else:
+            loss = model(input_ids=mine, labels=mine).loss
+            booster.backward(loss, opt)
         opt.step()
         opt.zero_grad()
         total = loss.detach().clone()
@@ -85,6 +91,13 @@ def test_ulysses_through_the_plugin_matches_single_process() -> None:
     run_subtests(check_plugin, 4, cases, timeout=280)
 
 
+def test_sequence_parallelism_inside_pipeline_stages_matches_single_process() -> None:
+    """pp 2 x sp 2: each stage's two ranks split every micro-batch's
+    sequence; Llama from its base_model_pp_plan."""
+    cases = {"layout": ["pp-sp", "pp-sp-zero1-clip"], "mode": ["all_to_all", "ring_attn"]}
+    run_subtests(check_plugin, 4, cases, timeout=280)
+
+
 def test_ulysses_alone_at_world_2() -> None:
     run_subtests(
         check_plugin, 2, {"layout": ["sp"], "mode": ["all_to_all", "ring_attn"]}, timeout=200
@@ -96,11 +109,13 @@ def test_ulysses_refusals() -> None:
         HybridParallelPlugin(
             enable_sequence_parallelism=True, sequence_parallelism_mode="all_to_all"
         )
-    with pytest.raises(ValueError, match=r"sequence parallelism with pipelines is not supported"):
+    with pytest.raises(ValueError, match=r"inside pipeline stages with tensor parallelism too"):
         HybridParallelPlugin(
-            pp_size=2, enable_sequence_parallelism=True, sequence_parallelism_mode="all_to_all",
-            sp_size=2,
+            tp_size=2, pp_size=2, enable_sequence_parallelism=True,
+            sequence_parallelism_mode="all_to_all", sp_size=2,
         )  # fmt: skip
+    with pytest.raises(ValueError, match=r"'split_gather', inside tensor parallelism\) with pipe"):
+        HybridParallelPlugin(tp_size=2, pp_size=2, enable_sequence_parallelism=True)
     # bf16 and fp16 are accepted: proven in integration_tests/test_booster_precision.py.
     Booster(
         plugin=HybridParallelPlugin(

@@ -20,12 +20,14 @@ pipeline.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["pipeline_layers"]
+__all__ = ["SequenceShare", "pipeline_layers"]
 
 
 class _GPT2Embed(nn.Module):
@@ -129,6 +131,16 @@ class _Recorder(nn.Module):
         return args[0] if self.value is None else self.value
 
 
+@dataclass(frozen=True)
+class SequenceShare:
+    """Sequence parallelism inside pipeline stages: ``positions(total,
+    device)`` gives the positions of a ``total``-token sequence this rank
+    holds, one of ``parts`` equal shares of the tokens."""
+
+    positions: Callable[[int, torch.device], torch.Tensor]
+    parts: int
+
+
 class _PlanContext:
     """What a model's pipeline layers share: the model, its base model and
     block list, and, per hidden-state shape, the arguments the base model's
@@ -138,10 +150,24 @@ class _PlanContext:
     shape alone (padding masks are not carried), so they are computed once
     per shape, on real tensors even inside a shape-inference pass."""
 
-    def __init__(self, model: nn.Module, base: nn.Module, blocks: nn.ModuleList) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        base: nn.Module,
+        blocks: nn.ModuleList,
+        share: SequenceShare | None = None,
+    ) -> None:
         self.model, self.base, self.blocks = model, base, blocks
+        self.share = share  # sequence parallelism: the positions this rank holds
         self.cache: dict[Any, list[Any]] = {}
         self.block_returns_tuple = False
+
+    def positions(self, local: int, device: torch.device) -> dict[str, torch.Tensor]:
+        """Under sequence parallelism, ``position_ids`` of this rank's
+        ``local`` tokens in the whole sequence; else nothing."""
+        if self.share is None:
+            return {}
+        return {"position_ids": self.share.positions(local * self.share.parts, device)[None]}
 
     def swapped(self, make: Any) -> Any:
         """A context manager: each block ``i`` replaced by ``make(i)`` (None
@@ -186,7 +212,9 @@ class _PlanContext:
                 calls: list[Any] = [None] * len(self.blocks)
                 last = len(self.blocks) - 1
                 with self.swapped(lambda i: _Recorder(i, calls, stop=i == last)):
-                    self.call_base(inputs_embeds=dummy)
+                    self.call_base(
+                        inputs_embeds=dummy, **self.positions(hidden.shape[1], hidden.device)
+                    )
             if any(c is None for c in calls):
                 raise ValueError(
                     f"pipeline parallelism: {type(self.base).__name__}'s forward did not call "
@@ -226,8 +254,13 @@ class _PlanEmbed(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         calls: list[Any] = [None] * len(self.context.blocks)
+        extra: dict[str, torch.Tensor] = {}
+        share = self.context.share
+        if share is not None:  # sequence parallelism: this rank's tokens
+            mine = share.positions(ids.shape[1], ids.device)
+            ids, extra = ids.index_select(1, mine), {"position_ids": mine[None]}
         with self.context.swapped(lambda i: _Recorder(i, calls, stop=True) if i == 0 else None):
-            stop = self.context.call_base(input_ids=ids)
+            stop = self.context.call_base(input_ids=ids, **extra)
         if not isinstance(stop, _Stop) or not isinstance(stop.hidden, torch.Tensor):
             raise ValueError(
                 f"pipeline parallelism: {type(self.context.base).__name__}'s forward did not "
@@ -295,7 +328,9 @@ _HEADS = {
 }
 
 
-def _plan_layers(model: nn.Module, plan: dict[str, Any], kind: str) -> list[nn.Module]:
+def _plan_layers(
+    model: nn.Module, plan: dict[str, Any], kind: str, share: SequenceShare | None = None
+) -> list[nn.Module]:
     """The layers of a model whose config has a ``base_model_pp_plan``: its
     keys name the base model's modules in order, one of them the block list."""
     base: nn.Module = getattr(model, "base_model", model)
@@ -324,7 +359,7 @@ def _plan_layers(model: nn.Module, plan: dict[str, Any], kind: str) -> list[nn.M
             f"pipeline parallelism: {type(model).__name__} is a base model without a head; "
             "give it one (ForCausalLM, ForSequenceClassification, ...)."
         )
-    context = _PlanContext(model, base, blocks)
+    context = _PlanContext(model, base, blocks, share)
     first = _PlanEmbed(context, {**before, **shared})
     middle = [_PlanBlock(context, i, b, shared) for i, b in enumerate(blocks)]
     pooled = kind == "sequence"
@@ -359,7 +394,9 @@ def _generic_pooling(model: nn.Module) -> bool:
     return len(heads) == 1 and heads[0][0] == "score" and type(heads[0][1]) is nn.Linear
 
 
-def pipeline_layers(model: nn.Module) -> tuple[list[nn.Module], str]:
+def pipeline_layers(
+    model: nn.Module, share: SequenceShare | None = None
+) -> tuple[list[nn.Module], str]:
     """The layers of ``model`` in order, and its loss kind (``"causal"``,
     ``"masked"``, ``"sequence"`` or ``"token"``). Any model whose family's
     config has transformers' ``base_model_pp_plan``, with a causal-LM,
@@ -369,6 +406,12 @@ def pipeline_layers(model: nn.Module) -> tuple[list[nn.Module], str]:
     kind = getattr(config, "model_type", None)
     name = type(model).__name__
     lm: Any = model
+    if share is not None and not getattr(config, "base_model_pp_plan", None):
+        raise ValueError(
+            f"sequence parallelism inside pipeline stages cuts a model from its family's "
+            f"base_model_pp_plan; {name} (model_type={kind!r}) has none. Use sequence "
+            "parallelism without pipelines, or a family with a plan (Llama, Qwen2, ...)."
+        )
     if kind == "gpt2" and name == "GPT2LMHeadModel":
         causal = _needs_causal_mask(model)
         blocks = [_Block(b, causal_mask=causal) for b in lm.transformer.h]
@@ -384,8 +427,13 @@ def pipeline_layers(model: nn.Module) -> tuple[list[nn.Module], str]:
             "(a first token, a mean, a dense layer); pc's pipeline pools each row's last token "
             "that is not padding, as transformers' generic head does, so it refuses this one."
         )
+    if share is not None and head != "causal":
+        raise ValueError(
+            f"sequence parallelism inside pipeline stages computes the loss of causal language "
+            f"models; {name} has a {head} head."
+        )
     if plan and head is not None:
-        return _plan_layers(model, dict(plan), head), head
+        return _plan_layers(model, dict(plan), head, share), head
     reason = (
         f"its head ({name}) is not one of {', '.join(_HEADS)}"
         if plan

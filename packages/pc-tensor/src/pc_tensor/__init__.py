@@ -42,6 +42,9 @@ from pc_tensor.shard import (
 )
 from pc_tensor.ulysses import (
     heads_to_sequence,
+    sequence_attention,
+    sequence_lm_loss,
+    sequence_positions,
     sequence_to_heads,
     sync_sequence_grads,
     ulysses_model,
@@ -72,6 +75,9 @@ __all__ = [
     "reduce_from_tp",
     "reduce_scatter_sequence",
     "ring_model",
+    "sequence_attention",
+    "sequence_lm_loss",
+    "sequence_positions",
     "sequence_to_heads",
     "shard_info",
     "shard_model",

@@ -40,6 +40,9 @@ from torch import nn
 __all__ = [
     "ATTENTION",
     "heads_to_sequence",
+    "sequence_attention",
+    "sequence_lm_loss",
+    "sequence_positions",
     "sequence_to_heads",
     "sync_sequence_grads",
     "ulysses_model",
@@ -251,6 +254,17 @@ def _prepare(
 ) -> nn.Module:
     """``model`` set to run the registered ``attention`` (name, function)
     over ``group``, its forward wrapped to take the whole batch."""
+    group = _attend(model, group, attention)
+    causal = type(model).__name__.endswith("ForCausalLM")
+    model.forward = _SequenceForward(model.forward, group, causal, grad_scale, zigzag, label)
+    return model
+
+
+def _attend(
+    model: nn.Module, group: dist.ProcessGroup | None, attention: tuple[str, Any]
+) -> dist.ProcessGroup:
+    """``model``'s attention set to the registered ``attention`` over
+    ``group``; returns the group."""
     name, function = attention
     _register(name, function)
     group = group if group is not None else dist.group.WORLD
@@ -265,10 +279,78 @@ def _prepare(
     else:
         config: Any = model.config
         config._attn_implementation = name
-    causal = type(model).__name__.endswith("ForCausalLM")
-    model.forward = _SequenceForward(model.forward, group, causal, grad_scale, zigzag, label)
     model.__dict__["_pc_ulysses"] = group
+    return group
+
+
+def sequence_attention(model: nn.Module, group: dist.ProcessGroup, mode: str) -> nn.Module:
+    """Only the attention of :func:`ulysses_model` (``mode="all_to_all"``)
+    or :func:`~pc_tensor.ring_model` (``"ring_attn"``) over ``group``,
+    leaving the model's forward as it is: for callers that split the
+    sequence themselves (pipeline stages, with :func:`sequence_positions`
+    and :func:`sequence_lm_loss`). Returns the model."""
+    if mode == "all_to_all":
+        _attend(model, group, (ATTENTION, _attention))
+    elif mode == "ring_attn":
+        from pc_tensor.ring import RING_ATTENTION
+        from pc_tensor.ring import _attention as ring_attention
+
+        _attend(model, group, (RING_ATTENTION, ring_attention))
+    else:
+        raise ValueError(f"mode must be 'all_to_all' or 'ring_attn', got {mode!r}.")
     return model
+
+
+def sequence_positions(
+    total: int,
+    group: dist.ProcessGroup,
+    *,
+    zigzag: bool,
+    device: torch.device | None = None,
+    name: str = "sequence parallelism",
+) -> torch.Tensor:
+    """The positions of a ``total``-token sequence this rank of ``group``
+    holds: one contiguous block, or under ``zigzag`` (ring attention on a
+    causal model) blocks ``r`` and ``2 * world - 1 - r`` of ``2 * world``.
+    Raises ValueError when the sequence does not split so."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    parts = 2 * world if zigzag else world
+    if total % parts:
+        raise ValueError(
+            f"{name} over {world} ranks splits the sequence into {parts} equal "
+            f"blocks: {total} tokens do not divide by {parts}. Pad or cut the sequence to "
+            f"a multiple of {parts} (e.g. {total - total % parts} or "
+            f"{total + parts - total % parts})."
+        )
+    size = total // parts
+    blocks = [rank, parts - 1 - rank] if zigzag else [rank]
+    return torch.cat([torch.arange(b * size, (b + 1) * size, device=device) for b in blocks])
+
+
+def sequence_lm_loss(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    group: dist.ProcessGroup,
+    *,
+    zigzag: bool,
+    grad_scale: float = 1.0,
+) -> torch.Tensor:
+    """The next-token loss of the whole sequence from this rank's share of
+    the logits (``[batch, share, vocab]``, the positions of
+    :func:`sequence_positions`) and the whole sequence's ``labels``
+    (``[batch, total]``, -100 ignored): the labels are shifted before the
+    split, the sum is divided by the whole sequence's targets, and the
+    result is summed over ``group`` (every rank gets the whole loss;
+    backward gives each rank its own part, times ``grad_scale``)."""
+    total = labels.shape[1]
+    mine = sequence_positions(total, group, zigzag=zigzag, device=labels.device)
+    shifted = nn.functional.pad(labels, (0, 1), value=-100)[:, 1:]
+    count = (shifted != -100).sum().clamp(min=1)
+    targets = shifted.index_select(1, mine).reshape(-1)
+    flat = logits.reshape(-1, logits.shape[-1]).float()
+    part = nn.functional.cross_entropy(flat, targets, ignore_index=-100, reduction="sum") / count
+    loss: torch.Tensor = _SumOverGroup.apply(part, group, grad_scale)  # type: ignore[no-untyped-call, unused-ignore]
+    return loss
 
 
 class _SequenceForward:
@@ -293,18 +375,9 @@ class _SequenceForward:
 
     def share(self, total: int, device: torch.device) -> torch.Tensor:
         """The positions of the sequence this rank holds."""
-        world, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
-        parts = 2 * world if self.zigzag else world
-        if total % parts:
-            raise ValueError(
-                f"{self.name} over {world} ranks splits the sequence into {parts} equal "
-                f"blocks: {total} tokens do not divide by {parts}. Pad or cut the sequence to "
-                f"a multiple of {parts} (e.g. {total - total % parts} or "
-                f"{total + parts - total % parts})."
-            )
-        size = total // parts
-        blocks = [rank, parts - 1 - rank] if self.zigzag else [rank]
-        return torch.cat([torch.arange(b * size, (b + 1) * size, device=device) for b in blocks])
+        return sequence_positions(
+            total, self.group, zigzag=self.zigzag, device=device, name=self.name
+        )
 
     def __call__(
         self,

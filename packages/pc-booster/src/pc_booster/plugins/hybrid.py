@@ -123,10 +123,16 @@ def _sp_needs_tp(o: HybridParallelOptions, setting: RunSetting) -> str | None:
 
 
 def _sp_pipeline(o: HybridParallelOptions, setting: RunSetting) -> str | None:
-    if o.enable_sequence_parallelism and o.pp_size > 1:
+    if o.megatron_sp() and o.pp_size > 1:
         return (
-            "sequence parallelism with pipelines is not supported yet (the stages would pass "
-            "sequence slices); set one of them off."
+            "sequence parallelism ('split_gather', inside tensor parallelism) with pipelines "
+            "is not supported yet; use sequence_parallelism_mode='all_to_all' or 'ring_attn' "
+            "with an sp_size, or set one of them off."
+        )
+    if o.enable_sequence_parallelism and o.pp_size > 1 and o.tp_size > 1:
+        return (
+            f"sequence_parallelism_mode={o.sequence_parallelism_mode!r} inside pipeline stages "
+            "with tensor parallelism too (tp_size > 1) is not in pc yet; use two of the three."
         )
     return None
 
@@ -221,16 +227,10 @@ def _sp_mode(o: HybridParallelOptions, setting: RunSetting) -> str | None:
                 f"sequence_parallelism_mode={mode!r} with sp_size={o.sp_size!r}: it splits "
                 "the sequence over sp_size ranks of its own; pass sp_size >= 2."
             )
-        if o.pp_size > 1:
+        if setting.world is not None and setting.world % (o.sp_size * o.tp_size * o.pp_size):
             return (
-                f"sequence_parallelism_mode={mode!r} with pp_size > 1: sequence parallelism "
-                "inside pipeline stages is not in pc yet; use it with data and tensor "
-                "parallelism."
-            )
-        if setting.world is not None and setting.world % (o.sp_size * o.tp_size):
-            return (
-                f"sp_size={o.sp_size} x tp_size={o.tp_size} must divide the world "
-                f"({setting.world})."
+                f"sp_size={o.sp_size} x tp_size={o.tp_size} x pp_size={o.pp_size} must divide "
+                f"the world ({setting.world})."
             )
         return None
     if o.sp_size not in (None, 1):

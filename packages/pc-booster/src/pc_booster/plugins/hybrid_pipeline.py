@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
-from pc_booster.pipeline import pipeline_layers
+from pc_booster.pipeline import SequenceShare, pipeline_layers
 from pc_booster.plugin import Boosted, rebuild_optimizer
 from pc_booster.plugins.common import (
     broadcast_module,
@@ -63,8 +63,32 @@ class StageOutput:
         )
 
 
+def _sequence_share(plugin: HybridParallelPlugin) -> SequenceShare | None:
+    """Ulysses or ring attention inside the stages: this rank's positions."""
+    if plugin.sp_size == 1:
+        return None
+    from pc_tensor import sequence_positions
+
+    group = plugin.layout.sp_group
+    assert group is not None
+    zigzag = plugin.options.sequence_parallelism_mode == "ring_attn"
+
+    def positions(total: int, where: torch.device) -> torch.Tensor:
+        return sequence_positions(total, group, zigzag=zigzag, device=where)
+
+    return SequenceShare(positions, plugin.sp_size)
+
+
 def _stage_layout(plugin: HybridParallelPlugin, model: nn.Module) -> tuple[Any, list[int]]:
-    layers, plugin.loss_kind = pipeline_layers(model)
+    share = _sequence_share(plugin)
+    if share is not None:
+        from pc_tensor import sequence_attention
+
+        assert plugin.layout.sp_group is not None
+        mode = plugin.options.sequence_parallelism_mode
+        assert mode is not None
+        sequence_attention(model, plugin.layout.sp_group, mode)
+    layers, plugin.loss_kind = pipeline_layers(model, share)
     plugin.loss_config = getattr(model, "config", None)
     o = plugin.options
     stages = o.pp_size * o.chunks_per_rank()
@@ -235,6 +259,18 @@ def lm_loss(
         else:
             loss = ForTokenClassification(logits, labels, plugin.loss_config)
         return loss
+    if plugin.loss_kind == "causal" and plugin.sp_size > 1:
+        from pc_tensor import sequence_lm_loss
+
+        group = plugin.layout.sp_group
+        assert group is not None
+        return sequence_lm_loss(
+            logits,
+            labels,
+            group,
+            zigzag=plugin.options.sequence_parallelism_mode == "ring_attn",
+            grad_scale=float(plugin.sp_size),
+        )
     if plugin.loss_kind == "causal":
         logits, labels = logits[:, :-1], labels[:, 1:]
     flat, target = logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)
