@@ -17,6 +17,22 @@ from pc_train.train import train
 from pc_train.train_config import TrainConfig
 
 
+def settings(steps: int) -> dict[str, Any]:
+    """A tiny ZeRO-2 run of ``steps`` steps, a checkpoint every 2."""
+    return {
+        "model": "gpt2-tiny", "plugin": "zero2", "steps": steps, "global_batch_size": 4,
+        "seq_len": 16, "corpus_bytes": 20_000, "checkpoint_every": 2, "keep_last": 3,
+        "eval_every": 0, "log_every": 2, "tensorboard": False, "progress": False,
+    }  # fmt: skip
+
+
+def argv(steps: int) -> list[str]:
+    """The same run as pc-train's command line."""
+    return ["--model", "gpt2-tiny", "--steps", str(steps), "--global-batch-size", "4",
+            "--seq-len", "16", "--corpus-bytes", "20000", "--nproc", "2",
+            "--plugin", "zero2"]  # fmt: skip
+
+
 def context() -> DistContext:
     """This harness rank as pc-train's ``train()`` expects it."""
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -28,13 +28,8 @@ from pc_train.train_config import TrainConfig
 
 pytestmark = pytest.mark.timeout(300)
 
-SETTINGS: dict[str, Any] = {
-    "model": "gpt2-tiny", "plugin": "zero2", "steps": 2, "global_batch_size": 4, "seq_len": 16,
-    "corpus_bytes": 20_000, "checkpoint_every": 2, "keep_last": 3, "eval_every": 0,
-    "log_every": 2, "tensorboard": False, "progress": False,
-}  # fmt: skip
-ARGV = ["--model", "gpt2-tiny", "--steps", "2", "--global-batch-size", "4", "--seq-len", "16",
-        "--corpus-bytes", "20000", "--nproc", "2", "--plugin", "zero2"]  # fmt: skip
+SETTINGS: dict[str, Any] = fault_runs.settings(2)
+ARGV = fault_runs.argv(2)
 GARBLED = 64
 
 
