@@ -1,6 +1,7 @@
 """Ring attention's hand-written forward and backward
 (pc_tensor.ring._RingAttention) against whole-sequence attention on one
-rank: outputs and the gradients of queries, keys and values, in float64
+rank: outputs and the gradients of queries, keys and values, over pc-comm's
+shared memory and over torch.distributed, in float64
 (to rounding) and float32, causal (zig-zag) and not, with grouped-query
 attention, through torch's fused CPU kernel and through the matrix-product
 blocks used elsewhere, at ring sizes 2 and 4."""
@@ -25,7 +26,7 @@ def _zigzag(x: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     return torch.cat([blocks[rank], blocks[2 * world - 1 - rank]], dim=2)
 
 
-def check_ring_kernel(dtype: torch.dtype, causal: bool, fused: bool) -> None:
+def check_ring_kernel(dtype: torch.dtype, causal: bool, fused: bool, links: str) -> None:
     world, rank = dist.get_world_size(), dist.get_rank()
     gen = torch.Generator().manual_seed(3)
     batch, heads, kv_heads, seq, dim = 2, 4, 2, 8 * world, 8
@@ -45,8 +46,13 @@ def check_ring_kernel(dtype: torch.dtype, causal: bool, fused: bool) -> None:
     ring._fused = original if fused else (lambda q: False)
     try:
         mine = [_zigzag(t, rank, world).to(dtype).requires_grad_() for t in (q, k, v)]
+        world_group = dist.group.WORLD
+        assert world_group is not None
+        ring_links = ring._Links(world_group)
+        if links == "torch":
+            ring_links.shm = None  # torch.distributed's sends instead of shared memory
         out = ring._RingAttention.apply(  # type: ignore[no-untyped-call]
-            *mine, dist.group.WORLD, 0.3, causal
+            *mine, ring_links, 0.3, causal
         )
         out.backward(_zigzag(grad, rank, world).to(dtype))
     finally:
@@ -68,5 +74,6 @@ def test_ring_kernel_matches_whole_attention(world_size: int) -> None:
         "dtype": [torch.float64, torch.float32],
         "causal": [True, False],
         "fused": [True, False],
+        "links": ["shm", "torch"],
     }
     run_subtests(check_ring_kernel, world_size, cases, timeout=180)

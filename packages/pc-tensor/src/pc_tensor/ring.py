@@ -26,6 +26,8 @@ exists at a time; on the CPU each pair runs torch's fused attention kernel
 matrix products in float32.
 Communication: the next key/value block is sent and received while the
 current one is computed; in backward, so is the previous step's gradient.
+The blocks go through pc-comm's shared memory when the group is on one
+host and they are on the CPU, through ``torch.distributed`` otherwise.
 
 Grouped-query attention: key/value heads travel as they are and are
 repeated to the query heads inside each step. Refused as for Ulysses:
@@ -48,25 +50,64 @@ __all__ = ["RING_ATTENTION", "ring_model"]
 RING_ATTENTION = "pc_ring"
 
 
-def _exchange(
-    x: torch.Tensor, group: dist.ProcessGroup, tag: int
-) -> tuple[torch.Tensor, list[Any]]:
-    """Start sending ``x`` to the next rank of the ring and receiving the
-    previous rank's; returns the receive buffer and the requests to wait on.
-    Every rank posts its exchanges in one order, and each kind has its tag."""
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    x = x.contiguous()
-    got = torch.empty_like(x)
-    ops = [
-        dist.P2POp(dist.isend, x, dist.get_global_rank(group, (rank + 1) % world), group, tag),
-        dist.P2POp(dist.irecv, got, dist.get_global_rank(group, (rank - 1) % world), group, tag),
-    ]
-    return got, dist.batch_isend_irecv(ops)
+class _Links:
+    """The ring's point-to-point links over ``group``: pc-comm's shared
+    memory (``ShmCommunicator``) when every rank of the group is on this
+    host and the blocks are on the CPU; ``torch.distributed`` otherwise
+    (NCCL between GPUs, gloo between hosts). Made once per model (a
+    collective over the group), shared by its attention modules."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        from pc_comm import ShmCommunicator, on_one_host
+
+        self.group = group
+        self.shm: Any = None
+        if dist.get_world_size(group) > 1 and on_one_host(group):
+            self.shm = ShmCommunicator(group)
+        from pc_comm.health import group_timeout
+
+        self.timeout = group_timeout()  # a shared-memory wait's bound
+
+    def wait(self, handles: list[Any]) -> None:
+        for handle in handles:
+            if isinstance(handle, dist.Work):
+                handle.wait()  # torch's: the group's own timeout
+            else:
+                handle.wait(self.timeout)
+
+    def exchange(self, x: torch.Tensor, tag: int) -> tuple[torch.Tensor, list[Any]]:
+        """Start sending ``x`` to the next rank of the ring and receiving the
+        previous rank's; returns the receive buffer and the handles to wait
+        on. Every rank posts its exchanges in one order (the shared-memory
+        rings match messages first in, first out; torch's by ``tag``)."""
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        if isinstance(x, FakeTensor):  # shape inference: nothing may be posted
+            raise RuntimeError("ring attention exchanges real tensors, not fake ones.")
+        group = self.group
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        x = x.contiguous()
+        got = torch.empty_like(x)
+        after, before = (rank + 1) % world, (rank - 1) % world
+        if self.shm is not None and x.device.type == "cpu":
+            from pc_comm import P2PKind, P2POp
+
+            ops = [P2POp(P2PKind.SEND, x, after), P2POp(P2PKind.RECV, got, before)]
+            return got, list(self.shm.batch_p2p(ops))
+        requests = dist.batch_isend_irecv(
+            [
+                dist.P2POp(dist.isend, x, dist.get_global_rank(group, after), group, tag),
+                dist.P2POp(dist.irecv, got, dist.get_global_rank(group, before), group, tag),
+            ]
+        )
+        return got, list(requests)
 
 
-def _wait_all(requests: list[Any]) -> None:
-    for request in requests:
-        request.wait()
+def _links_of(module: nn.Module, group: dist.ProcessGroup) -> _Links:
+    links = module.__dict__.get("_pc_ring_links")
+    if links is None:  # a module ring_model did not prepare
+        links = module.__dict__["_pc_ring_links"] = _Links(group)
+    return links
 
 
 def _fused(q: torch.Tensor) -> bool:
@@ -174,8 +215,9 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(
         ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-        group: dist.ProcessGroup, scale: float, causal: bool,
+        links: _Links, scale: float, causal: bool,
     ) -> torch.Tensor:  # fmt: skip
+        group = links.group
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         heads = k.shape[1]
         q_blocks = q.chunk(2, dim=2)
@@ -185,7 +227,7 @@ class _RingAttention(torch.autograd.Function):
         for step in range(world):
             requests: list[Any] = []
             if step < world - 1:  # the next block is on its way meanwhile
-                coming, requests = _exchange(kv, group, tag=0)
+                coming, requests = links.exchange(kv, tag=0)
             k_blocks, v_blocks = kv[:, :heads].chunk(2, dim=2), kv[:, heads:].chunk(2, dim=2)
             for i, j, diagonal in _pairs(rank, (rank - step) % world, world, causal):
                 o_b, l_b = _block_forward(q_blocks[i], k_blocks[j], v_blocks[j], scale, diagonal)
@@ -197,20 +239,20 @@ class _RingAttention(torch.autograd.Function):
                 out[i] = o_a.mul_(torch.exp(l_a - merged)).add_(o_b * torch.exp(l_b - merged))
                 lse[i] = merged
             if requests:
-                _wait_all(requests)
+                links.wait(requests)
                 kv = coming
         assert all(o is not None for o in out)  # every query block sees its own block
         whole_out = torch.cat(out, dim=2)  # type: ignore[arg-type]
         whole_lse = torch.cat(lse, dim=2)  # type: ignore[arg-type]
         ctx.save_for_backward(q, k, v, whole_out, whole_lse)
-        ctx.group, ctx.scale, ctx.causal = group, scale, causal
+        ctx.links, ctx.scale, ctx.causal = links, scale, causal
         return whole_out.to(q.dtype)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         q, k, v, out, lse = ctx.saved_tensors
-        group, scale, causal = ctx.group, ctx.scale, ctx.causal
-        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        links, scale, causal = ctx.links, ctx.scale, ctx.causal
+        world, rank = dist.get_world_size(links.group), dist.get_rank(links.group)
         heads = k.shape[1]
         grad = grad.to(_acc(q))
         q_blocks, g_blocks = q.chunk(2, dim=2), grad.chunk(2, dim=2)
@@ -222,7 +264,7 @@ class _RingAttention(torch.autograd.Function):
         for step in range(world):
             kv_requests: list[Any] = []
             if step < world - 1:
-                kv_coming, kv_requests = _exchange(kv, group, tag=0)
+                kv_coming, kv_requests = links.exchange(kv, tag=0)
             k_blocks, v_blocks = kv[:, :heads].chunk(2, dim=2), kv[:, heads:].chunk(2, dim=2)
             dkv = torch.zeros(kv.shape, dtype=_acc(q), device=kv.device)
             dk_blocks, dv_blocks = dkv[:, :heads].chunk(2, dim=2), dkv[:, heads:].chunk(2, dim=2)
@@ -237,17 +279,17 @@ class _RingAttention(torch.autograd.Function):
             # The earlier ranks' gradients for this block, sent while it was
             # computed here; the sum goes on to the next rank.
             if dkv_requests:
-                _wait_all(dkv_requests)
+                links.wait(dkv_requests)
                 assert dkv_coming is not None
                 dkv.add_(dkv_coming)
             if world > 1:
-                dkv_coming, dkv_requests = _exchange(dkv, group, tag=1)
+                dkv_coming, dkv_requests = links.exchange(dkv, tag=1)
             else:
                 dkv_coming = dkv
             if kv_requests:
-                _wait_all(kv_requests)
+                links.wait(kv_requests)
                 kv = kv_coming
-        _wait_all(dkv_requests)  # the last step's sums: this rank's own block
+        links.wait(dkv_requests)  # the last step's sums: this rank's own block
         assert dkv_coming is not None
         dk, dv = dkv_coming[:, :heads], dkv_coming[:, heads:]
         return torch.cat(dq, dim=2).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
@@ -274,7 +316,8 @@ def _attention(
     )
     causal = bool(getattr(module, "is_causal", True)) if is_causal is None else is_causal
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out: torch.Tensor = _RingAttention.apply(query, key, value, group, scale, causal)  # type: ignore[no-untyped-call, unused-ignore]
+    links = _links_of(module, group)
+    out: torch.Tensor = _RingAttention.apply(query, key, value, links, scale, causal)  # type: ignore[no-untyped-call, unused-ignore]
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -285,4 +328,15 @@ def ring_model(
     place (see the module docstring); after tensor parallelism, if any.
     Returns the model. ``grad_scale`` as for
     :func:`~pc_tensor.ulysses_model`."""
-    return _prepare(model, group, grad_scale, (RING_ATTENTION, _attention), True, "ring attention")
+    _prepare(model, group, grad_scale, (RING_ATTENTION, _attention), True, "ring attention")
+    return prepare_links(model)
+
+
+def prepare_links(model: nn.Module) -> nn.Module:
+    """The ring's links for ``model``'s sequence-parallel group, made now
+    (a collective over the group) and shared by its modules."""
+    group = model.__dict__["_pc_ulysses"]
+    links = _Links(group)
+    for module in model.modules():
+        module.__dict__["_pc_ring_links"] = links
+    return model

@@ -292,10 +292,11 @@ def sequence_attention(model: nn.Module, group: dist.ProcessGroup, mode: str) ->
     if mode == "all_to_all":
         _attend(model, group, (ATTENTION, _attention))
     elif mode == "ring_attn":
-        from pc_tensor.ring import RING_ATTENTION
+        from pc_tensor.ring import RING_ATTENTION, prepare_links
         from pc_tensor.ring import _attention as ring_attention
 
         _attend(model, group, (RING_ATTENTION, ring_attention))
+        prepare_links(model)
     else:
         raise ValueError(f"mode must be 'all_to_all' or 'ring_attn', got {mode!r}.")
     return model
