@@ -38,8 +38,10 @@ __all__ = [
     "SAFETENSORS_KEY",
     "ChecksumError",
     "check_tensors",
+    "crc_hex",
     "file_checksum",
     "file_checksums",
+    "metadata_entry",
     "read_sidecar",
     "tensor_checksums",
     "verify_safetensors",
@@ -176,10 +178,19 @@ def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
     return flat.view(torch.uint8).numpy().data
 
 
-def tensor_checksums(state: Mapping[str, torch.Tensor]) -> dict[str, str]:
+def crc_hex(data: memoryview | bytes) -> str:
+    """A tensor's bytes' CRC-32, as safetensors headers record it."""
+    return f"{zlib.crc32(data):08x}"
+
+
+def metadata_entry(sums: Mapping[str, str]) -> dict[str, str]:
     """The ``__metadata__`` entry that records each tensor's checksum."""
-    sums = {name: f"{zlib.crc32(_tensor_bytes(t)):08x}" for name, t in state.items()}
-    return {SAFETENSORS_KEY: json.dumps(sums, separators=(",", ":"), sort_keys=True)}
+    return {SAFETENSORS_KEY: json.dumps(dict(sums), separators=(",", ":"), sort_keys=True)}
+
+
+def tensor_checksums(state: Mapping[str, torch.Tensor]) -> dict[str, str]:
+    """:func:`metadata_entry` for the tensors of ``state``."""
+    return metadata_entry({name: crc_hex(_tensor_bytes(t)) for name, t in state.items()})
 
 
 def _recorded(file: Path, metadata: Mapping[str, str] | None) -> dict[str, str]:
@@ -210,7 +221,7 @@ def check_tensors(
     in its header's ``metadata`` (nothing to check without them)."""
     for name, expected in _recorded(file, metadata).items():
         if name in state:
-            actual = f"{zlib.crc32(_tensor_bytes(state[name])):08x}"
+            actual = crc_hex(_tensor_bytes(state[name]))
             if actual != expected:
                 raise _mismatch(file, name, actual, expected)
 

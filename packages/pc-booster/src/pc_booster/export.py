@@ -25,7 +25,6 @@ import math
 import os
 import struct
 import warnings
-import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +32,7 @@ from typing import Any
 
 import torch
 
-from pc_booster.checksum import SAFETENSORS_KEY
+from pc_booster.checksum import crc_hex, metadata_entry
 from pc_zero import Pieces, PiecesLoadPlanner, PiecesSavePlanner
 
 __all__ = [
@@ -126,12 +125,7 @@ def _header(
     checksum (``pc_booster.checksum``; zeros until known: the header has the
     same length either way, so it is rewritten in place once the data is)."""
     crcs = {name: (sums or {}).get(name, "0" * 8) for name, _, _ in entries}
-    table: dict[str, Any] = {
-        "__metadata__": {
-            "format": "pt",
-            SAFETENSORS_KEY: json.dumps(crcs, separators=(",", ":"), sort_keys=True),
-        }
-    }
+    table: dict[str, Any] = {"__metadata__": {"format": "pt", **metadata_entry(crcs)}}
     offset = 0
     for name, shape, dtype in entries:
         if dtype not in _DTYPES:
@@ -228,7 +222,7 @@ def write_file(
         for name, shape, dtype in entries:
             tensor = _read_tensor(reader, name, shape, dtype)
             data = tensor.contiguous().reshape(-1).view(torch.uint8).numpy().data
-            sums[name] = f"{zlib.crc32(data):08x}"
+            sums[name] = crc_hex(data)
             stream.write(data)
             del tensor, data
         stream.seek(0)

@@ -32,7 +32,7 @@ from pc_comm.hierarchical import HierarchicalCommunicator
 from pc_comm.host_allocator import HostAllocatorSettings, tune_host_allocator
 from pc_comm.launch import DistContext, LegacyConfig, init_distributed, launch, launch_from_torch
 from pc_comm.logger import DistributedLogger, disable_existing_loggers, get_dist_logger
-from pc_comm.shm import ShmCommunicator, ShmPeerError
+from pc_comm.shm import ShmCommunicator, ShmPeerError, usable_cores
 from pc_comm.topology import Coord, ParallelDims, Subgroups, make_subgroups
 from pc_comm.torch_communicator import TorchCommunicator
 
@@ -79,4 +79,5 @@ __all__ = [
     "read_dist_env",
     "set_phase",
     "tune_host_allocator",
+    "usable_cores",
 ]

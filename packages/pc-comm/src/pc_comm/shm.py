@@ -108,7 +108,7 @@ class ShmPeerError(health.PeerFailureError):
     message also says where every other rank is."""
 
 
-def _usable_cores() -> int:
+def usable_cores() -> int:
     """The cores this process may run on (its affinity; a cgroup CPU quota
     is not seen)."""
     affinity = getattr(os, "sched_getaffinity", None)  # Linux only
@@ -277,7 +277,7 @@ class ShmCommunicator(HostExecutor):
         self._control = (ctypes.c_int64 * (self._world_size * _LINE_INT64)).from_address(
             self._segment.data_ptr()
         )
-        self._spins = 0 if self._world_size > _usable_cores() else _SPINS
+        self._spins = 0 if self._world_size > usable_cores() else _SPINS
         self._use_futex = _futex.AVAILABLE
         self._data = self._segment[control:]
         self._generation = 0

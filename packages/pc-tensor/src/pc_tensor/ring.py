@@ -103,13 +103,6 @@ class _Links:
         return got, list(requests)
 
 
-def _links_of(module: nn.Module, group: dist.ProcessGroup) -> _Links:
-    links = module.__dict__.get("_pc_ring_links")
-    if links is None:  # a module ring_model did not prepare
-        links = module.__dict__["_pc_ring_links"] = _Links(group)
-    return links
-
-
 def _fused(q: torch.Tensor) -> bool:
     """Whether torch's fused CPU attention (which returns the log-sum-exp
     and takes it back in backward) runs these blocks; elsewhere the blocks
@@ -316,7 +309,7 @@ def _attention(
     )
     causal = bool(getattr(module, "is_causal", True)) if is_causal is None else is_causal
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    links = _links_of(module, group)
+    links: _Links = module.__dict__["_pc_ring_links"]  # made with the group (prepare_links)
     out: torch.Tensor = _RingAttention.apply(query, key, value, links, scale, causal)  # type: ignore[no-untyped-call, unused-ignore]
     return out.transpose(1, 2).contiguous(), None
 

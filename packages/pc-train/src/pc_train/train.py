@@ -390,11 +390,9 @@ def _schedule_steps(config: TrainConfig, state: dict[str, Any] | None) -> int:
 
 def _cpu_threads(local_ranks: int) -> int:
     """Threads per rank: the cores this process may run on, shared."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # not Linux
-        cores = os.cpu_count() or 1
-    return max(1, cores // max(1, local_ranks))
+    from pc_comm import usable_cores
+
+    return max(1, usable_cores() // max(1, local_ranks))
 
 
 def _peak_flops(device: torch.device, local_ranks: int, precision: str) -> tuple[float, str]:
