@@ -3,7 +3,11 @@
 [Note: the plugin matrix]
 The option space is the product of plugin (and, for HybridParallelPlugin,
 tp x pp x zero stage x schedule) x precision x clipping x accumulation x
-construction (eager, ``LazyInitContext``) x the dtype the model is built in.
+construction (eager, ``LazyInitContext``) x the dtype the model is built in
+x the optimizer (AdamW, or SGD with momentum: a wrong gradient scale, which
+Adam's normalisation hides, moves SGD's parameters by that factor) x the
+LR scheduler (none, built over the user's optimizer before ``boost`` as
+Colossal-AI's examples build it, or over the returned one after).
 Each combination runs through the public API exactly as a user's program
 does (plugin constructor, ``Booster(mixed_precision=...)``, ``boost``,
 ``no_sync``, ``backward`` or ``execute_pipeline``, ``step``) and either
@@ -63,6 +67,10 @@ LR = 1e-4
 # norm) moves the parameters visibly; at 1e-8 Adam hides any uniform scale.
 EPS = 1e-3
 MAX_NORM = 0.05
+SGD_LR = 0.05
+SGD_MOMENTUM = 0.9
+OPTIMIZERS = ("adamw", "sgd")
+SCHEDULERS = ("none", "before", "after")  # the LR scheduler: built before / after boost
 SCALE = 2.0**10
 LOW_PRECISION_RTOL = {"bf16": 2e-2, "fp16": 5e-3}
 UPDATE_NORM_RTOL = 0.05
@@ -96,6 +104,8 @@ class Case:
     pp: int = 1
     zero: int = 0
     schedule: str = "1f1b"
+    optimizer: str = "adamw"
+    scheduler: str = "none"
 
     def label(self) -> str:
         layout = (
@@ -106,7 +116,7 @@ class Case:
         return (
             f"{self.plugin}{layout} {self.precision} clip={int(self.clip)} "
             f"accum={self.accumulation} {'lazy' if self.lazy else 'eager'} "
-            f"model={self.model_dtype}"
+            f"model={self.model_dtype} {self.optimizer} scheduler={self.scheduler}"
         )
 
     @property
@@ -125,18 +135,25 @@ def all_cases(families: Iterable[str]) -> list[Case]:
                 pp,
                 zero,
                 schedule,
-            ), precision, clip, accumulation, lazy, dtype in itertools.product(
-                layouts, DTYPES, (False, True), (1, 2), (False, True), ("fp32", "bf16")
-            ):
+            ), precision, clip, accumulation, lazy, dtype, opt, sched in itertools.product(
+                layouts, DTYPES, (False, True), (1, 2), (False, True), ("fp32", "bf16"),
+                OPTIMIZERS, SCHEDULERS,
+            ):  # fmt: skip
                 out.append(
-                    Case(plugin, precision, clip, accumulation, lazy, dtype, tp, pp, zero, schedule)
+                    Case(
+                        plugin, precision, clip, accumulation, lazy, dtype, tp, pp, zero,
+                        schedule, opt, sched,
+                    )  # fmt: skip
                 )
     return out
 
 
 # The sample run by `nox -s tests`: every plugin x precision, once plain and
 # once with every other axis turned (clipping, accumulation, lazy, bf16
-# model); for hybrid, a tensor-parallel, a pipeline and a tp x pp layout.
+# model, SGD, the scheduler built before boost); in mixed precision twice more
+# on an fp32 model with SGD, the scheduler built before boost, and after it
+# with clipping; for hybrid, a
+# tensor-parallel, a pipeline and a tp x pp layout.
 _SAMPLE_HYBRID = [(2, 1, 1, "1f1b"), (1, 2, 1, "1f1b"), (2, 2, 0, "1f1b"), (1, 2, 0, "interleaved")]
 
 
@@ -146,11 +163,16 @@ def sample(families: Iterable[str]) -> list[Case]:
         for plugin in FAMILIES[family]:
             layouts = _SAMPLE_HYBRID if plugin == "hybrid" else [(1, 1, 0, "1f1b")]
             for (tp, pp, zero, schedule), precision in itertools.product(layouts, DTYPES):
-                turned = (True, 1 if pp > 1 else 2, True, "bf16")  # pipelines: no accumulation
-                variants = [(False, 1, False, "fp32"), turned]
+                # pipelines: no accumulation
+                turned = (True, 1 if pp > 1 else 2, True, "bf16", "sgd", "before")
+                variants = [(False, 1, False, "fp32", "adamw", "none"), turned]
+                if precision != "fp32":  # a bf16 model's mixed precision may be refused
+                    variants.append((False, 1, False, "fp32", "sgd", "before"))
+                    variants.append((True, 1, False, "fp32", "sgd", "after"))
                 if pp > 1 and schedule == "1f1b" and precision == "fp32":
-                    variants.append((False, 2, False, "fp32"))  # refused: accumulation
-                for clip, accumulation, lazy, dtype in variants:
+                    # refused: accumulation
+                    variants.append((False, 2, False, "fp32", "adamw", "none"))
+                for clip, accumulation, lazy, dtype, opt, sched in variants:
                     out.append(
                         Case(
                             plugin,
@@ -163,6 +185,8 @@ def sample(families: Iterable[str]) -> list[Case]:
                             pp,
                             zero,
                             schedule,
+                            opt,
+                            sched,
                         )
                     )
     return out
@@ -232,6 +256,17 @@ def make_plugin(case: Case, layouts: dict[tuple[int, int], ParallelLayout]) -> P
     return plugin
 
 
+def make_optimizer(case: Case, params: Any) -> torch.optim.Optimizer:
+    if case.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=SGD_LR, momentum=SGD_MOMENTUM, weight_decay=0.01)
+    return torch.optim.AdamW(params, lr=LR, eps=EPS, weight_decay=0.01)
+
+
+def make_scheduler(optimizer: Any) -> torch.optim.lr_scheduler.LRScheduler:
+    """A schedule that changes the rate at every step (1, 1/2, 1/3, ...)."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
+
+
 # -- the reference -----------------------------------------------------------------------
 
 
@@ -246,7 +281,8 @@ def reference(
     masters = {n: p.detach().float().clone().requires_grad_() for n, p in built.named_parameters()}
     model = copy.deepcopy(built).to(DTYPES[precision])
     params = dict(model.named_parameters())
-    optimizer = torch.optim.AdamW(masters.values(), lr=LR, eps=EPS, weight_decay=0.01)
+    optimizer = make_optimizer(case, masters.values())
+    scheduler = make_scheduler(optimizer) if case.scheduler != "none" else None
     scale = SCALE if precision == "fp16" else 1.0
     losses = []
     for step in range(STEPS):
@@ -260,6 +296,8 @@ def reference(
         model.zero_grad(set_to_none=True)
         if not all(torch.isfinite(g).all() for g in grads.values()):
             scale /= 2
+            if scheduler is not None:  # the user's loop steps it every iteration
+                scheduler.step()
             continue
         for name, grad in grads.items():
             masters[name].grad = grad
@@ -268,6 +306,8 @@ def reference(
             assert norm > MAX_NORM, f"the reference's gradient norm {norm} must exceed max_norm"
         optimizer.step()
         optimizer.zero_grad()
+        if scheduler is not None:
+            scheduler.step()
     state = {n: t.detach().clone() for n, t in masters.items()}
     state.update({n: b.float() for n, b in built.named_buffers()})
     return losses, state
@@ -276,7 +316,9 @@ def reference(
 # -- one case through the API -----------------------------------------------------------
 
 
-def _train(case: Case, booster: Booster, model: Any, optimizer: Any) -> list[float]:
+def _train(
+    case: Case, booster: Booster, model: Any, optimizer: Any, scheduler: Any
+) -> list[float]:
     group = booster.plugin.dp_group
     dp_rank, dp = dist.get_rank(group), dist.get_world_size(group)
     per_rank = PER_RANK * case.accumulation
@@ -297,6 +339,8 @@ def _train(case: Case, booster: Booster, model: Any, optimizer: Any) -> list[flo
                 loss = loss + micro.detach().float()
         optimizer.step()
         optimizer.zero_grad()
+        if scheduler is not None:
+            scheduler.step()
         mean = loss.detach().float().clone()
         dist.all_reduce(mean, group=group)
         losses.append(mean.item() / dp)
@@ -315,8 +359,11 @@ def run_case(case: Case, layouts: dict[tuple[int, int], ParallelLayout]) -> Verd
         plugin = make_plugin(case, layouts)
         booster = Booster(plugin=plugin, mixed_precision=case.precision)
         model = build_model(case)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS, weight_decay=0.01)
-        model, optimizer, *_ = booster.boost(model, optimizer)
+        optimizer = make_optimizer(case, model.parameters())
+        scheduler = make_scheduler(optimizer) if case.scheduler == "before" else None
+        model, optimizer, _, _, scheduler = booster.boost(model, optimizer, lr_scheduler=scheduler)
+        if case.scheduler == "after":
+            scheduler = make_scheduler(optimizer)
         if case.accumulation > 1:
             booster.no_sync(model, optimizer)  # its rules, before anything trains
     except ValueError as error:
@@ -324,7 +371,7 @@ def run_case(case: Case, layouts: dict[tuple[int, int], ParallelLayout]) -> Verd
         expected = type(plugin).__name__ if plugin is not None else "Plugin"
         assert expected in message or "Plugin:" in message, f"{case.label()}: {message}"
         return Verdict(case, message)
-    losses = _train(case, booster, model, optimizer)
+    losses = _train(case, booster, model, optimizer, scheduler)
     state = booster.plugin.model_state_dict(model)
     dp = dist.get_world_size(booster.plugin.dp_group)
     global_batch = PER_RANK * case.accumulation * dp
