@@ -33,6 +33,7 @@ PACKAGES = [
     "pc-tensor",
     "pc-booster",
     "pc-train",
+    "pc-compat",
 ]
 INTEGRATION = "integration"
 # datasets: pc-train reads save_to_disk directories; the test of that needs it.

@@ -12,10 +12,10 @@ import torch
 import torch.distributed as dist
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-from pc_booster import Booster
 from pc_booster.plugin import HybridParallelPlugin, Plugin
 from pc_booster.plugins.hybrid import _fused_rms_norm
 from pc_comm.testing import run_subtests
+from pc_compat.colossalai.booster import Booster
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -82,7 +82,7 @@ def _train(plugin: Plugin, build: Any, steps: int) -> tuple[list[float], Any, An
 def _matches(build: Any, losses: list[float], booster: Booster, model: Any) -> None:
     want_losses, want_state = _reference(build, len(losses))
     torch.testing.assert_close(losses, want_losses, rtol=1e-5, atol=1e-6)
-    state = booster.plugin.model_state_dict(model)
+    state = booster.plugin.model_state_dict(model.module)
     for key, value in want_state.items():
         if key in state:
             torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-5)
@@ -92,7 +92,7 @@ def check_accepted(case: str) -> None:
     if case == "microbatch_size":
         plugin = HybridParallelPlugin(pp_size=2, zero_stage=1, microbatch_size=1)
         losses, booster, model = _train(plugin, _gpt2, 3)
-        assert model.chunks == 4  # 4 rows, micro-batches of 1
+        assert model.module.chunks == 4  # 4 rows, micro-batches of 1
         _matches(_gpt2, losses, booster, model)
     elif case == "num_model_chunks":
         plugin = HybridParallelPlugin(pp_size=2, pp_style="interleaved", num_model_chunks=2,
@@ -165,7 +165,7 @@ def check_accepted(case: str) -> None:
     elif case == "overlap_communication":
         plugin = HybridParallelPlugin(tp_size=2, zero_stage=1, overlap_communication=False)
         losses, booster, model = _train(plugin, _gpt2, 3)
-        assert booster.plugin.boosted(model).optimizer.overlap_communication is False
+        assert booster.plugin.boosted(model.module).optimizer.overlap_communication is False
         _matches(_gpt2, losses, booster, model)
     dist.barrier()
 
@@ -201,7 +201,7 @@ def check_hybrid_data_parallel(case: str) -> None:
             booster = Booster(plugin=plugin)
             built = _gpt2()
             _, optimizer, *_ = booster.boost(built, torch.optim.AdamW(built.parameters()))
-            assert type(optimizer.inner).__name__ == "CPUAdamW"  # the host optimizer
+            assert type(optimizer.unwrap()).__name__ == "CPUAdamW"  # the host optimizer
             sizes.append(len(optimizer.buckets))
         assert sizes[1] > sizes[0], sizes  # ~100-element buckets: many more
     elif case == "ddp":  # zero_stage=0: pc-comm DDP's own options
@@ -210,7 +210,7 @@ def check_hybrid_data_parallel(case: str) -> None:
             plugin = HybridParallelPlugin(ddp_bucket_cap_mb=cap, gradient_as_bucket_view=True)
             booster = Booster(plugin=plugin)
             model, *_ = booster.boost(_gpt2())
-            counts.append(len(model.reducer.buckets))
+            counts.append(len(model.module.reducer.buckets))
         assert counts[1] > counts[0], counts
         booster = Booster(plugin=HybridParallelPlugin(find_unused_parameters=True))
         built = _Unused()
@@ -332,7 +332,7 @@ def check_torch_ddp_amp() -> None:
         moved = any(not torch.equal(before[n], p) for n, p in model.named_parameters())
         assert moved
         if precision == "fp16":  # an overflowing step is skipped and the scale backs off
-            scaler = optimizer.__dict__["_pc_loss_scaler"]
+            scaler = optimizer.policy.scaler
             assert scaler.scale == 2.0**8
             booster.backward(model(input_ids=ids, labels=ids).loss * float("inf"), optimizer)
             before = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -480,14 +480,14 @@ def check_gemini_arguments(case: str) -> None:
     if case == "offload_optim_frac":
         plugin = GeminiPlugin(offload_optim_frac=1.0, max_prefetch=0, chunk_size=4096)
         losses, booster, model = _train(plugin, _gpt2, 3)
-        assert model.chunks
-        assert not any(c.shard_on_device for c in model.chunks)
-        assert model.manager.prefetch is False
+        assert model.module.chunks
+        assert not any(c.shard_on_device for c in model.module.chunks)
+        assert model.module.manager.prefetch is False
         _matches(_gpt2, losses, booster, model)
     elif case == "hidden_dim":  # the chunk-size search steps by it
         plugin = GeminiPlugin(hidden_dim=1000)
         losses, booster, model = _train(plugin, _gpt2, 3)
-        assert model.manager.chunk_size % 1000 == 0, model.manager.chunk_size
+        assert model.module.manager.chunk_size % 1000 == 0, model.module.manager.chunk_size
         _matches(_gpt2, losses, booster, model)
     elif case == "force_outputs_fp32":
         booster = Booster(plugin=GeminiPlugin(precision="bf16", force_outputs_fp32=True))

@@ -141,9 +141,19 @@ def all_cases(families: Iterable[str]) -> list[Case]:
             ):  # fmt: skip
                 out.append(
                     Case(
-                        plugin, precision, clip, accumulation, lazy, dtype, tp, pp, zero,
-                        schedule, opt, sched,
-                    )  # fmt: skip
+                        plugin,
+                        precision,
+                        clip,
+                        accumulation,
+                        lazy,
+                        dtype,
+                        tp,
+                        pp,
+                        zero,
+                        schedule,
+                        opt,
+                        sched,
+                    )
                 )
     return out
 
@@ -316,9 +326,7 @@ def reference(
 # -- one case through the API -----------------------------------------------------------
 
 
-def _train(
-    case: Case, booster: Booster, model: Any, optimizer: Any, scheduler: Any
-) -> list[float]:
+def _train(case: Case, booster: Booster, model: Any, optimizer: Any, scheduler: Any) -> list[float]:
     group = booster.plugin.dp_group
     dp_rank, dp = dist.get_rank(group), dist.get_world_size(group)
     per_rank = PER_RANK * case.accumulation

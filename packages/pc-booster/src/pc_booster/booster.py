@@ -45,6 +45,7 @@ from pc_booster import checksum
 from pc_booster.export import atomic_write, indexed_files, remove_files
 from pc_booster.plugin import Plugin, Precision, SupportsNoSync, SupportsPipeline
 from pc_booster.rules import TrainPrecision
+from pc_booster.wrappers import inner_optimizer
 
 __all__ = ["Booster"]
 
@@ -268,14 +269,27 @@ class Booster:
         scheduler is re-pointed at it."""
         if not isinstance(model, nn.Module):
             raise TypeError(f"boost() takes an nn.Module, got {type(model).__name__}.")
+        from pc_booster.wrappers import BoostedOptimizer
+
         boosted = self.plugin.boost(
             model, optimizer, criterion, dataloader, lr_scheduler, self.mixed_precision
         )
-        if lr_scheduler is not None and boosted.optimizer is not None:
-            lr_scheduler.optimizer = boosted.optimizer
+        wrapped = None
+        if boosted.optimizer is not None:
+            wrapped = BoostedOptimizer(boosted.optimizer, self.plugin, boosted.step_policy)
+        # A scheduler built over the user's optimizer keeps it where that is
+        # the optimizer that steps (its step patch then counts every applied
+        # step); over one a plugin rebuilt, it is re-pointed at the wrapper,
+        # whose param groups are the rebuilt optimizer's.
+        if (
+            lr_scheduler is not None
+            and wrapped is not None
+            and getattr(lr_scheduler, "optimizer", None) is not boosted.optimizer
+        ):
+            lr_scheduler.optimizer = wrapped
         return (
             boosted.model,
-            boosted.optimizer,
+            wrapped,
             boosted.criterion,
             boosted.dataloader,
             boosted.lr_scheduler,
@@ -283,7 +297,12 @@ class Booster:
 
     def backward(self, loss: torch.Tensor, optimizer: Any) -> None:
         """``loss.backward()`` as the plugin needs it (loss scaling)."""
-        self.plugin.backward(loss, optimizer)
+        from pc_booster.wrappers import BoostedOptimizer
+
+        if isinstance(optimizer, BoostedOptimizer):
+            optimizer.backward(loss)
+        else:
+            self.plugin.backward(loss, optimizer)
 
     def no_sync(
         self, model: nn.Module | None = None, optimizer: Any = None
@@ -291,7 +310,7 @@ class Booster:
         """Accumulate gradients without synchronising them."""
         if not isinstance(self.plugin, SupportsNoSync):
             raise ValueError(f"{type(self.plugin).__name__} does not support no_sync.")
-        return self.plugin.no_sync(model, optimizer)  # type: ignore[arg-type]
+        return self.plugin.no_sync(model, inner_optimizer(optimizer))  # type: ignore[arg-type]
 
     def execute_pipeline(
         self,
@@ -308,7 +327,7 @@ class Booster:
                 "a plugin with pipeline parallelism."
             )
         return self.plugin.execute_pipeline(
-            data_iter, model, criterion, optimizer, return_loss, return_outputs
+            data_iter, model, criterion, inner_optimizer(optimizer), return_loss, return_outputs
         )
 
     # -- checkpoints -----------------------------------------------------------
@@ -777,6 +796,7 @@ class Booster:
         state (for optimizers that fit on one rank several times over).
         ``gather_dtensor``, ``prefix``, ``use_async``: as for
         :meth:`save_model`."""
+        optimizer = inner_optimizer(optimizer)
         _refuse_prefix(prefix)
         if shard:
             state = self.plugin.sharded_optimizer_state(optimizer, None)
@@ -819,6 +839,7 @@ class Booster:
         and world size (a directory: the sharded form, each rank reading only
         its share). Load the model first. ``low_cpu_mem_mode`` /
         ``num_threads``: as for :meth:`load_model`."""
+        optimizer = inner_optimizer(optimizer)
         if num_threads != 1:
             raise ValueError(
                 f"load_optimizer: num_threads={num_threads}; pc reads with one thread per "

@@ -16,6 +16,7 @@ at any world size load under any other:
 from __future__ import annotations
 
 import inspect
+import math
 import sys
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
@@ -33,6 +34,7 @@ from pc_booster.rules import RunSetting, TrainPrecision
 
 if TYPE_CHECKING:
     from pc_booster.rules import PluginConfig
+    from pc_booster.wrappers import StepPolicy
 
 __all__ = [
     "Boosted",
@@ -66,6 +68,9 @@ class Boosted:
     lr_scheduler: Any
     # The model as the user built it (unwrapped), for names and export.
     module: nn.Module
+    # How the returned optimizer steps (fp16 unscaling and skipping where
+    # the plugin's optimizer does not do it itself); None: the plain step.
+    step_policy: StepPolicy | None = None
 
 
 def _model_dtype(model: nn.Module) -> torch.dtype | None:
@@ -280,9 +285,6 @@ class Plugin(ABC):
                     "the model you pass to boost() (model.parameters(), or param groups of it)."
                 )
         boosted = self.configure(model, optimizer, criterion, dataloader, lr_scheduler, effective)
-        from pc_booster.wrappers import mark_boosted
-
-        mark_boosted(boosted.model, boosted.module, boosted.optimizer, self)
         self._boosted[id(boosted.model)] = boosted
         if boosted.optimizer is not None:
             self._boosted[id(boosted.optimizer)] = boosted
@@ -290,11 +292,16 @@ class Plugin(ABC):
 
     def has_boosted(self, obj: Any) -> bool:
         """Whether ``obj`` is a model or optimizer this plugin boosted."""
-        return id(obj) in self._boosted
+        from pc_booster.wrappers import inner_optimizer
+
+        return id(inner_optimizer(obj)) in self._boosted
 
     def boosted(self, obj: Any) -> Boosted:
-        """The record of a model or optimizer this plugin boosted."""
-        found = self._boosted.get(id(obj))
+        """The record of a model or optimizer this plugin boosted (the
+        optimizer as ``boost`` returned it, or the one inside)."""
+        from pc_booster.wrappers import inner_optimizer
+
+        found = self._boosted.get(id(inner_optimizer(obj)))
         if found is None:
             raise ValueError(
                 f"this {type(obj).__name__} was not boosted by this plugin; pass the objects "
@@ -303,28 +310,33 @@ class Plugin(ABC):
         return found
 
     def backward(self, loss: torch.Tensor, optimizer: Any) -> None:
-        """``loss.backward()``, through the optimizer when it scales losses."""
-        from pc_booster.wrappers import runs_own_backward
+        """``loss.backward()``, through the plugin's optimizer when it
+        scales losses itself (pc-zero's); ``optimizer`` is the one inside
+        the :class:`~pc_booster.wrappers.BoostedOptimizer`."""
+        from pc_booster.wrappers import inner_optimizer
 
-        if isinstance(optimizer, ScalesLoss) and runs_own_backward(optimizer):
+        optimizer = inner_optimizer(optimizer)
+        if isinstance(optimizer, ScalesLoss):
             optimizer.backward(loss)
         else:
             loss.backward()  # type: ignore[no-untyped-call, unused-ignore]
 
-    def clip_grad_by_norm(self, optimizer: Any, max_norm: float) -> None:
-        """``optimizer.clip_grad_by_norm(max_norm)`` after backward: here
+    def clip_grad_by_norm(
+        self, optimizer: Any, max_norm: float, error_if_nonfinite: bool = False
+    ) -> None:
+        """``optimizer.clip_grad_by_norm(max_norm)`` after backward, on
+        unscaled gradients (the step policy unscaled fp16 ones first): here
         every rank holds whole gradients (after DDP's all-reduce) or FSDP2's
         DTensor shards, whose norm torch reduces over the shards; plugins
-        that shard or scale gradients override it."""
+        that shard or scale gradients themselves override it."""
         from pc_booster.plugins.common import clip_replicated
 
-        if self.setting.precision is TrainPrecision.FP16:
-            raise ValueError(
-                f"{type(self).__name__}: clip_grad_by_norm under fp16 would clip scaled "
-                "gradients; pass max_norm to the plugin instead, which clips after unscaling."
-            )
         params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-        clip_replicated(params, max_norm)
+        norm = clip_replicated(params, max_norm)
+        if error_if_nonfinite and not math.isfinite(norm):
+            raise RuntimeError(
+                f"clip_grad_by_norm: the gradients' total norm is {norm} (error_if_nonfinite=True)."
+            )
 
     def prepare_dataloader(
         self,

@@ -1,132 +1,226 @@
-"""Colossal-AI's wrapper methods on what ``Booster.boost`` returns.
+"""What ``Booster.boost`` returns in place of the optimizer: a
+:class:`BoostedOptimizer`, a wrapper object over the optimizer that updates
+the parameters (the user's own, one rebuilt over sharded parameters, or a
+pc-zero optimizer), which runs the plugin's gradient-step policy
+[Note: boosted optimizer].
 
-Colossal-AI hands back a ``ModelWrapper`` (``model.unwrap()``) and an
-``OptimizerWrapper`` (``optimizer.unwrap()``, ``optimizer.backward(loss)``,
-``optimizer.clip_grad_by_norm(max_norm)``). pc returns the plugin's own
-objects (a torch ``DistributedDataParallel``, an FSDP2 module, a pc-zero
-optimizer or the user's torch optimizer), and adds those methods the way
-FSDP2's ``fully_shard`` adds its own: the object's class is swapped for a
-subclass that mixes them in [Note: boosted classes]. So ``isinstance``
-checks, ``state_dict`` keys and every attribute stay as they were; a method
-the object already has (a pc-zero optimizer's ``backward``) is kept.
+[Note: boosted optimizer]
+pc never changes the class of a user's object nor writes private state on
+it. Behaviour that belongs to a step (fp16 unscaling and overflow skipping)
+lives in a :class:`StepPolicy` held by the wrapper; behaviour that belongs
+to the optimizer's own step (clipping, which must see unscaled gradients)
+goes through torch's step pre-hooks of the inner optimizer. Objects the user
+built before ``boost`` keep working: an LR scheduler built over the user's
+optimizer wraps that *instance's* ``step`` (torch's LRScheduler captures the
+class's function at construction, which is why a class swap broke fp16
+before), and the wrapper's ``step`` calls that instance attribute, so the
+scheduler sees every applied step; the scheduler's param groups are the
+inner optimizer's, which the wrapper shares rather than copies. Objects built
+after ``boost`` over the wrapper (a scheduler, ``register_step_pre_hook`` /
+``register_step_post_hook`` for an EMA) see the wrapper's step; its
+post-hooks run only for a step that was applied (not for one skipped on an
+fp16 overflow), as with torch's ``GradScaler``.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
-from torch import nn
+from torch.optim import Optimizer
 
 if TYPE_CHECKING:
     from pc_booster.plugin import Plugin
 
-__all__ = ["BoostedModel", "BoostedOptimizer", "mark_boosted", "mix_before"]
-
-T = TypeVar("T")
-
-# [Note: boosted classes]
-# One subclass per (original class, mixin), made once and reused. The
-# mixin comes after the original class in the bases, so the original's
-# methods win. The subclass keeps the original's name and module, so
-# reprs and error messages read as before. The references the mixins need
-# live in the instance __dict__ under a private name, set with
-# object.__setattr__: nn.Module.__setattr__ would register a module value
-# as a submodule (and the model may be its own unwrapped module).
-_CLASSES: dict[tuple[type, type], type] = {}
-_UNWRAPPED = "_pc_unwrapped"
-_PLUGIN = "_pc_plugin"
+__all__ = ["BoostedOptimizer", "PlainStep", "StepPolicy", "inner_optimizer"]
 
 
-def _mix(obj: Any, mixin: type, first: bool = False) -> None:
-    """Swap ``obj``'s class for a subclass with ``mixin`` after the original
-    class in the MRO (the original's methods win), or before it with
-    ``first`` (the mixin's win and reach the original's through ``super()``)."""
-    cls = type(obj)
-    if isinstance(obj, mixin):
-        return
-    key = (mixin, cls) if first else (cls, mixin)
-    if key not in _CLASSES:
-        _CLASSES[key] = type(
-            cls.__name__, key, {"__module__": cls.__module__, "__qualname__": cls.__qualname__}
-        )
-    obj.__class__ = _CLASSES[key]
+class StepPolicy(Protocol):
+    """How a plugin turns a loss into a step: the loss scale applied in
+    backward, unscaling (once per step), and the step itself (or a skip)."""
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """What backward runs on (the loss times the fp16 loss scale)."""
+        ...
+
+    def unscale(self, optimizer: Optimizer) -> bool:
+        """Bring this step's gradients to their true size, once; False
+        when they overflowed (the step will be skipped)."""
+        ...
+
+    def step(self, optimizer: Optimizer, closure: Any) -> tuple[bool, Any]:
+        """Run ``optimizer.step(closure)`` or skip it: (applied, result)."""
+        ...
 
 
-def mix_before(obj: Any, mixin: type) -> None:
-    """Put ``mixin`` before ``obj``'s class in its MRO [Note: boosted classes]."""
-    _mix(obj, mixin, first=True)
+class PlainStep:
+    """The step as it is: the plugin's optimizer scales and unscales itself
+    (pc-zero's), or nothing is scaled (fp32, bf16)."""
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss
+
+    def unscale(self, optimizer: Optimizer) -> bool:
+        return True
+
+    def step(self, optimizer: Optimizer, closure: Any) -> tuple[bool, Any]:
+        return True, optimizer.step(closure)
 
 
-class BoostedModel:
-    """Colossal-AI's ``ModelWrapper`` methods on a boosted model."""
+class BoostedOptimizer(Optimizer):
+    """The optimizer ``boost`` returns [Note: boosted optimizer]:
+    ``param_groups``, ``state`` and ``defaults`` are the inner optimizer's
+    (not copies), ``step`` runs the plugin's policy, and Colossal-AI's
+    ``OptimizerWrapper`` methods (``backward``, ``clip_grad_by_norm``,
+    ``unwrap``) are here. Any other attribute reads through to the inner
+    optimizer (a pc-zero optimizer's ``memory()``, ``loss_scale``)."""
 
-    def unwrap(self) -> nn.Module:
-        """The model as it was built (tensor-parallel layers stay split,
-        FSDP2 parameters stay DTensors: the module, not a gathered copy)."""
-        module: nn.Module = self.__dict__[_UNWRAPPED]
-        return module
+    def __init__(self, inner: Optimizer, plugin: Plugin, policy: StepPolicy | None = None) -> None:
+        # Optimizer.__init__ is not called: it would register the
+        # parameters again in new param groups, and LR schedulers must
+        # write the inner optimizer's. What it sets that the step hooks
+        # use (torch's register_step_* methods write these) is set here.
+        object.__setattr__(self, "inner", inner)
+        # The plugin that boosted it: backward and clipping are its.
+        self.plugin = plugin
+        # fp16 unscaling and overflow skipping, or the plain step.
+        self.policy: StepPolicy = policy if policy is not None else PlainStep()
+        self._optimizer_step_pre_hooks: OrderedDict[int, Any] = OrderedDict()
+        self._optimizer_step_post_hooks: OrderedDict[int, Any] = OrderedDict()
+        self._optimizer_state_dict_pre_hooks: OrderedDict[int, Any] = OrderedDict()
+        self._optimizer_state_dict_post_hooks: OrderedDict[int, Any] = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks: OrderedDict[int, Any] = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks: OrderedDict[int, Any] = OrderedDict()
 
+    # -- the inner optimizer's groups, state and defaults ----------------------------
 
-class BoostedOptimizer:
-    """Colossal-AI's ``OptimizerWrapper`` methods on a boosted optimizer."""
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        groups: list[dict[str, Any]] = self.inner.param_groups
+        return groups
 
-    def unwrap(self) -> torch.optim.Optimizer:
+    @param_groups.setter
+    def param_groups(self, groups: list[dict[str, Any]]) -> None:
+        self.inner.param_groups = groups
+
+    @property
+    def state(self) -> Any:
+        return self.inner.state
+
+    @state.setter
+    def state(self, state: Any) -> None:
+        self.inner.state = state
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        defaults: dict[str, Any] = self.inner.defaults
+        return defaults
+
+    @defaults.setter
+    def defaults(self, defaults: dict[str, Any]) -> None:
+        self.inner.defaults = defaults
+
+    def __getattr__(self, name: str) -> Any:
+        # Only reached when normal lookup fails: the inner optimizer's own
+        # attributes. "inner" itself missing means a half-built object.
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.__dict__["inner"], name)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return self.__dict__
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+    def __repr__(self) -> str:
+        return f"BoostedOptimizer({self.inner!r})"
+
+    # -- stepping -------------------------------------------------------------------
+
+    def step(self, closure: Any = None) -> Any:
+        """The plugin's step [Note: boosted optimizer]: this wrapper's
+        pre-hooks, the policy (unscale, skip on overflow, or the inner
+        optimizer's step, whose own hooks and LR-scheduler patch run), then
+        this wrapper's post-hooks if the step was applied."""
+        args: tuple[Any, ...] = (closure,)
+        kwargs: dict[str, Any] = {}
+        for pre_hook in list(self._optimizer_step_pre_hooks.values()):
+            result = pre_hook(self, args, kwargs)
+            if result is not None:
+                if not (isinstance(result, tuple) and len(result) == 2):
+                    raise RuntimeError(
+                        f"{pre_hook} must return None or a tuple of (new_args, new_kwargs), "
+                        f"but got {result}."
+                    )
+                args, kwargs = result
+        applied, out = self.policy.step(self.inner, *args, **kwargs)
+        if applied:
+            for post_hook in list(self._optimizer_step_post_hooks.values()):
+                post_hook(self, args, kwargs)
+        return out
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.inner.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The inner optimizer's (a torch optimizer's own form; Booster's
+        save_optimizer writes the canonical form that loads anywhere)."""
+        state: dict[str, Any] = self.inner.state_dict()
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.inner.load_state_dict(state_dict)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        self.inner.add_param_group(param_group)
+
+    # -- Colossal-AI's OptimizerWrapper methods ------------------------------------------
+
+    def unwrap(self) -> Optimizer:
         """The torch optimizer that updates the parameters (the one a ZeRO
-        or Gemini optimizer drives, or this one)."""
-        inner = getattr(self, "inner", None)
-        if isinstance(inner, torch.optim.Optimizer):
-            return inner
-        assert isinstance(self, torch.optim.Optimizer)
-        return self
+        or Gemini optimizer drives, else the inner optimizer)."""
+        driven = getattr(self.inner, "inner", None)
+        return driven if isinstance(driven, Optimizer) else self.inner
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """``loss.backward()`` as the plugin needs it (``booster.backward``)."""
-        plugin: Plugin = self.__dict__[_PLUGIN]
-        plugin.backward(loss, self)
+    def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        """``loss.backward()`` as the plugin needs it (``booster.backward``):
+        scaled for fp16, through a pc-zero optimizer's own backward."""
+        self.plugin.backward(self.policy.scale_loss(loss), self.inner)
 
     def clip_grad_by_norm(
-        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+        self,
+        max_norm: float,
+        norm_type: float = 2.0,
+        error_if_nonfinite: bool = False,
+        *args: Any,
+        **kwargs: Any,
     ) -> None:
-        """Clip the gradients by their global 2-norm, over every rank that
+        """Clip the gradients by their global 2-norm over every rank that
         holds a piece of them. Call it after backward and before
-        ``step()``; where gradients are sharded or reduced inside the step
+        ``step()``. Under fp16 the gradients are unscaled first (once per
+        step); a step whose gradients overflowed is skipped, so nothing is
+        clipped. Where gradients are sharded or reduced inside the step
         (ZeRO, Gemini), the clipping is applied by that step."""
-        plugin: Plugin = self.__dict__[_PLUGIN]
         if norm_type != 2.0:
             raise ValueError(
                 f"clip_grad_by_norm: pc clips by the global 2-norm, got norm_type={norm_type}; "
                 "pass norm_type=2.0."
             )
-        if error_if_nonfinite:
-            raise ValueError(
-                "clip_grad_by_norm: error_if_nonfinite=True is not supported; pc skips a step "
-                "whose gradients overflow under fp16 and clips finite ones."
-            )
         if max_norm <= 0:
             raise ValueError(f"clip_grad_by_norm: max_norm must be > 0, got {max_norm}.")
-        plugin.clip_grad_by_norm(self, float(max_norm))
-
-
-def mark_boosted(model: T, module: nn.Module, optimizer: Any, plugin: Plugin) -> None:
-    """Give the boosted ``model`` and ``optimizer`` Colossal-AI's wrapper
-    methods [Note: boosted classes]; ``module``: the model as built."""
-    try:
-        _mix(model, BoostedModel)
-    except TypeError:  # a class that cannot be swapped (slots, C types): left as it is
-        pass
-    else:
-        object.__setattr__(model, _UNWRAPPED, module)
-    if optimizer is not None:
-        try:
-            _mix(optimizer, BoostedOptimizer)
-        except TypeError:
+        if not self.policy.unscale(self.inner):
+            if error_if_nonfinite:
+                raise RuntimeError(
+                    "clip_grad_by_norm: the gradients' total norm is non-finite "
+                    "(error_if_nonfinite=True)."
+                )
             return
-        object.__setattr__(optimizer, _PLUGIN, plugin)
+        self.plugin.clip_grad_by_norm(self.inner, float(max_norm), error_if_nonfinite)
 
 
-def runs_own_backward(optimizer: Any) -> bool:
-    """The optimizer runs backward itself (the loss scale of the ZeRO and
-    Gemini optimizers), not through :class:`BoostedOptimizer`'s."""
-    own = getattr(type(optimizer), "backward", None)
-    return own is not None and own is not BoostedOptimizer.backward
+def inner_optimizer(optimizer: Any) -> Any:
+    """The plugin's optimizer behind what ``boost`` returned (or
+    ``optimizer`` itself when it is not a :class:`BoostedOptimizer`)."""
+    return optimizer.inner if isinstance(optimizer, BoostedOptimizer) else optimizer

@@ -34,6 +34,7 @@ __all__ = [
     "load_cast",
     "loss_scale_config",
     "materialize_lazy",
+    "refuse_error_if_nonfinite",
     "require_initialized",
     "torch_load_optimizer",
     "torch_optimizer_state",
@@ -192,6 +193,18 @@ def clip_replicated(params: Sequence[torch.Tensor], max_norm: float) -> float:
     norm = torch.nn.utils.clip_grad_norm_(list(params), max_norm)
     full = getattr(norm, "full_tensor", None)
     return float(full() if full is not None else norm)
+
+
+def refuse_error_if_nonfinite(plugin: Any, error_if_nonfinite: bool) -> None:
+    """``clip_grad_by_norm(error_if_nonfinite=True)`` where the norm is
+    only known inside the step (sharded or still-reducing gradients)."""
+    if error_if_nonfinite:
+        raise ValueError(
+            f"{type(plugin).__name__}: clip_grad_by_norm(error_if_nonfinite=True): the "
+            "gradients' norm is computed inside the step here, after backward returns; a "
+            "non-finite norm skips the step (fp16) or is caught by pc-train's --check-finite. "
+            "Pass error_if_nonfinite=False."
+        )
 
 
 def clip_at_next_step(optimizer: Any, attribute: str, max_norm: float) -> None:

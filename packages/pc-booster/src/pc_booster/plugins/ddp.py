@@ -39,8 +39,7 @@ from pc_booster.plugins.sharded import (
     whole_state,
 )
 from pc_booster.rules import PluginConfig, Rule, RunSetting, StateBytes, TrainPrecision
-from pc_booster.wrappers import mix_before
-from pc_zero import DynamicLossScaler
+from pc_booster.step_policies import AmpStep
 
 __all__ = ["DDPOptions", "DDPPlugin", "TorchDDPOptions", "TorchDDPPlugin"]
 
@@ -86,30 +85,13 @@ DATA_PARALLEL_RULES = (
 # Colossal-AI runs Booster(mixed_precision='fp16') with TorchDDPPlugin as
 # torch's AMP: fp32 parameters, the forward under torch.autocast, the loss
 # scaled for fp16. Here the same: the wrapped model's forward runs under
-# autocast in the run's precision; for fp16 the loss is multiplied by a
-# dynamic loss scale in backward, and the optimizer's step (its class gains
-# _AmpStep, as fully_shard adds methods) first unscales the gradients and
-# skips the step on an overflow (every rank sees the same all-reduced
-# gradients, so every rank skips together), then the step's own pre-hooks
-# (clipping) see unscaled gradients.
-
-
-class _AmpStep:
-    """The optimizer step under fp16 autocast: unscale, skip on overflow."""
-
-    def step(self, closure: Any = None) -> Any:
-        from pc_zero import unscale_clip_and_check
-
-        scaler = self.__dict__["_pc_loss_scaler"]
-        optimizer: Any = self
-        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-        ok, _ = unscale_clip_and_check(grads, None, scaler, 0.0, device())
-        if not ok:  # the scale backed off; this step's gradients are dropped
-            optimizer.zero_grad(set_to_none=True)
-            return None
-        result = super().step(closure)  # type: ignore[misc]
-        scaler.update(False)
-        return result
+# autocast in the run's precision; for fp16 the returned optimizer's step
+# policy (pc_booster.step_policies.AmpStep, [Note: boosted optimizer])
+# multiplies the loss by a dynamic loss scale in backward, and before the
+# user's optimizer steps it unscales the gradients and skips the step on an
+# overflow (every rank sees the same all-reduced gradients, so every rank
+# skips together); the optimizer's own step pre-hooks (clipping) then see
+# unscaled gradients.
 
 
 def _autocast_forward(
@@ -208,18 +190,20 @@ class _DataParallel(Plugin, SupportsNoSync):
         if precision is not TrainPrecision.FP32:
             kind = device().type
             wrapped.forward = partial(_autocast_forward, wrapped.forward, kind, precision.dtype)
+        policy = None
         if optimizer is not None and precision is TrainPrecision.FP16:
-            mix_before(optimizer, _AmpStep)
-            optimizer.__dict__["_pc_loss_scaler"] = DynamicLossScaler(
-                loss_scale_config(self.options)
-            )
+            policy = AmpStep(loss_scale_config(self.options), device())
         if optimizer is not None and self.options.max_norm > 0:
             optimizer.register_step_pre_hook(clip_hook(self.options.max_norm, clip_replicated))
-        return Boosted(wrapped, optimizer, criterion, dataloader, lr_scheduler, module=model)
-
-    def backward(self, loss: torch.Tensor, optimizer: Any) -> None:
-        scaler = getattr(optimizer, "__dict__", {}).get("_pc_loss_scaler")
-        super().backward(loss * scaler.scale if scaler is not None else loss, optimizer)
+        return Boosted(
+            wrapped,
+            optimizer,
+            criterion,
+            dataloader,
+            lr_scheduler,
+            module=model,
+            step_policy=policy,
+        )
 
     def no_sync(self, model: nn.Module, optimizer: Any) -> AbstractContextManager[None]:
         context: AbstractContextManager[None] = model.no_sync()  # type: ignore[operator]

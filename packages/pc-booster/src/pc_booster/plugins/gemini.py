@@ -31,6 +31,7 @@ from pc_booster.plugins.common import (
     clip_at_next_step,
     device,
     loss_scale_config,
+    refuse_error_if_nonfinite,
     require_initialized,
 )
 from pc_booster.plugins.sharded import (
@@ -482,7 +483,10 @@ class GeminiPlugin(Plugin, SupportsNoSync):
             )
         return Boosted(wrapped, zero, criterion, dataloader, lr_scheduler, module=model)
 
-    def clip_grad_by_norm(self, optimizer: Any, max_norm: float) -> None:
+    def clip_grad_by_norm(
+        self, optimizer: Any, max_norm: float, error_if_nonfinite: bool = False
+    ) -> None:
+        refuse_error_if_nonfinite(self, error_if_nonfinite)
         if self.options.step_in_backward:
             raise ValueError(
                 "GeminiPlugin(step_in_backward=True) has stepped each chunk by the time "

@@ -38,6 +38,7 @@ from pc_booster.plugins.common import (
     loss_scale_config,
     materialize_lazy,
     materializer,
+    refuse_error_if_nonfinite,
     require_initialized,
     values_a_cast_rounds,
 )
@@ -810,7 +811,10 @@ class HybridParallelPlugin(Plugin, SupportsNoSync, SupportsPipeline):
         if self.options.max_norm > 0:
             optimizer.register_step_pre_hook(clip_hook(self.options.max_norm, clip))
 
-    def clip_grad_by_norm(self, optimizer: Any, max_norm: float) -> None:
+    def clip_grad_by_norm(
+        self, optimizer: Any, max_norm: float, error_if_nonfinite: bool = False
+    ) -> None:
+        refuse_error_if_nonfinite(self, error_if_nonfinite)
         if self.zero_stage:
             clip_at_next_step(optimizer, "clip_grad_norm", max_norm)
             return

@@ -33,6 +33,7 @@ from pc_booster.plugins.common import (
     load_cast,
     loss_scale_config,
     materialize_lazy,
+    refuse_error_if_nonfinite,
     require_initialized,
     values_a_cast_rounds,
 )
@@ -437,7 +438,10 @@ class LowLevelZeroPlugin(Plugin, SupportsNoSync):
         with optimizer.no_sync():
             yield
 
-    def clip_grad_by_norm(self, optimizer: Any, max_norm: float) -> None:
+    def clip_grad_by_norm(
+        self, optimizer: Any, max_norm: float, error_if_nonfinite: bool = False
+    ) -> None:
+        refuse_error_if_nonfinite(self, error_if_nonfinite)
         # The gradients are reduced (and unscaled) inside the step.
         clip_at_next_step(optimizer, "clip_grad_norm", max_norm)
 
