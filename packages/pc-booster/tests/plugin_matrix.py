@@ -164,7 +164,13 @@ def all_cases(families: Iterable[str]) -> list[Case]:
 # on an fp32 model with SGD, the scheduler built before boost, and after it
 # with clipping; for hybrid, a
 # tensor-parallel, a pipeline and a tp x pp layout.
-_SAMPLE_HYBRID = [(2, 1, 1, "1f1b"), (1, 2, 1, "1f1b"), (2, 2, 0, "1f1b"), (1, 2, 0, "interleaved")]
+_SAMPLE_HYBRID = [
+    (2, 1, 1, "1f1b"),
+    (2, 1, 0, "1f1b"),
+    (1, 2, 1, "1f1b"),
+    (2, 2, 0, "1f1b"),
+    (1, 2, 0, "interleaved"),
+]
 
 
 def sample(families: Iterable[str]) -> list[Case]:
@@ -242,7 +248,7 @@ def make_plugin(case: Case, layouts: dict[tuple[int, int], ParallelLayout]) -> P
             stage=int(case.plugin[-1]), max_norm=clip, initial_scale=SCALE, hysteresis=1
         )
     if case.plugin == "torch-fsdp":
-        return TorchFSDPPlugin(max_norm=clip)
+        return TorchFSDPPlugin(max_norm=clip, initial_scale=SCALE, hysteresis=1)
     if case.plugin.startswith("gemini"):
         return GeminiPlugin(
             max_norm=clip,

@@ -25,7 +25,9 @@ from pc_chunk import is_lazy, materialize_
 from pc_zero import LossScaleConfig
 
 __all__ = [
+    "autocast_forward",
     "broadcast_module",
+    "cast_floating_inputs",
     "clip_at_next_step",
     "clip_hook",
     "clone_state",
@@ -131,6 +133,48 @@ def values_a_cast_rounds(
             if param.requires_grad and narrower:
                 out[id(param)] = param.detach().float().clone()
     return out
+
+
+def _cast_tree(value: Any, dtype: torch.dtype) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if value.is_floating_point() and value.dtype != dtype else value
+    if isinstance(value, tuple | list):
+        return type(value)(_cast_tree(v, dtype) for v in value)
+    if isinstance(value, dict):
+        return {k: _cast_tree(v, dtype) for k, v in value.items()}
+    return value
+
+
+def cast_floating_inputs(module: nn.Module, dtype: torch.dtype) -> None:
+    """Cast the floating tensors ``module``'s forward is called with (in
+    tuples, lists and dicts too) to ``dtype``, the dtype its parameters were
+    cast to, through a forward pre-hook: an fp32 image batch into an fp16
+    model, as Colossal-AI's ``cast_inputs=True`` does. Integer inputs
+    (token ids, masks) are left as they are."""
+
+    def hook(mod: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
+        return _cast_tree(args, dtype), _cast_tree(kwargs, dtype)
+
+    module.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def autocast_forward(module: nn.Module, dtype: torch.dtype) -> None:
+    """Run ``module``'s forward under ``torch.autocast`` in ``dtype`` on the
+    plugin's device (fp32 parameters, half compute), through a forward
+    pre-hook that enters the autocast and a forward hook that leaves it,
+    also when the forward raises (``always_call``)."""
+    entered: list[torch.autocast] = []
+
+    def enter(mod: nn.Module, args: Any) -> None:
+        context = torch.autocast(device().type, dtype=dtype)
+        context.__enter__()  # type: ignore[no-untyped-call]
+        entered.append(context)
+
+    def leave(mod: nn.Module, args: Any, output: Any) -> None:
+        entered.pop().__exit__(None, None, None)
+
+    module.register_forward_pre_hook(enter)
+    module.register_forward_hook(leave, always_call=True)
 
 
 def cast_floating(module: nn.Module, dtype: torch.dtype) -> None:

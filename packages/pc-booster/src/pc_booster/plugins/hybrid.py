@@ -29,8 +29,10 @@ from pc_booster.plugin import (
 )
 from pc_booster.plugins import hybrid_pipeline, hybrid_state
 from pc_booster.plugins.common import (
+    autocast_forward,
     broadcast_module,
     cast_floating,
+    cast_floating_inputs,
     clip_at_next_step,
     clip_hook,
     device,
@@ -58,6 +60,7 @@ from pc_booster.plugins.sharded import (
     whole_state,
 )
 from pc_booster.rules import PluginConfig, Rule, RunSetting, StateBytes, TrainPrecision
+from pc_booster.step_policies import AmpStep
 from pc_chunk import is_lazy
 
 __all__ = ["HybridParallelOptions", "HybridParallelPlugin", "apply_optimizations"]
@@ -138,24 +141,62 @@ def _sp_pipeline(o: HybridParallelOptions, setting: RunSetting) -> str | None:
     return None
 
 
+# [Note: mixed precision without ZeRO]
+# Colossal-AI's HybridParallelPlugin trains in fp16 with zero_stage=0 by
+# keeping fp32 masters in an AMP optimizer. Here, with zero_stage=0 and no
+# pipeline, the parameters themselves stay fp32 (they are the masters), the
+# forward runs under torch.autocast in the run's precision, and for fp16 the
+# returned optimizer's step policy (AmpStep) scales the loss, unscales the
+# gradients after the data-parallel all-reduce and skips a step that
+# overflowed on any tensor- or pipeline-parallel rank; clipping (a step
+# pre-hook of the optimizer) sees unscaled gradients. With zero_stage >= 1
+# the ZeRO optimizer keeps fp32 masters of a half model instead.
+
+
 def _mixed_needs_zero(o: HybridParallelOptions, setting: RunSetting) -> str | None:
     p = setting.precision
-    if o.zero_stage == 0 and p is not None and p is not TrainPrecision.FP32:
+    if o.zero_stage or p is None or p is TrainPrecision.FP32:
+        return None
+    if setting.model_dtype is not None and setting.model_dtype != torch.float32:
         return (
-            f"{p.value} keeps fp32 masters in the ZeRO optimizer, and zero_stage=0 has none; "
-            "set zero_stage=1 (or build the model in fp32 and train without mixed precision)."
+            f"with zero_stage=0, {p.value} keeps the parameters in fp32 and computes in "
+            f"{p.value} through torch.autocast [Note: mixed precision without ZeRO], but the "
+            f"model was built in {setting.model_dtype}, so there are no fp32 values to keep. "
+            "Build the model in fp32, or set zero_stage=1 (fp32 masters of a half model)."
+        )
+    if o.pp_size > 1:
+        return (
+            f"{p.value} with pipelines and zero_stage=0: pipeline stages exchange activations "
+            "in the parameters' dtype, and without ZeRO the parameters stay fp32; set "
+            "zero_stage=1, which keeps fp32 masters of half stages."
         )
     return None
 
 
 def _layers_split(o: HybridParallelOptions, setting: RunSetting) -> str | None:
     stages = o.pp_size * o.chunks_per_rank()
+    counts = o.num_layers_per_stage
+    if counts is not None:
+        if o.pp_size == 1:
+            return f"num_layers_per_stage={list(counts)} without pipeline stages; pass pp_size > 1."
+        if len(counts) != stages or min(counts) < 1:
+            return (
+                f"num_layers_per_stage={list(counts)} must give {stages} positive stage sizes "
+                f"(pp_size={o.pp_size} x {o.chunks_per_rank()} chunks per rank)."
+            )
+        if setting.layers is not None and sum(counts) != setting.layers:
+            return (
+                f"num_layers_per_stage={list(counts)} sums to {sum(counts)}, but the model has "
+                f"{setting.layers} transformer blocks; give sizes that add up to it."
+            )
+        return None
     if o.pp_size > 1 and setting.layers is not None and setting.layers % stages:
         return (
             f"the model's {setting.layers} transformer blocks do not split evenly into "
             f"{stages} pipeline stages (pp_size={o.pp_size}"
             f"{f', {o.chunks_per_rank()} chunks per rank' if o.chunks_per_rank() > 1 else ''}); "
-            "choose a pp_size that divides the number of layers."
+            "choose a pp_size that divides the number of layers, or give each stage's count "
+            "with num_layers_per_stage."
         )
     return None
 
@@ -349,9 +390,12 @@ class HybridParallelOptions(PluginConfig):
             ({"enable_sequence_parallelism": True, "tp_size": 2, "pp_size": 2}, RunSetting()),
         ),
         Rule(
-            "mixed precision (or a model built in bf16/fp16) with zero_stage=0",
+            "mixed precision with zero_stage=0 on a model built in bf16/fp16, or with pipelines",
             _mixed_needs_zero,
-            ({"zero_stage": 0}, RunSetting(precision=TrainPrecision.BF16)),
+            (
+                {"zero_stage": 0},
+                RunSetting(precision=TrainPrecision.BF16, model_dtype=torch.bfloat16),
+            ),
         ),
         Rule(
             "pipeline stages not dividing the transformer blocks",
@@ -409,6 +453,12 @@ class HybridParallelOptions(PluginConfig):
     growth_factor: float = 2.0
     backoff_factor: float = 0.5
     pp_timeout: float = 300.0
+    # Transformer blocks per pipeline stage (None: an even split); the first
+    # stage also holds the embedding, the last the head.
+    num_layers_per_stage: tuple[int, ...] | None = None
+    # Buffers re-broadcast from the first data-parallel rank before each
+    # forward (torch DDP's), without pipelines and ZeRO.
+    broadcast_buffers: bool = True
     # Colossal-AI's names [Note: Colossal-AI's hybrid options].
     microbatch_size: int | None = None
     num_model_chunks: int | None = None
@@ -529,6 +579,8 @@ class HybridParallelPlugin(Plugin, SupportsNoSync, SupportsPipeline):
         scheduler_nodes: Any = None,
         inner_ring_size: int | None = None,
         use_fp8: bool = False,
+        num_layers_per_stage: Sequence[int] | None = None,
+        broadcast_buffers: bool = True,
     ) -> None:
         super().__init__(
             HybridParallelOptions(
@@ -573,6 +625,10 @@ class HybridParallelPlugin(Plugin, SupportsNoSync, SupportsPipeline):
                 scheduler_nodes=scheduler_nodes,
                 inner_ring_size=inner_ring_size,
                 use_fp8=use_fp8,
+                num_layers_per_stage=(
+                    tuple(num_layers_per_stage) if num_layers_per_stage is not None else None
+                ),
+                broadcast_buffers=broadcast_buffers,
             )
         )
         self.set_precision(precision)
@@ -705,7 +761,15 @@ class HybridParallelPlugin(Plugin, SupportsNoSync, SupportsPipeline):
             )
             wrap(model, layout.sp_group, grad_scale=float(self.sp_size))
         built = values_a_cast_rounds([model], precision.dtype) if self.zero_stage else {}
-        cast_floating(model, precision.dtype)
+        amp = not self.zero_stage and precision is not TrainPrecision.FP32
+        if amp:  # [Note: mixed precision without ZeRO]
+            cast_floating(model, torch.float32)
+            autocast_forward(model, precision.dtype)
+        else:
+            cast_floating(model, precision.dtype)
+            if precision is not TrainPrecision.FP32:  # an fp32 batch into a half model
+                cast_floating_inputs(model, precision.dtype)
+        step_policy = None
         wrapped: nn.Module = model
         if optimizer is not None:
             optimizer = rebuild_optimizer(optimizer, names, dict(model.named_parameters()))
@@ -723,12 +787,22 @@ class HybridParallelPlugin(Plugin, SupportsNoSync, SupportsPipeline):
                     bucket_cap_mb=self.options.ddp_bucket_cap_mb,
                     find_unused_parameters=self.options.find_unused_parameters,
                     gradient_as_bucket_view=self.options.gradient_as_bucket_view,
+                    broadcast_buffers=self.options.broadcast_buffers,
                 )
             if optimizer is not None:
                 self.clip_own_optimizer(optimizer)
+                if precision is TrainPrecision.FP16:
+                    # The overflow check spans the model-parallel ranks,
+                    # which hold different pieces of the gradients.
+                    step_policy = AmpStep(
+                        loss_scale_config(self.options), device(), groups=self.norm_groups()
+                    )
         if self.tp_size > 1 and not self.options.parallel_output:
             model.register_forward_hook(_full_logits)
-        return Boosted(wrapped, optimizer, criterion, dataloader, lr_scheduler, module=model)
+        return Boosted(
+            wrapped, optimizer, criterion, dataloader, lr_scheduler, module=model,
+            step_policy=step_policy,
+        )  # fmt: skip
 
     # -- clipping and loss scaling across every group holding gradients ---------------
 
@@ -818,11 +892,6 @@ class HybridParallelPlugin(Plugin, SupportsNoSync, SupportsPipeline):
         if self.zero_stage:
             clip_at_next_step(optimizer, "clip_grad_norm", max_norm)
             return
-        if self.setting.precision is TrainPrecision.FP16:
-            raise ValueError(
-                "HybridParallelPlugin: clip_grad_by_norm under fp16 with zero_stage=0 would "
-                "clip scaled gradients; pass max_norm to the plugin instead."
-            )
         params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
         self.clippers[id(optimizer)](params, max_norm)
 

@@ -94,7 +94,8 @@ def _stage_layout(plugin: HybridParallelPlugin, model: nn.Module) -> tuple[Any, 
     stages = o.pp_size * o.chunks_per_rank()
     blocks = len(layers) - 2
     plugin.validate_later(layers=blocks)
-    balance = [blocks // stages] * stages
+    counts = o.num_layers_per_stage
+    balance = list(counts) if counts is not None else [blocks // stages] * stages
     balance[0] += 1  # the embedding
     balance[-1] += 1  # the head
     from pc_pipeline import Sequential

@@ -27,6 +27,7 @@ from pc_booster.plugin import (
 from pc_booster.plugins.common import (
     broadcast_module,
     cast_floating,
+    cast_floating_inputs,
     clip_at_next_step,
     clone_state,
     device,
@@ -156,6 +157,8 @@ class LowLevelZeroOptions(PluginConfig):
     fp8_communication: bool = False
     use_fp8: bool = False
     extra_dp_size: int = 1
+    # Floating inputs cast to the compute dtype (an fp32 batch into an fp16 model).
+    cast_inputs: bool = True
 
     def describe(self) -> str:
         return f"zero{self.stage}" + (" cpu-offload" if self.cpu_offload else "")
@@ -359,6 +362,7 @@ class LowLevelZeroPlugin(Plugin, SupportsNoSync):
         fp8_communication: bool = False,
         use_fp8: bool = False,
         extra_dp_size: int = 1,
+        cast_inputs: bool = True,
     ) -> None:
         super().__init__(
             LowLevelZeroOptions(
@@ -381,6 +385,7 @@ class LowLevelZeroPlugin(Plugin, SupportsNoSync):
                 fp8_communication=fp8_communication,
                 use_fp8=use_fp8,
                 extra_dp_size=extra_dp_size,
+                cast_inputs=cast_inputs,
             )
         )
         self.set_precision(precision)
@@ -420,6 +425,8 @@ class LowLevelZeroPlugin(Plugin, SupportsNoSync):
             loss_scale=loss_scale_config(o),
         )
         masters_from_built(model, zero, built)
+        if o.cast_inputs and precision is not TrainPrecision.FP32:
+            cast_floating_inputs(model, precision.dtype)
         if o.verbose and dist.get_rank() == 0:
             total = sum(p.numel() for p in model.parameters() if p.requires_grad)
             world = dist.get_world_size()

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
@@ -29,6 +30,7 @@ from pc_booster.plugins.common import (
     clip_replicated,
     device,
     has_lazy,
+    loss_scale_config,
     materialize_lazy,
     require_initialized,
 )
@@ -38,17 +40,18 @@ from pc_booster.plugins.sharded import (
     whole_state,
 )
 from pc_booster.rules import PluginConfig, Rule, RunSetting, StateBytes, TrainPrecision
+from pc_booster.step_policies import AmpStep
 
 __all__ = ["TorchFSDPOptions", "TorchFSDPPlugin"]
 
 
-def _no_fp16(options: Any, setting: RunSetting) -> str | None:
-    if setting.precision is not TrainPrecision.FP16:
-        return None
-    return (
-        "fp16 needs a loss scale, which FSDP2 does not keep; use mixed_precision='bf16' "
-        "(same memory, no scale needed) or GeminiPlugin / LowLevelZeroPlugin for fp16."
-    )
+# [Note: fp16 under FSDP2]
+# FSDP2 keeps no loss scale; torch pairs it with a sharded gradient scaler.
+# Here the returned optimizer's step policy (AmpStep) is that scaler: fp32
+# shards are the masters, forward and backward run in fp16 (the mixed
+# precision policy's param_dtype), gradients are reduced in fp32 into the
+# shards; before the step each rank unscales its shard and the overflow
+# check's sum is all-reduced over every rank, so every rank skips together.
 
 
 # [Note: FSDP1 arguments]
@@ -132,7 +135,6 @@ class TorchFSDPOptions(PluginConfig):
     name: ClassVar[str] = "torch-fsdp"
     gathers_parameters: ClassVar[bool] = True
     RULES: ClassVar[tuple[Rule, ...]] = (
-        Rule("fp16", _no_fp16, ({}, RunSetting(precision=TrainPrecision.FP16))),
         Rule(
             "FSDP1 arguments FSDP2 has no counterpart for",
             _fsdp1_arguments,
@@ -160,6 +162,14 @@ class TorchFSDPOptions(PluginConfig):
     ignored_modules: Any = None
     sync_module_states: bool = False
     fp8_communication: bool = False
+    # fp16's dynamic loss scale [Note: fp16 under FSDP2].
+    initial_scale: float = 2.0**16
+    min_scale: float = 1.0
+    max_scale: float = 2.0**32
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 1000
+    hysteresis: int = 2
 
     def model_states(self, psi: float, dp: int, precision: TrainPrecision) -> StateBytes:
         # fp32 shards of parameters, gradients and moments; the compute
@@ -200,6 +210,13 @@ class TorchFSDPPlugin(Plugin, SupportsNoSync):
         param_dtype: torch.dtype | None = None,
         reduce_dtype: torch.dtype | None = None,
         buffer_dtype: torch.dtype | None = None,
+        initial_scale: float = 2.0**16,
+        min_scale: float = 1.0,
+        max_scale: float = 2.0**32,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 1000,
+        hysteresis: int = 2,
     ) -> None:
         if process_group is not None and (
             not torch.distributed.is_initialized()
@@ -239,8 +256,16 @@ class TorchFSDPPlugin(Plugin, SupportsNoSync):
                 ignored_modules=ignored_modules,
                 sync_module_states=sync_module_states,
                 fp8_communication=fp8_communication,
+                initial_scale=initial_scale,
+                min_scale=min_scale,
+                max_scale=max_scale,
+                growth_factor=growth_factor,
+                backoff_factor=backoff_factor,
+                growth_interval=growth_interval,
+                hysteresis=hysteresis,
             )
         )
+        loss_scale_config(self.options)  # a bad loss scale is refused here, not at boost
         if precision is not None:
             self.set_precision(TrainPrecision.parse(precision).value)
 
@@ -310,11 +335,21 @@ class TorchFSDPPlugin(Plugin, SupportsNoSync):
             for buffer in model.buffers():
                 if buffer.is_floating_point():
                     buffer.data = buffer.data.to(o.buffer_dtype)
+        step_policy = None
         if optimizer is not None:
             optimizer = rebuild_optimizer(optimizer, names, dict(model.named_parameters()))
             if self.options.max_norm > 0:
                 optimizer.register_step_pre_hook(clip_hook(self.options.max_norm, clip_replicated))
-        return Boosted(model, optimizer, criterion, dataloader, lr_scheduler, module=model)
+            if precision is TrainPrecision.FP16:
+                # [Note: fp16 under FSDP2]: fp32 shards, fp16 compute, and
+                # a loss scale whose overflow check spans every rank's shard.
+                world = dist.group.WORLD
+                assert world is not None
+                step_policy = AmpStep(loss_scale_config(o), device(), groups=(world,))
+        return Boosted(
+            model, optimizer, criterion, dataloader, lr_scheduler, module=model,
+            step_policy=step_policy,
+        )  # fmt: skip
 
     @contextmanager
     def _no_sync(self, model: Any) -> Iterator[None]:

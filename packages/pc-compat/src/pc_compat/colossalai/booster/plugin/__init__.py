@@ -1,78 +1,219 @@
-"""``colossalai.booster.plugin``: the plugins with Colossal-AI's defaults.
+"""``colossalai.booster.plugin``: the plugins with Colossal-AI's signatures
+and defaults [Note: edges from signatures in pc_compat.surface].
 
-pc's own plugins (``pc_booster``) train in the dtype the model was built in
-unless told otherwise; Colossal-AI's ``LowLevelZeroPlugin``,
-``GeminiPlugin`` and ``HybridParallelPlugin`` default to
-``precision="fp16"``, and so do these. Every other argument and default is
-pc's plugin's, which takes Colossal-AI's names (the surface test checks them
-against Colossal-AI's own signatures)."""
+Each plugin here takes exactly the parameters of Colossal-AI's (read from
+``signatures/colossalai.json``) with Colossal-AI's defaults, so
+``LowLevelZeroPlugin``, ``GeminiPlugin`` and ``HybridParallelPlugin`` train
+in fp16 unless told otherwise (pc's own plugins train in the model's dtype),
+and ``LowLevelZeroPlugin``'s loss scale starts at 2**32. Each argument is
+pc's plugin's (same name), one that has no effect in pc (listed in
+``no_effect`` with the reason), or one the edge translates (``handled``).
+pc's own options that Colossal-AI lacks are accepted as keywords after
+them."""
 
 from __future__ import annotations
 
-import inspect
-from typing import Any
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from pc_booster import plugin as _core
-from pc_booster.plugin import DDPPlugin, Plugin, TorchDDPPlugin, TorchFSDPPlugin
+from pc_booster.plugin import Plugin
+from pc_booster.rules import TrainPrecision
+from pc_compat.colossalai.shardformer import GradientCheckpointConfig, enable_recomputation
+from pc_compat.surface import Translation
 
 __all__ = [
     "DDPPlugin",
     "GeminiPlugin",
     "HybridParallelPlugin",
     "LowLevelZeroPlugin",
+    "MoeHybridParallelPlugin",
     "Plugin",
     "TorchDDPPlugin",
     "TorchFSDPPlugin",
 ]
 
-_ORIGINAL_PRECISION = "fp16"
+DDPPlugin = _core.DDPPlugin  # pc's own (hfreduce-style); Colossal-AI has no such plugin
+
+_MODULE = "colossalai.booster.plugin"
+_OVERLAP = (
+    "an overlap of the original's own communication; pc overlaps its gathers and "
+    "reductions as its schedule allows, and the values computed are the same"
+)
 
 
-def _bind_precision(core: type[Plugin], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """``args`` / ``kwargs`` bound to ``core``'s constructor, with
-    Colossal-AI's precision where none was given."""
-    signature = inspect.signature(core.__init__)
-    bound = signature.bind_partial(None, *args, **kwargs)
-    bound.arguments.setdefault("precision", _ORIGINAL_PRECISION)
-    return bound
+class DPPluginBase:
+    """What every edge plugin adds to pc's: Colossal-AI's ``prepare_dataloader``
+    (Colossal-AI's base of its data-parallel plugins has the same name)."""
+
+    TRANSLATION: ClassVar[Translation]
+    CORE: ClassVar[type[Plugin]]
+
+    def prepare_dataloader(
+        self,
+        dataset: Dataset[Any],
+        batch_size: int,
+        shuffle: bool = False,
+        seed: int = 1024,
+        drop_last: bool = False,
+        pin_memory: bool = False,
+        num_workers: int = 0,
+        distributed_sampler_cls: type[DistributedSampler[Any]] | None = None,
+        **kwargs: Any,
+    ) -> DataLoader[Any]:
+        """A DataLoader over this rank's share of ``dataset``, sampled by
+        data-parallel rank (``distributed_sampler_cls``: the sampler class,
+        built with ``num_replicas``, ``rank``, ``shuffle``, ``seed`` and
+        ``drop_last``, as Colossal-AI builds it)."""
+        import torch.distributed as dist
+
+        assert isinstance(self, Plugin)
+        group = self.dp_group
+        sampler_cls = distributed_sampler_cls or DistributedSampler
+        sampler = sampler_cls(
+            dataset,
+            num_replicas=dist.get_world_size(group),
+            rank=dist.get_rank(group),
+            shuffle=shuffle,
+            seed=seed,
+            drop_last=drop_last,
+        )
+        return DataLoader(
+            dataset,
+            batch_size=batch_size,
+            sampler=sampler,
+            pin_memory=pin_memory,
+            num_workers=num_workers,
+            drop_last=drop_last,
+            **kwargs,
+        )
 
 
-def _edge_signature(core: type[Plugin]) -> inspect.Signature:
-    signature = inspect.signature(core.__init__)
-    return signature.replace(
-        parameters=[
-            p.replace(default=_ORIGINAL_PRECISION) if p.name == "precision" else p
-            for p in signature.parameters.values()
-        ]
+def _install(edge: type[DPPluginBase]) -> None:
+    """``inspect.signature(edge)`` shows the original's parameters."""
+    setattr(edge.__init__, "__signature__", edge.TRANSLATION.signature(edge.CORE))  # noqa: B010
+
+
+class TorchDDPPlugin(DPPluginBase, _core.TorchDDPPlugin):
+    """Colossal-AI's ``TorchDDPPlugin`` (torch's DistributedDataParallel)."""
+
+    CORE = _core.TorchDDPPlugin
+    TRANSLATION = Translation(_MODULE, "TorchDDPPlugin")
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(**self.TRANSLATION.to_pc(self.CORE, args, kwargs))
+
+
+class TorchFSDPPlugin(DPPluginBase, _core.TorchFSDPPlugin):
+    """Colossal-AI's ``TorchFSDPPlugin`` (FSDP1's arguments, run as FSDP2)."""
+
+    CORE = _core.TorchFSDPPlugin
+    TRANSLATION = Translation(_MODULE, "TorchFSDPPlugin")
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(**self.TRANSLATION.to_pc(self.CORE, args, kwargs))
+
+
+class LowLevelZeroPlugin(DPPluginBase, _core.LowLevelZeroPlugin):
+    """Colossal-AI's ``LowLevelZeroPlugin``: ZeRO-1/2, fp16 by default."""
+
+    CORE = _core.LowLevelZeroPlugin
+    TRANSLATION = Translation(
+        _MODULE,
+        "LowLevelZeroPlugin",
+        no_effect={"overlap_allgather": _OVERLAP},
     )
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(**self.TRANSLATION.to_pc(self.CORE, args, kwargs))
 
-class LowLevelZeroPlugin(_core.LowLevelZeroPlugin):
-    """pc's ``LowLevelZeroPlugin``, fp16 by default as Colossal-AI's."""
+
+class GeminiPlugin(DPPluginBase, _core.GeminiPlugin):
+    """Colossal-AI's ``GeminiPlugin``: chunk-based ZeRO-3, fp16 by default."""
+
+    CORE = _core.GeminiPlugin
+    TRANSLATION = Translation(_MODULE, "GeminiPlugin")
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        bound = _bind_precision(_core.LowLevelZeroPlugin, args, kwargs)
-        super().__init__(*bound.args[1:], **bound.kwargs)
+        super().__init__(**self.TRANSLATION.to_pc(self.CORE, args, kwargs))
 
 
-class GeminiPlugin(_core.GeminiPlugin):
-    """pc's ``GeminiPlugin``, fp16 by default as Colossal-AI's."""
+def _checkpoint_config(value: Any) -> dict[str, Any]:
+    if value is not None and not isinstance(value, GradientCheckpointConfig):
+        raise TypeError(
+            "gradient_checkpoint_config: expected a GradientCheckpointConfig or "
+            "PipelineGradientCheckpointConfig (pc_compat.colossalai.shardformer), got "
+            f"{type(value).__name__}."
+        )
+    return {}
+
+
+class HybridParallelPlugin(DPPluginBase, _core.HybridParallelPlugin):
+    """Colossal-AI's ``HybridParallelPlugin``: tp x pp x sp x dp with ZeRO,
+    fp16 by default. ``gradient_checkpoint_config`` recomputes every block
+    when it asks for any (:class:`GradientCheckpointConfig`)."""
+
+    CORE = _core.HybridParallelPlugin
+    TRANSLATION = Translation(
+        _MODULE,
+        "HybridParallelPlugin",
+        no_effect={"overlap_p2p": _OVERLAP, "overlap_allgather": _OVERLAP},
+        handled={"gradient_checkpoint_config": _checkpoint_config},
+    )
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        bound = _bind_precision(_core.GeminiPlugin, args, kwargs)
-        super().__init__(*bound.args[1:], **bound.kwargs)
+        super().__init__(**self.TRANSLATION.to_pc(self.CORE, args, kwargs))
+        bound = self.TRANSLATION.signature(self.CORE).bind(None, *args, **kwargs)
+        # Recomputation asked for, applied to the model at boost.
+        self.gradient_checkpoint_config: GradientCheckpointConfig | None = bound.arguments.get(
+            "gradient_checkpoint_config"
+        )
+
+    def configure(
+        self,
+        model: nn.Module,
+        optimizer: Any,
+        criterion: Any,
+        dataloader: Any,
+        lr_scheduler: Any,
+        precision: TrainPrecision,
+    ) -> Any:
+        config = self.gradient_checkpoint_config
+        if config is not None and config.enabled:
+            enable_recomputation(model)
+        return super().configure(model, optimizer, criterion, dataloader, lr_scheduler, precision)
 
 
-class HybridParallelPlugin(_core.HybridParallelPlugin):
-    """pc's ``HybridParallelPlugin``, fp16 by default as Colossal-AI's."""
+class MoeHybridParallelPlugin:
+    """Colossal-AI's ``MoeHybridParallelPlugin``: refused until pc has
+    expert parallelism."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        bound = _bind_precision(_core.HybridParallelPlugin, args, kwargs)
-        super().__init__(*bound.args[1:], **bound.kwargs)
+        raise ValueError(
+            "MoeHybridParallelPlugin: pc has no expert parallelism yet, so expert weights "
+            "cannot be split over an ep group. Train the MoE model with "
+            "HybridParallelPlugin (every expert replicated on every rank, ZeRO shards their "
+            "optimizer states) or GeminiPlugin until it lands."
+        )
 
 
-_edge: type[Plugin]
-for _edge in (LowLevelZeroPlugin, GeminiPlugin, HybridParallelPlugin):
-    # inspect.signature(GeminiPlugin) then shows pc's parameters with
-    # Colossal-AI's precision default, as the surface test reads them.
-    setattr(_edge.__init__, "__signature__", _edge_signature(_edge.__mro__[1]))  # noqa: B010
+_EDGES = (TorchDDPPlugin, TorchFSDPPlugin, LowLevelZeroPlugin, GeminiPlugin, HybridParallelPlugin)
+for _edge in _EDGES:
+    _install(_edge)
+setattr(  # noqa: B010
+    MoeHybridParallelPlugin.__init__,
+    "__signature__",
+    Translation(_MODULE, "MoeHybridParallelPlugin").signature(),
+)
+
+PLUGINS: dict[str, Callable[..., Any]] = {
+    "TorchDDPPlugin": TorchDDPPlugin,
+    "TorchFSDPPlugin": TorchFSDPPlugin,
+    "LowLevelZeroPlugin": LowLevelZeroPlugin,
+    "GeminiPlugin": GeminiPlugin,
+    "HybridParallelPlugin": HybridParallelPlugin,
+    "MoeHybridParallelPlugin": MoeHybridParallelPlugin,
+}
