@@ -1,7 +1,7 @@
 """A Colossal-AI training loop with only its imports changed: ``HybridAdam``
 / ``CPUAdam`` (pc_offload) under ``Booster(plugin=LowLevelZeroPlugin(stage=2))``
 or ``TorchDDPPlugin``, driven by Colossal-AI's LR schedulers
-(pc_booster.lr_scheduler), against one process training on the whole batch
+(pc_compat.colossalai.nn.lr_scheduler), against one process training on the whole batch
 with torch's AdamW / Adam and the schedule worked out here from its formula.
 
 First, each scheduler's learning rate at every step against the formula it
@@ -21,7 +21,8 @@ import torch.distributed as dist
 from torch.optim.lr_scheduler import LRScheduler
 
 from pc_booster import Booster, LowLevelZeroPlugin, Plugin, TorchDDPPlugin
-from pc_booster.lr_scheduler import (
+from pc_comm.testing import run_subtests
+from pc_compat.colossalai.nn.lr_scheduler import (
     CosineAnnealingLR,
     CosineAnnealingWarmupLR,
     LinearWarmupLR,
@@ -30,7 +31,6 @@ from pc_booster.lr_scheduler import (
     PolynomialLR,
     PolynomialWarmupLR,
 )
-from pc_comm.testing import run_subtests
 from pc_offload import CPUAdam, HybridAdam
 
 BASE_LRS = (0.1, 0.03)  # two param groups, each scheduled from its own lr

@@ -73,6 +73,20 @@ def _fence_steps(booster: Booster) -> None:
     register_optimizer_step_pre_hook(fence)
 
 
+# [Note: single-file arguments]
+# Colossal-AI's programs pass size_per_shard and use_async with shard=False.
+# One file has no shards, and it is gathered whole before it is written, so
+# there is nothing to stage in the background: both are accepted and have
+# no effect; with use_async the save returns a future that is already done
+# (the file is complete when save_model returns).
+
+
+def _done() -> Future[None]:
+    future: Future[None] = Future()
+    future.set_result(None)
+    return future
+
+
 # [Note: sharded saves]
 # DCP's .metadata is the commit point of a sharded checkpoint; the index is
 # that of an exported one. New export files never take a name the current
@@ -376,21 +390,12 @@ class Booster:
         out = Path(checkpoint)
         _refuse_prefix(prefix)
         if not shard:
-            if use_async:
-                raise ValueError(
-                    "use_async=True writes the sharded form, each rank's share in the "
-                    "background: pass shard=True as well (the single-file form is gathered "
-                    "whole, with nothing to stage)."
-                )
+            # [Note: single-file arguments]: size_per_shard and use_async
+            # have no effect on one file, which is written before this returns.
             if not gather_dtensor:
                 raise ValueError(
                     "gather_dtensor=False with shard=False: the single-file form holds full "
                     "tensors; shard=True writes each rank's share without gathering."
-                )
-            if size_per_shard is not None:
-                raise ValueError(
-                    "size_per_shard with shard=False: the single-file form is one file; pass "
-                    "shard=True for files of at most size_per_shard MiB."
                 )
             if _is_file_name(out):
                 self._save_file(model, out, use_safetensors)
@@ -402,7 +407,7 @@ class Booster:
                 )
             else:
                 self._save_full(model, out)
-            return None
+            return _done() if use_async else None
         if use_safetensors:
             if use_async:
                 raise ValueError(
@@ -813,20 +818,14 @@ class Booster:
                 "gather_dtensor=False with shard=False: the single-file form holds the full "
                 "state; shard=True writes each rank's share without gathering."
             )
-        if size_per_shard is not None:
-            raise ValueError(
-                "size_per_shard with shard=False: the single-file form is one file; pass "
-                "shard=True for files of about size_per_shard MiB per rank."
-            )
-        if use_async:
-            raise ValueError("use_async=True writes the sharded form: pass shard=True as well.")
+        # [Note: single-file arguments]
         state = self.plugin.optimizer_state_dict(optimizer)
         if dist.get_rank() == 0:
             path = Path(checkpoint)
             path.parent.mkdir(parents=True, exist_ok=True)
             _atomic(path, lambda p: torch.save(state, p))
         dist.barrier()
-        return None
+        return _done() if use_async else None
 
     def load_optimizer(
         self,

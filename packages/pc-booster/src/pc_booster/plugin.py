@@ -345,11 +345,14 @@ class Plugin(ABC):
         shuffle: bool = False,
         seed: int = 1024,
         drop_last: bool = False,
+        pin_memory: bool = False,
+        num_workers: int = 0,
         **kwargs: Any,
     ) -> DataLoader[Any]:
         """A DataLoader over this rank's share of ``dataset``: a
         DistributedSampler by data-parallel rank (tensor- and pipeline-
-        parallel ranks of one replica read the same samples)."""
+        parallel ranks of one replica read the same samples); ``pin_memory``,
+        ``num_workers`` and ``kwargs`` are the DataLoader's."""
         group = self.dp_group
         sampler: DistributedSampler[Any] = DistributedSampler(
             dataset,
@@ -359,7 +362,14 @@ class Plugin(ABC):
             seed=seed,
             drop_last=drop_last,
         )
-        return DataLoader(dataset, batch_size=batch_size, sampler=sampler, **kwargs)
+        return DataLoader(
+            dataset,
+            batch_size=batch_size,
+            sampler=sampler,
+            pin_memory=pin_memory,
+            num_workers=num_workers,
+            **kwargs,
+        )
 
     # -- canonical state -------------------------------------------------------
 

@@ -32,6 +32,7 @@ test reports.
 from __future__ import annotations
 
 import ast
+import importlib
 import inspect
 import json
 import operator
@@ -45,11 +46,17 @@ import torch
 
 __all__ = [
     "NOT_GIVEN",
+    "REFUSED",
     "Translation",
     "default_value",
     "original_entry",
     "original_signature",
+    "refused_class",
+    "refused_function",
+    "resolve",
     "signatures",
+    "surface_rows",
+    "surface_table",
 ]
 
 
@@ -123,7 +130,7 @@ def default_value(text: str | None) -> Any:
 @cache
 def signatures(original: str) -> tuple[dict[str, Any], ...]:
     """Every entry of ``signatures/<original>.json`` ("colossalai", "haiscale")."""
-    text = resources.files("pc_compat").joinpath("signatures", f"{original}.json").read_text()
+    text = resources.files("pc_compat").joinpath(f"signatures/{original}.json").read_text()
     document = json.loads(text)
     return tuple(document["signatures"])
 
@@ -150,9 +157,9 @@ def original_signature(module: str, name: str, *, method: bool = False) -> inspe
     """The original's signature of ``module.name`` with its defaults
     evaluated; ``method``: with ``self`` first (for ``__init__``)."""
     entry = original_entry(module, name)
-    parameters = [
-        inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    ] if method else []
+    parameters = (
+        [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)] if method else []
+    )
     for spec in entry["parameters"] or []:
         kind = _KINDS[spec["kind"]]
         value = default_value(spec["default"])
@@ -231,3 +238,154 @@ class Translation:
         if name in inspect.signature(core).parameters:
             return "pc"
         return "none"
+
+
+# Names of the original the edge mirrors only to refuse, by "module.name":
+# the reason and what to use instead (what the surface test and the docs read).
+REFUSED: dict[str, str] = {}
+
+
+def _refusal(module: str, name: str, reason: str) -> Callable[..., Any]:
+    signature = original_signature(module, name)
+    REFUSED[f"{module}.{name}"] = reason
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        signature.bind(*args, **kwargs)  # a call the original would refuse fails as there
+        raise ValueError(f"{name}: {reason}")
+
+    return refuse
+
+
+def refused_class(module: str, name: str, reason: str) -> type:
+    """A class named ``name`` with the original's constructor signature,
+    whose construction raises ValueError with ``reason``."""
+    refuse = _refusal(module, name, reason)
+
+    def construct(self: Any, *args: Any, **kwargs: Any) -> None:
+        refuse(*args, **kwargs)
+
+    setattr(construct, "__signature__", original_signature(module, name, method=True))  # noqa: B010
+    doc = f"Colossal-AI's ``{name}``, refused: {reason}"
+    namespace = {"__init__": construct, "__doc__": doc, "__module__": f"pc_compat.{module}"}
+    return type(name, (), namespace)
+
+
+def refused_function(module: str, name: str, reason: str) -> Callable[..., Any]:
+    """A function named ``name`` with the original's signature that raises
+    ValueError with ``reason``."""
+    refuse = _refusal(module, name, reason)
+    refuse.__name__ = refuse.__qualname__ = name
+    refuse.__doc__ = f"Colossal-AI's ``{name}``, refused: {reason}"
+    setattr(refuse, "__signature__", original_signature(module, name))  # noqa: B010
+    return refuse
+
+
+def resolve(entry: dict[str, Any]) -> Any:
+    """The edge's object for a signature entry (``pc_compat.<module>``'s
+    ``name``, a dotted name for a method), or None where it is missing."""
+    try:
+        obj: Any = importlib.import_module(f"pc_compat.{entry['module']}")
+    except ModuleNotFoundError:
+        return None
+    for part in entry["name"].split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return None
+    return obj
+
+
+@dataclass(frozen=True)
+class SurfaceRow:
+    """One mirrored name: who takes each of the original's parameters."""
+
+    module: str
+    name: str
+    # parameter -> "pc", "edge", "no effect" or "refused"
+    owners: Mapping[str, str]
+    # parameters the edge does not take at all (a defect)
+    orphans: tuple[str, ...]
+    # parameter -> why it has no effect
+    reasons: Mapping[str, str]
+
+
+def _row(entry: dict[str, Any]) -> SurfaceRow:
+    module, name = entry["module"], entry["name"]
+    names = [p["name"] for p in entry["parameters"] or []]
+    edge = resolve(entry)
+    if f"{module}.{name}" in REFUSED or edge is None:
+        orphans = () if edge is not None else tuple(names) or ("(the name)",)
+        return SurfaceRow(module, name, dict.fromkeys(names, "refused"), orphans, {})
+    translation: Translation | None = getattr(edge, "TRANSLATION", None)
+    core = getattr(edge, "CORE", None)
+    no_effect: Mapping[str, str] = getattr(edge, "NO_EFFECT", {})
+    taken = inspect.signature(edge).parameters
+    owners: dict[str, str] = {}
+    reasons: dict[str, str] = {}
+    for parameter in names:
+        if translation is not None and core is not None:
+            owner = translation.owner(parameter, core)
+            if owner == "no effect":
+                reasons[parameter] = translation.no_effect[parameter]
+        elif parameter in no_effect:
+            owner, reasons[parameter] = "no effect", no_effect[parameter]
+        else:
+            owner = "edge" if parameter in taken else "none"
+        owners[parameter] = owner
+    orphans = tuple(n for n, o in owners.items() if o == "none")
+    return SurfaceRow(module, name, owners, orphans, reasons)
+
+
+def surface_rows(original: str = "colossalai") -> list[SurfaceRow]:
+    return [_row(entry) for entry in signatures(original)]
+
+
+def surface_table(original: str = "colossalai") -> str:
+    """The counts per module as a Markdown table, then every argument
+    that has no effect and every refused name, with the reasons."""
+    rows = surface_rows(original)
+    modules = sorted({r.module for r in rows})
+    lines = [
+        "| module | names | parameters | taken by pc | by the edge | no effect | refused |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    totals = [0] * 6
+
+    def counts(selected: list[SurfaceRow]) -> list[int]:
+        owners = [o for r in selected for o in r.owners.values()]
+        return [
+            len(selected),
+            len(owners),
+            owners.count("pc"),
+            owners.count("edge"),
+            owners.count("no effect"),
+            sum(
+                1
+                for r in selected
+                if set(r.owners.values()) == {"refused"}
+                or (not r.owners and f"{r.module}.{r.name}" in REFUSED)
+            ),
+        ]
+
+    for module in modules:
+        numbers = counts([r for r in rows if r.module == module])
+        totals = [a + b for a, b in zip(totals, numbers, strict=True)]
+        lines.append(f"| `{module}` | " + " | ".join(str(n) for n in numbers) + " |")
+    lines.append("| **all** | " + " | ".join(f"**{n}**" for n in totals) + " |")
+    lines += ["", "The last column counts names refused whole. Arguments with no effect:", ""]
+    for r in rows:
+        for parameter, why in r.reasons.items():
+            lines.append(f"- `{r.name}({parameter}=)`: {why}.")
+    lines += ["", "Names refused, with the reason and what to use instead:", ""]
+    for key, why in sorted(REFUSED.items()):
+        lines.append(f"- `{key}`: {why}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    # The module the edges register their refusals in (this file also runs
+    # as __main__, a second copy with a registry of its own).
+    from pc_compat import surface as _surface
+
+    for _entry in _surface.signatures("colossalai"):
+        _surface.resolve(_entry)
+    print(_surface.surface_table())

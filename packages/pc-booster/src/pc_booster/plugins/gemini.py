@@ -428,9 +428,12 @@ class GeminiPlugin(Plugin, SupportsNoSync):
         from pc_zero import GeminiDDP, GeminiOptimizer
 
         require_initialized("GeminiPlugin")
-        if optimizer is None:
-            raise ValueError("GeminiPlugin shards an optimizer: pass one to boost().")
         o = self.options
+        if optimizer is None and o.step_in_backward:
+            raise ValueError(
+                "GeminiPlugin(step_in_backward=True) steps the optimizer inside backward: pass "
+                "one to boost(), or boost for inference with step_in_backward=False."
+            )
         names = names_by_id(model)
         dtype = precision.dtype
         with torch.no_grad():  # frozen parameters stay whole on every rank, in the compute dtype
@@ -468,9 +471,11 @@ class GeminiPlugin(Plugin, SupportsNoSync):
         )
         # Chunks hold trainable parameters only; frozen ones leave the optimizer.
         trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
-        inner = rebuild_optimizer(optimizer, names, trainable, skip_missing=True)
-        scale = loss_scale_config(o)
-        zero = GeminiOptimizer(inner, wrapped, max_norm=o.max_norm, loss_scale=scale)
+        zero = None  # boosted without an optimizer: inference (forward, state, saves)
+        if optimizer is not None:
+            inner = rebuild_optimizer(optimizer, names, trainable, skip_missing=True)
+            scale = loss_scale_config(o)
+            zero = GeminiOptimizer(inner, wrapped, max_norm=o.max_norm, loss_scale=scale)
         if o.force_outputs_fp32:
             wrapped.register_forward_hook(_outputs_fp32)
         if o.verbose and torch.distributed.get_rank() == 0:

@@ -18,8 +18,16 @@ from torch import nn
 from pc_booster import Booster as _PcBooster
 from pc_booster.plugin import Plugin, Precision
 from pc_compat.colossalai.interface import ModelWrapper
+from pc_compat.surface import REFUSED
 
 __all__ = ["Booster", "CheckpointIO"]
+
+_NO_LORA = (
+    "pc does not build LoRA adapters itself. Wrap the model with peft's "
+    "get_peft_model(model, LoraConfig(...)) before boost (only the adapters then train), "
+    "and save the adapters with the model's own save_pretrained."
+)
+REFUSED["colossalai.booster.Booster.enable_lora"] = _NO_LORA
 
 
 def _core(model: Any) -> Any:
@@ -111,6 +119,34 @@ class Booster(_PcBooster):
         self, model: nn.Module, directory: str | os.PathLike[str], size_per_shard: int = 1024
     ) -> None:
         super().export_pretrained(_core(model), directory, size_per_shard)
+
+    def enable_lora(
+        self,
+        model: nn.Module,
+        pretrained_dir: str | None = None,
+        lora_config: Any = None,
+        bnb_quantization_config: Any = None,
+        quantize: bool = False,
+    ) -> nn.Module:
+        """Refused: pc does not build LoRA adapters itself."""
+        raise ValueError(f"Booster.enable_lora: {_NO_LORA}")
+
+    def save_optimizer(
+        self,
+        optimizer: Any,
+        checkpoint: str | os.PathLike[str],
+        shard: bool = False,
+        gather_dtensor: bool = True,
+        prefix: str | None = None,
+        size_per_shard: int | None = 1024,
+        use_async: bool = False,
+    ) -> Future[None] | None:
+        """pc's ``save_optimizer`` with Colossal-AI's ``size_per_shard``
+        default (no effect on a single file)."""
+        return super().save_optimizer(
+            optimizer, checkpoint, shard, gather_dtensor, prefix,
+            size_per_shard if shard else None, use_async,
+        )  # fmt: skip
 
     @property
     def checkpoint_io(self) -> CheckpointIO:

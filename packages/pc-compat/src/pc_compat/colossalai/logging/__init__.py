@@ -1,7 +1,22 @@
-"""``colossalai.logging``."""
+"""``colossalai.logging``: pc-comm's distributed logger under Colossal-AI's
+default name."""
 
 from __future__ import annotations
 
-from pc_comm import disable_existing_loggers, get_dist_logger
+from collections.abc import Sequence
+
+from pc_comm import DistributedLogger
+from pc_comm import disable_existing_loggers as _disable
+from pc_comm import get_dist_logger as _get
 
 __all__ = ["disable_existing_loggers", "get_dist_logger"]
+
+
+def get_dist_logger(name: str = "colossalai") -> DistributedLogger:
+    return _get(name)
+
+
+def disable_existing_loggers(
+    include: Sequence[str] | None = None, exclude: Sequence[str] = ["colossalai"]
+) -> None:
+    _disable(include, tuple(exclude))

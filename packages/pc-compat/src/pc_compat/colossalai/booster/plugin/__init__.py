@@ -23,7 +23,7 @@ from pc_booster import plugin as _core
 from pc_booster.plugin import Plugin
 from pc_booster.rules import TrainPrecision
 from pc_compat.colossalai.shardformer import GradientCheckpointConfig, enable_recomputation
-from pc_compat.surface import Translation
+from pc_compat.surface import Translation, refused_class
 
 __all__ = [
     "DDPPlugin",
@@ -187,27 +187,17 @@ class HybridParallelPlugin(DPPluginBase, _core.HybridParallelPlugin):
         return super().configure(model, optimizer, criterion, dataloader, lr_scheduler, precision)
 
 
-class MoeHybridParallelPlugin:
-    """Colossal-AI's ``MoeHybridParallelPlugin``: refused until pc has
-    expert parallelism."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        raise ValueError(
-            "MoeHybridParallelPlugin: pc has no expert parallelism yet, so expert weights "
-            "cannot be split over an ep group. Train the MoE model with "
-            "HybridParallelPlugin (every expert replicated on every rank, ZeRO shards their "
-            "optimizer states) or GeminiPlugin until it lands."
-        )
-
+MoeHybridParallelPlugin = refused_class(
+    _MODULE,
+    "MoeHybridParallelPlugin",
+    "pc has no expert parallelism yet, so expert weights cannot be split over an ep group. "
+    "Train the MoE model with HybridParallelPlugin (every expert replicated on every rank, "
+    "ZeRO sharding their optimizer states) or GeminiPlugin until it lands.",
+)
 
 _EDGES = (TorchDDPPlugin, TorchFSDPPlugin, LowLevelZeroPlugin, GeminiPlugin, HybridParallelPlugin)
 for _edge in _EDGES:
     _install(_edge)
-setattr(  # noqa: B010
-    MoeHybridParallelPlugin.__init__,
-    "__signature__",
-    Translation(_MODULE, "MoeHybridParallelPlugin").signature(),
-)
 
 PLUGINS: dict[str, Callable[..., Any]] = {
     "TorchDDPPlugin": TorchDDPPlugin,
