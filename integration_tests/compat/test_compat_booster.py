@@ -42,8 +42,10 @@ PLUGINS: dict[str, Callable[[], Plugin]] = {
     "zero2": lambda: LowLevelZeroPlugin(stage=2, precision="fp32"),
     "torch-fsdp": TorchFSDPPlugin,
     "gemini": lambda: GeminiPlugin(precision="fp32"),
-    "hybrid-tp2": lambda: HybridParallelPlugin(tp_size=2, precision="fp32"),
-    "hybrid-tp2-zero1": lambda: HybridParallelPlugin(tp_size=2, zero_stage=1, precision="fp32"),
+    "hybrid-tp2": lambda: HybridParallelPlugin(tp_size=2, pp_size=1, precision="fp32"),
+    "hybrid-tp2-zero1": lambda: HybridParallelPlugin(
+        tp_size=2, pp_size=1, zero_stage=1, precision="fp32"
+    ),
 }
 
 
@@ -154,7 +156,7 @@ def test_deepcopy_of_unwrapped() -> None:
 SCALE_PLUGINS: dict[str, Callable[..., Plugin]] = {
     "zero2": lambda **kw: LowLevelZeroPlugin(stage=2, **kw),
     "gemini": lambda **kw: GeminiPlugin(**kw),
-    "hybrid-tp2-zero1": lambda **kw: HybridParallelPlugin(tp_size=2, zero_stage=1, **kw),
+    "hybrid-tp2-zero1": lambda **kw: HybridParallelPlugin(tp_size=2, pp_size=1, zero_stage=1, **kw),
 }
 
 

@@ -27,8 +27,8 @@ import torch.distributed as dist
 from torch import nn
 
 from pc_chunk import is_lazy, packing_waste
-from pc_comm import get_accelerator
 from pc_comm.testing import run_subtests
+from pc_compat.colossalai.accelerator import get_accelerator
 from pc_offload import HybridAdam
 from pc_zero import (
     ColoInitContext,

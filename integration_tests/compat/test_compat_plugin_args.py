@@ -14,6 +14,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 
 from pc_booster.plugin import HybridParallelPlugin, Plugin
 from pc_booster.plugins.hybrid import _fused_rms_norm
+from pc_booster.rules import TrainPrecision
 from pc_comm.testing import run_subtests
 from pc_compat.colossalai.booster import Booster
 
@@ -420,10 +421,12 @@ def check_fsdp1_arguments(case: str) -> None:
             ({"param_init_fn": lambda m: None}, "drop param_init_fn"),
             ({"ignored_modules": [torch.nn.Linear(1, 1)]}, "Freeze it"),
             ({"fp8_communication": True}, "pc all-gathers and reduces"),
-            ({"mixed_precision": MixedPrecision(param_dtype=torch.float16)}, "fp16 needs a loss"),
         ):
             with pytest.raises(ValueError, match=message):
                 TorchFSDPPlugin(**kwargs)
+        # fp16 trains (a loss scale over the shards), as Colossal-AI's does
+        fp16 = TorchFSDPPlugin(mixed_precision=MixedPrecision(param_dtype=torch.float16))
+        assert fp16.precision is TrainPrecision.FP16
     dist.barrier()
 
 

@@ -1,4 +1,4 @@
-"""init_distributed and launch_from_torch under a real torchrun, end to end."""
+"""init_distributed under a real torchrun, end to end (one node and two)."""
 
 from __future__ import annotations
 
@@ -17,23 +17,14 @@ pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
 SCRIPT = textwrap.dedent(
     """
     import torch
-    from pc_comm import (
-        DistCoordinator, ReduceOp, TorchCommunicator, init_distributed, launch_from_torch
-    )
+    from pc_comm import ReduceOp, TorchCommunicator, init_distributed
 
     context = init_distributed()
     assert context.backend == "gloo" and context.device == torch.device("cpu")
     again = init_distributed()  # idempotent
     assert again.env == context.env
-    # Colossal-AI's old call on a running group: the group is kept, the
-    # generators seeded, one line logged on rank 0.
-    launch_from_torch(config={}, seed=7)
-    drawn = torch.rand(2)
-    torch.manual_seed(7)
-    assert torch.equal(drawn, torch.rand(2))
-    coordinator = DistCoordinator()
-    assert coordinator.local_rank == context.env.local_rank
-    coordinator.print_on_node_master(f"node master of node {context.env.node_rank}")
+    if context.env.local_rank == 0:
+        print(f"node master of node {context.env.node_rank}", flush=True)
     comm = TorchCommunicator()
     t = torch.tensor([float(context.env.rank)])
     comm.all_reduce(t, ReduceOp.SUM)
@@ -70,7 +61,6 @@ def test_init_distributed_under_torchrun(tmp_path: Path) -> None:
     assert "rank 0/2 node 0 local 0/2 sum 1.0" in result.stdout
     assert "rank 1/2 node 0 local 1/2 sum 1.0" in result.stdout
     assert result.stdout.count("node master of node 0") == 1
-    assert result.stderr.count("Distributed environment is initialized, world size: 2") == 1
 
 
 def test_two_torchrun_agents_form_two_nodes(tmp_path: Path) -> None:
@@ -90,7 +80,6 @@ def test_two_torchrun_agents_form_two_nodes(tmp_path: Path) -> None:
     for rank in range(4):
         assert f"rank {rank}/4 node {rank // 2} local {rank % 2}/2 sum 6.0" in output, output
     assert output.count("node master of node 0") == output.count("node master of node 1") == 1
-    assert output.count("Distributed environment is initialized, world size: 4") == 1
 
 
 def test_missing_environment_explains_how_to_launch() -> None:

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from pc_booster.rules import TrainPrecision
-from pc_compat.colossalai import _backend
+from pc_compat.colossalai._launch import _backend
 from pc_compat.colossalai.checkpoint_io import GeneralCheckpointIO
 from pc_compat.colossalai.lazy import LazyInitContext
 from pc_compat.colossalai.nn import lr_scheduler as schedules

@@ -13,7 +13,6 @@ from pc_comm import (
     _exit,  # noqa: F401  [Note: threads at interpreter exit]
     health,
 )
-from pc_comm.accelerator import BaseAccelerator, CpuAccelerator, CudaAccelerator, get_accelerator
 from pc_comm.collectives import all_reduce_coalesced
 from pc_comm.communicator import (
     Communicator,
@@ -24,14 +23,12 @@ from pc_comm.communicator import (
     ReduceOp,
     SymmetricAllocator,
 )
-from pc_comm.coordinator import DistCoordinator
 from pc_comm.ddp import DistributedDataParallel, default_communicator, on_one_host
 from pc_comm.env import DistEnv, DistEnvError, read_dist_env
 from pc_comm.health import PeerFailureError, set_phase
 from pc_comm.hierarchical import HierarchicalCommunicator
 from pc_comm.host_allocator import HostAllocatorSettings, tune_host_allocator
-from pc_comm.launch import DistContext, LegacyConfig, init_distributed, launch, launch_from_torch
-from pc_comm.logger import DistributedLogger, disable_existing_loggers, get_dist_logger
+from pc_comm.launch import DistContext, init_distributed
 from pc_comm.shm import ShmCommunicator, ShmPeerError, usable_cores
 from pc_comm.topology import Coord, ParallelDims, Subgroups, make_subgroups
 from pc_comm.torch_communicator import TorchCommunicator
@@ -39,22 +36,16 @@ from pc_comm.torch_communicator import TorchCommunicator
 __version__ = "0.1.0"
 
 __all__ = [
-    "BaseAccelerator",
     "Communicator",
     "CompletedHandle",
     "Coord",
-    "CpuAccelerator",
-    "CudaAccelerator",
     "DistContext",
-    "DistCoordinator",
     "DistEnv",
     "DistEnvError",
     "DistributedDataParallel",
-    "DistributedLogger",
     "Handle",
     "HierarchicalCommunicator",
     "HostAllocatorSettings",
-    "LegacyConfig",
     "P2PKind",
     "P2POp",
     "ParallelDims",
@@ -67,13 +58,8 @@ __all__ = [
     "TorchCommunicator",
     "all_reduce_coalesced",
     "default_communicator",
-    "disable_existing_loggers",
-    "get_accelerator",
-    "get_dist_logger",
     "health",
     "init_distributed",
-    "launch",
-    "launch_from_torch",
     "make_subgroups",
     "on_one_host",
     "read_dist_env",

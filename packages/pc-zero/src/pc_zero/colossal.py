@@ -69,7 +69,6 @@ from torch.optim import Optimizer
 
 from pc_chunk import ChunkManager as _PcChunkManager
 from pc_chunk import LazyInitContext, filter_exlarge_sizes, packing_waste
-from pc_comm import get_accelerator
 from pc_offload import HybridAdam
 from pc_zero.gemini import GeminiDDP, GeminiOptimizer, PlacementPolicy, searched_chunk_size
 from pc_zero.loss_scale import LossScaleConfig
@@ -88,15 +87,17 @@ _MEGA = 1024 * 1024
 
 
 def _compute_device() -> torch.device:
-    """Where Colossal-AI computes: the accelerator's current device."""
-    return get_accelerator().get_current_device()
+    """Where Colossal-AI computes: the current CUDA device, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def _group_size(process_group: dist.ProcessGroup | None) -> int:
     if not dist.is_initialized():
         raise ValueError(
             "the process group is not initialised: start it first "
-            "(pc_comm.launch_from_torch(), or torch.distributed.init_process_group)."
+            "(pc_comm.init_distributed(), or torch.distributed.init_process_group)."
         )
     return dist.get_world_size(process_group)
 

@@ -1,7 +1,12 @@
-"""``colossalai.accelerator``."""
+"""``colossalai.accelerator``: ``get_accelerator`` and the accelerators."""
 
 from __future__ import annotations
 
-from pc_comm import get_accelerator
+from pc_compat.colossalai.accelerator._accelerator import (
+    BaseAccelerator,
+    CpuAccelerator,
+    CudaAccelerator,
+    get_accelerator,
+)
 
-__all__ = ["get_accelerator"]
+__all__ = ["BaseAccelerator", "CpuAccelerator", "CudaAccelerator", "get_accelerator"]

@@ -1,9 +1,9 @@
-"""``colossalai.cluster``: ``DistCoordinator`` (pc-comm's); ``ProcessGroupMesh``
-refused with pc's way to build groups."""
+"""``colossalai.cluster``: ``DistCoordinator``; ``ProcessGroupMesh`` refused
+with pc's way to build groups."""
 
 from __future__ import annotations
 
-from pc_comm import DistCoordinator
+from pc_compat.colossalai.cluster._coordinator import DistCoordinator
 from pc_compat.surface import refused_class
 
 __all__ = ["DistCoordinator", "ProcessGroupMesh"]

@@ -6,7 +6,7 @@ import random
 
 import torch
 
-from pc_comm import get_accelerator
+from pc_compat.colossalai.accelerator import get_accelerator
 
 __all__ = ["get_current_device", "set_seed"]
 

@@ -1,4 +1,4 @@
-"""Colossal-AI's launch-level names in pc-comm: ``launch``,
+"""Colossal-AI's launch-level names at the edge: ``launch``,
 ``DistCoordinator``, ``get_dist_logger``, ``get_accelerator``. Each accepted
 argument is checked for its effect; each refusal for its message. One
 spawn of 2 ranks runs the distributed sub-cases (the last one replaces the
@@ -18,15 +18,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from pc_comm import (
-    CpuAccelerator,
-    DistCoordinator,
-    get_accelerator,
-    get_dist_logger,
-    launch,
-    launch_from_torch,
-)
 from pc_comm.testing import find_free_port, run_subtests
+from pc_compat.colossalai import launch, launch_from_torch
+from pc_compat.colossalai.accelerator import CpuAccelerator, get_accelerator
+from pc_compat.colossalai.cluster import DistCoordinator
+from pc_compat.colossalai.logging import get_dist_logger
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -109,7 +105,7 @@ def test_logger_levels_files_and_ranks(tmp_path: Path) -> None:
     assert "debug shown" in text
     assert "hidden" not in text
     assert "not rank 0" not in text
-    assert "test_comm_colossal.py" in text  # the caller's location, not the logger's
+    assert "test_colossalai_launch.py" in text  # the caller's location, not the logger's
     logger.set_level("ERROR")
     path = logger.log_to_file(tmp_path / "logs", level="DEBUG", suffix="x")
     assert path == tmp_path / "logs" / "rank_0_x.log"
