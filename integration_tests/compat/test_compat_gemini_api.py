@@ -29,17 +29,17 @@ from torch import nn
 from pc_chunk import is_lazy, packing_waste
 from pc_comm.testing import run_subtests
 from pc_compat.colossalai.accelerator import get_accelerator
-from pc_offload import HybridAdam
-from pc_zero import (
-    ColoInitContext,
+from pc_compat.colossalai.legacy.zero import (
+    ChunkManager,
     GeminiAdamOptimizer,
-    GeminiDDP,
     GeminiManager,
     ZeroDDP,
     ZeroOptimizer,
     init_chunk_manager,
 )
-from pc_zero.colossal import ChunkManager
+from pc_compat.colossalai.legacy.zero._tutorial import ColoInitContext
+from pc_offload import HybridAdam
+from pc_zero import GeminiDDP
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -21,6 +21,7 @@ from torch import nn
 
 from pc_chunk import packing_waste
 from pc_comm.testing import run_subtests
+from pc_compat.colossalai.legacy.zero import ZeroDDP
 from pc_compat.colossalai.nn.optimizer import HybridAdam
 from pc_compat.colossalai.zero import (
     GeminiAdamOptimizer,
@@ -35,7 +36,6 @@ from pc_compat.colossalai.zero.gemini import (
     GeminiManager,
     search_chunk_configuration,
 )
-from pc_zero import ZeroDDP
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -155,7 +155,7 @@ def check_stage3_wrappers() -> None:
 
 
 def check_chunk_manager() -> None:
-    """The modern ChunkManager is pc_zero.colossal's settings: ZeroDDP builds
+    """The modern ChunkManager is the older tutorial's settings: ZeroDDP builds
     the configured chunks from it."""
     manager = ChunkManager({2: {"chunk_size": 1055, "keep_gathered": False}})
     assert manager.chunk_size == 1056  # rounded up to a multiple of the group

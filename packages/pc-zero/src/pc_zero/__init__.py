@@ -1,16 +1,7 @@
 """pc-zero: ZeRO-1/2 (`LowLevelZeroOptimizer`), ZeRO-3 by wrapped units
-(`FullyShardedDataParallel`) and by chunks (`GeminiDDP`; Colossal-AI's Gemini
-names in `pc_zero.colossal`)."""
+(`FullyShardedDataParallel`) and by chunks (`GeminiDDP`)."""
 
 from pc_zero.checkpoint import load_sharded_checkpoint, save_sharded_checkpoint
-from pc_zero.colossal import (
-    ColoInitContext,
-    GeminiAdamOptimizer,
-    GeminiManager,
-    ZeroDDP,
-    ZeroOptimizer,
-    init_chunk_manager,
-)
 from pc_zero.fsdp import (
     BackwardPrefetch,
     FullyShardedDataParallel,
@@ -19,7 +10,7 @@ from pc_zero.fsdp import (
     size_based_auto_wrap_policy,
     transformer_auto_wrap_policy,
 )
-from pc_zero.gemini import GeminiDDP, GeminiOptimizer, PlacementPolicy
+from pc_zero.gemini import GeminiDDP, GeminiOptimizer, PlacementPolicy, searched_chunk_size
 from pc_zero.layout import Bucket, Slot, plan_buckets
 from pc_zero.loss_scale import (
     DynamicLossScaler,
@@ -40,12 +31,9 @@ __all__ = [
     "BackwardPrefetch",
     "Box",
     "Bucket",
-    "ColoInitContext",
     "DynamicLossScaler",
     "FullyShardedDataParallel",
-    "GeminiAdamOptimizer",
     "GeminiDDP",
-    "GeminiManager",
     "GeminiOptimizer",
     "LossScaleConfig",
     "LowLevelZeroOptimizer",
@@ -61,15 +49,13 @@ __all__ = [
     "ShardedOptimizer",
     "Slot",
     "TransformerBlockPolicy",
-    "ZeroDDP",
-    "ZeroOptimizer",
     "counts_under_tensor_parallel",
     "flat_range_boxes",
-    "init_chunk_manager",
     "load_sharded_checkpoint",
     "merge_sharded_state_dicts",
     "plan_buckets",
     "save_sharded_checkpoint",
+    "searched_chunk_size",
     "size_based_auto_wrap_policy",
     "transformer_auto_wrap_policy",
     "unscale_clip_and_check",

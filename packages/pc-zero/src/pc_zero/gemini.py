@@ -54,7 +54,7 @@ without it, of 64 x the world size. Colossal-AI's ``search_range_mb`` and
 elements, whatever the suffix says); pc's ``search_range`` and
 ``min_chunk_size`` count elements; pass one spelling of each. Unlike
 Colossal-AI's default search, large parameters are not left out here
-(``pc_zero.colossal.init_chunk_manager`` does leave them out).
+(the compatibility edge's ``init_chunk_manager`` does leave them out).
 ``chunk_per_tensor=True`` gives every parameter its own chunk.
 
 [Note: placement policies]
@@ -82,7 +82,7 @@ step [Note: host buffers] in pc_chunk.chunk.
 [Note: loss scaling in every precision]
 Loss scaling exists for fp16; under fp32 or bf16 compute GeminiOptimizer
 does not scale unless ``scale_every_precision=True``, which Colossal-AI's
-ZeRO optimizer (``pc_zero.colossal.ZeroOptimizer``) asks for: its
+ZeRO optimizer (the edge's ``ZeroOptimizer``) asks for: its
 ``initial_scale`` and friends then apply as asked (the loss is multiplied,
 the gradient shards divided, a step whose gradients overflow is skipped
 and the scale backs off). A power-of-two scale changes fp32 results by

@@ -10,12 +10,14 @@ one group, so a configuration has one entry and its key must be that
 group's size. ``keep_gathered=True`` (what the search gives a model smaller
 than ``min_chunk_size_m``: one chunk kept whole on every rank) is accepted
 and the chunk is sharded all the same, as
-``pc_zero.colossal.init_chunk_manager`` does for that case: the values
+the older tutorial's ``init_chunk_manager`` (``pc_compat.colossalai.legacy.zero``)
+does for that case: the values
 computed are the same, at 1/N of the memory. The chunk size is rounded up to
 a multiple of the group size, so every rank owns an equal shard.
 
-The modern ``ChunkManager`` is pc_zero.colossal's tutorial-shaped
-``ChunkManager`` (settings that ``ZeroDDP`` builds chunks from) made from a
+The modern ``ChunkManager`` is the older tutorial's
+``ChunkManager`` (``pc_compat.colossalai.legacy.zero``; settings that
+``ZeroDDP`` builds chunks from) made from a
 configuration: ``ZeroDDP(model, GeminiManager(policy, ChunkManager(config)))``
 trains as the tutorial shape does. ``GeminiDDP`` builds its own, as
 Colossal-AI's does.
@@ -31,6 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pc_chunk import filter_exlarge_sizes, search_chunk_size
+from pc_compat.colossalai.legacy.zero import _tutorial as _colossal
 from pc_compat.colossalai.zero._edges import (
     EdgeTranslation,
     TranslatedEdge,
@@ -39,7 +42,6 @@ from pc_compat.colossalai.zero._edges import (
     taken_by_edge,
     world_size,
 )
-from pc_zero import colossal as _colossal
 
 __all__ = [
     "RATIOS",
@@ -224,7 +226,7 @@ class ChunkManager(TranslatedEdge, _colossal.ChunkManager):
 
 class GeminiManager(TranslatedEdge, _colossal.GeminiManager):
     """Colossal-AI's ``GeminiManager(placement_policy, chunk_manager,
-    memstats=None, **placement_kwargs)`` over pc_zero.colossal's (settings
+    memstats=None, **placement_kwargs)`` over the older tutorial's (settings
     ``ZeroDDP`` reads). ``placement_kwargs``: Colossal-AI's placement
     arguments (``offload_param_frac``, ``offload_optim_frac``,
     ``shard_param_frac``, ``max_prefetch``, the 'auto' ratios) and pc's

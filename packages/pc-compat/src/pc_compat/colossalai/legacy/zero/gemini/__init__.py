@@ -1,14 +1,14 @@
 """``colossalai.legacy.zero.gemini``: ``ColoInitContext`` with Colossal-AI's
 signature and defaults (tensors made on the host unless ``device`` says
-otherwise) over pc_zero.colossal's; pc's ``lazy=True`` is a keyword after
-the original's arguments."""
+otherwise) over the older tutorial's (``pc_compat.colossalai.legacy.zero``);
+pc's ``lazy=True`` is a keyword after the original's arguments."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from pc_compat.colossalai.legacy.zero import _tutorial as _colossal
 from pc_compat.surface import Translation
-from pc_zero import colossal as _colossal
 
 __all__ = ["ColoInitContext"]
 
@@ -17,7 +17,7 @@ class ColoInitContext(_colossal.ColoInitContext):
     """Colossal-AI's ``with ColoInitContext(device=, dtype=): model = ...``:
     parameters and buffers made on ``device`` in ``dtype``; the
     tensor-parallel specs (``default_pg``, ``default_dist_spec``) are refused
-    by pc_zero.colossal's, with the alternative."""
+    by the older tutorial's (pc_compat.colossalai.legacy.zero)'s, with the alternative."""
 
     CORE = _colossal.ColoInitContext
     TRANSLATION = Translation("colossalai.legacy.zero.gemini", "ColoInitContext")

@@ -70,8 +70,13 @@ from torch.optim import Optimizer
 from pc_chunk import ChunkManager as _PcChunkManager
 from pc_chunk import LazyInitContext, filter_exlarge_sizes, packing_waste
 from pc_offload import HybridAdam
-from pc_zero.gemini import GeminiDDP, GeminiOptimizer, PlacementPolicy, searched_chunk_size
-from pc_zero.loss_scale import LossScaleConfig
+from pc_zero import (
+    GeminiDDP,
+    GeminiOptimizer,
+    LossScaleConfig,
+    PlacementPolicy,
+    searched_chunk_size,
+)
 
 __all__ = [
     "ChunkManager",
@@ -221,7 +226,8 @@ class GeminiManager:
         self.policy = PlacementPolicy.parse(placement_policy)
         if not isinstance(chunk_manager, ChunkManager):
             raise ValueError(
-                "GeminiManager needs a pc_zero.colossal.ChunkManager (or init_chunk_manager's "
+                "GeminiManager needs a pc_compat.colossalai.legacy.zero.ChunkManager (or "
+                "init_chunk_manager's "
                 f"result), got {type(chunk_manager).__name__}."
             )
         if memstats is not None:
