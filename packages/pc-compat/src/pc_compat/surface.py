@@ -186,6 +186,10 @@ class Translation:
     name: str
     no_effect: Mapping[str, str] = field(default_factory=dict)
     handled: Mapping[str, Callable[[Any], dict[str, Any]]] = field(default_factory=dict)
+    # Arguments the edge translates together (one depends on another): given
+    # every bound argument and the keyword arguments so far, the final ones
+    # (or ValueError with the reason). Their names are listed in ``handled``.
+    combine: Callable[[Mapping[str, Any], dict[str, Any]], dict[str, Any]] | None = None
 
     def signature(self, core: Callable[..., Any] | None = None) -> inspect.Signature:
         """The original's signature (with ``self``), then, keyword-only,
@@ -226,6 +230,8 @@ class Translation:
                     f"{self.name}({name}=...): no owner for this argument of the original "
                     "[Note: edges from signatures]"
                 )
+        if self.combine is not None:
+            out = self.combine(bound.arguments, out)
         return out
 
     def owner(self, name: str, core: Callable[..., Any]) -> str:

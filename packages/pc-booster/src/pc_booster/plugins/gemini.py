@@ -90,77 +90,6 @@ def _in_backward_accumulation(options: GeminiOptions, setting: RunSetting) -> st
     return None
 
 
-def _colossal_arguments(o: GeminiOptions, setting: RunSetting) -> str | None:
-    """Colossal-AI's GeminiPlugin arguments pc has no counterpart for
-    [Note: Colossal-AI's Gemini options]."""
-    if o.shard_param_frac != 1.0:
-        return (
-            f"shard_param_frac={o.shard_param_frac}: pc's Gemini shards every chunk over the "
-            "ranks (1.0); for whole parameters on each rank use LowLevelZeroPlugin."
-        )
-    if not 0.0 <= o.offload_optim_frac <= 1.0:
-        return (
-            f"offload_optim_frac is a share of the chunks, in [0, 1]; got {o.offload_optim_frac}."
-        )
-    if (
-        o.offload_optim_frac
-        and o.offload_param_frac
-        and o.offload_optim_frac != o.offload_param_frac
-    ):
-        return (
-            f"offload_optim_frac={o.offload_optim_frac} and offload_param_frac="
-            f"{o.offload_param_frac}: pc keeps a chunk's optimizer states with its shard, so one "
-            "share of the chunks goes to the host; give one fraction."
-        )
-    if o.max_prefetch is not None and o.max_prefetch not in (0, 1):
-        return (
-            f"max_prefetch={o.max_prefetch}: pc gathers the next chunk ahead of its use (1) or "
-            "none (0)."
-        )
-    if o.tp_size != 1 or o.extra_dp_size != 1:
-        return (
-            f"tp_size={o.tp_size}, extra_dp_size={o.extra_dp_size}: pc's Gemini is data "
-            "parallel over every rank; tensor parallelism is HybridParallelPlugin's."
-        )
-    if o.norm_type != 2.0:
-        return f"norm_type={o.norm_type}: pc clips by the global 2-norm; pass norm_type=2.0."
-    if not o.master_weights:
-        return "master_weights=False: pc keeps fp32 masters of each chunk shard; leave it True."
-    if o.chunk_config_dict is not None or o.memstats is not None:
-        return (
-            "chunk_config_dict / memstats: pc searches the chunk size (chunk_size= fixes it, "
-            "search_range_m / min_chunk_size_m bound the search) and traces memory itself."
-        )
-    if o.strict_ddp_mode:
-        return "strict_ddp_mode=True: pc's Gemini always shards (ZeRO-3); use TorchDDPPlugin."
-    if o.enable_sequence_parallelism or o.enable_sequence_overlap or o.enable_jit_fused:
-        return (
-            "sequence parallelism and jit-fused kernels are HybridParallelPlugin's business "
-            "(and pc has no jit-fused kernels); leave them False."
-        )
-    if o.use_fp8 or o.fp8_communication:
-        return "use_fp8 / fp8_communication: pc has no fp8 path; leave them False."
-    ratios = (o.warmup_non_model_data_ratio, o.steady_cuda_cap_ratio, o.gpu_margin_mem_ratio)
-    if ratios != (0.8, 0.9, 0.0):
-        return (
-            "warmup_non_model_data_ratio / steady_cuda_cap_ratio / gpu_margin_mem_ratio: pc's "
-            "'auto' placement keeps chunks on the device within device_budget_bytes (by "
-            "default the device's free memory less what a traced step needs); set that "
-            "instead and leave the ratios at their defaults."
-        )
-    if not o.enable_async_reduce:
-        return (
-            "enable_async_reduce=False: pc always reduces a chunk's gradients while backward "
-            "goes on; leave it True."
-        )
-    if o.chunk_init_device is not None and torch.device(o.chunk_init_device).type not in (
-        "cpu",
-        "cuda",
-    ):
-        return f"chunk_init_device={o.chunk_init_device!r}: 'cpu' or 'cuda'."
-    return None
-
-
 @dataclass(frozen=True)
 class GeminiOptions(PluginConfig):
     """``placement_policy`` ``"static"`` (``offload_param_frac`` of the
@@ -198,11 +127,6 @@ class GeminiOptions(PluginConfig):
             _in_backward_accumulation,
             ({"step_in_backward": True}, RunSetting(accumulation=2)),
         ),
-        Rule(
-            "Colossal-AI arguments without a counterpart (shard_param_frac < 1, tp_size, fp8, ...)",
-            _colossal_arguments,
-            ({"shard_param_frac": 0.5}, RunSetting()),
-        ),
     )
 
     placement_policy: str = "static"
@@ -221,48 +145,22 @@ class GeminiOptions(PluginConfig):
     growth_factor: float = 2.0
     backoff_factor: float = 0.5
     step_in_backward: bool = False
-    # Colossal-AI's names [Note: Colossal-AI's Gemini options]
-    shard_param_frac: float = 1.0
-    offload_optim_frac: float = 0.0
-    enable_gradient_accumulation: bool = False
-    max_prefetch: int | None = None
-    tp_size: int = 1
-    extra_dp_size: int = 1
-    norm_type: float = 2.0
-    master_weights: bool = True
     force_outputs_fp32: bool = False
     verbose: bool = False
-    chunk_config_dict: Any = None
-    memstats: Any = None
-    strict_ddp_mode: bool = False
     enable_flash_attention: bool = False
     enable_fused_normalization: bool = False
-    enable_all_optimization: bool = False
-    enable_sequence_parallelism: bool = False
-    enable_sequence_overlap: bool = False
-    enable_jit_fused: bool = False
-    use_fp8: bool = False
-    fp8_communication: bool = False
     pin_memory: bool = False
     hidden_dim: int | None = None
-    chunk_init_device: Any = None
-    warmup_non_model_data_ratio: float = 0.8
-    steady_cuda_cap_ratio: float = 0.9
-    gpu_margin_mem_ratio: float = 0.0
-    enable_async_reduce: bool = True
 
     def host_fraction(self) -> float:
         """The share of chunks (shards and their optimizer states) on the host."""
-        return self.offload_param_frac or self.offload_optim_frac
-
-    def prefetches(self) -> bool:
-        return self.prefetch if self.max_prefetch is None else self.max_prefetch > 0
+        return self.offload_param_frac
 
     def flash_attention(self) -> bool:
-        return self.enable_flash_attention or self.enable_all_optimization
+        return self.enable_flash_attention
 
     def fused_normalization(self) -> bool:
-        return self.enable_fused_normalization or self.enable_all_optimization
+        return self.enable_fused_normalization
 
     def describe(self) -> str:
         extra = f" offload {self.host_fraction():g}" if self.host_fraction() else ""
@@ -287,15 +185,15 @@ class GeminiOptions(PluginConfig):
 
 
 def _chunk_search(model: nn.Module, o: GeminiOptions) -> tuple[int, int]:
-    """The chunk-size search's bounds, in elements: the options' (Colossal-AI's
-    32 M elements by default), but no more than 1/32 of the model or its
+    """The chunk-size search's bounds, in elements: the options' (32 M
+    elements by default), but no more than 1/32 of the model or its
     largest parameter, whichever is larger. A step holds a few chunks whole
     at once (the gathered ones, their gradients, the prefetched next), so
-    with Colossal-AI's bound a model under a billion parameters would be
+    with a 32 M bound a model under a billion parameters would be
     gathered by large parts, or whole (measured on a 50 M-parameter GPT-2 at
     2 ranks: 565 MiB per rank with chunks of 1/8 of the model, 438 MiB with
     1/32; its whole fp32 model and Adam states are 579 MiB). Larger models
-    keep Colossal-AI's chunks."""
+    keep 32 M-element chunks."""
     sizes = [p.numel() for p in model.parameters() if p.requires_grad] or [1]
     bound = max(sum(sizes) // 32, max(sizes), 1)
     return min(int(o.search_range_m * 2**20), bound), min(int(o.min_chunk_size_m * 2**20), bound)
@@ -334,34 +232,12 @@ class GeminiPlugin(Plugin, SupportsNoSync):
         backoff_factor: float = 0.5,
         precision: str | None = None,
         step_in_backward: bool = False,
-        shard_param_frac: float = 1.0,
-        offload_optim_frac: float = 0.0,
-        enable_gradient_accumulation: bool = False,
-        max_prefetch: int | None = None,
-        tp_size: int = 1,
-        extra_dp_size: int = 1,
-        norm_type: float = 2.0,
-        master_weights: bool = True,
         force_outputs_fp32: bool = False,
         verbose: bool = False,
-        chunk_config_dict: Any = None,
-        memstats: Any = None,
-        strict_ddp_mode: bool = False,
         enable_flash_attention: bool = False,
         enable_fused_normalization: bool = False,
-        enable_all_optimization: bool = False,
-        enable_sequence_parallelism: bool = False,
-        enable_sequence_overlap: bool = False,
-        enable_jit_fused: bool = False,
-        use_fp8: bool = False,
-        fp8_communication: bool = False,
         pin_memory: bool = False,
         hidden_dim: int | None = None,
-        chunk_init_device: Any = None,
-        warmup_non_model_data_ratio: float = 0.8,
-        steady_cuda_cap_ratio: float = 0.9,
-        gpu_margin_mem_ratio: float = 0.0,
-        enable_async_reduce: bool = True,
     ) -> None:
         super().__init__(
             GeminiOptions(
@@ -381,38 +257,14 @@ class GeminiPlugin(Plugin, SupportsNoSync):
                 growth_factor=growth_factor,
                 backoff_factor=backoff_factor,
                 step_in_backward=step_in_backward,
-                shard_param_frac=shard_param_frac,
-                offload_optim_frac=offload_optim_frac,
-                enable_gradient_accumulation=enable_gradient_accumulation,
-                max_prefetch=max_prefetch,
-                tp_size=tp_size,
-                extra_dp_size=extra_dp_size,
-                norm_type=norm_type,
-                master_weights=master_weights,
                 force_outputs_fp32=force_outputs_fp32,
                 verbose=verbose,
-                chunk_config_dict=chunk_config_dict,
-                memstats=memstats,
-                strict_ddp_mode=strict_ddp_mode,
                 enable_flash_attention=enable_flash_attention,
                 enable_fused_normalization=enable_fused_normalization,
-                enable_all_optimization=enable_all_optimization,
-                enable_sequence_parallelism=enable_sequence_parallelism,
-                enable_sequence_overlap=enable_sequence_overlap,
-                enable_jit_fused=enable_jit_fused,
-                use_fp8=use_fp8,
-                fp8_communication=fp8_communication,
                 pin_memory=pin_memory,
                 hidden_dim=hidden_dim,
-                chunk_init_device=chunk_init_device,
-                warmup_non_model_data_ratio=warmup_non_model_data_ratio,
-                steady_cuda_cap_ratio=steady_cuda_cap_ratio,
-                gpu_margin_mem_ratio=gpu_margin_mem_ratio,
-                enable_async_reduce=enable_async_reduce,
             )
         )
-        if enable_gradient_accumulation:  # refused here with step_in_backward
-            self.validate_later(accumulation=2)
         self.set_precision(precision)
         loss_scale_config(self.options)  # a bad loss scale is refused here, not at boost
 
@@ -442,15 +294,6 @@ class GeminiPlugin(Plugin, SupportsNoSync):
                     param.data = param.data.to(dtype)
         from pc_booster.plugins.hybrid import apply_optimizations
 
-        if o.chunk_init_device is not None and torch.device(o.chunk_init_device).type != (
-            device().type
-        ):
-            raise ValueError(
-                f"GeminiPlugin: chunk_init_device={o.chunk_init_device!r}, but this run's chunks "
-                f"live on {device().type}; pc builds each rank's share where it lives. Drop "
-                "chunk_init_device or pass that device."
-            )
-
         apply_optimizations(model, o)
         search_range, min_chunk_size = _chunk_search(model, o)
         wrapped = GeminiDDP(
@@ -464,7 +307,7 @@ class GeminiPlugin(Plugin, SupportsNoSync):
             chunk_size=o.chunk_size,
             search_range=search_range,
             min_chunk_size=min_chunk_size,
-            prefetch=o.prefetches(),
+            prefetch=o.prefetch,
             step_in_backward=o.step_in_backward,
             pin_memory=o.pin_memory,
             hidden_dim=o.hidden_dim,
@@ -654,27 +497,6 @@ class GeminiPlugin(Plugin, SupportsNoSync):
                 else:
                     local[key] = value.clone() if isinstance(value, torch.Tensor) else value
             inner.state[param] = local
-
-
-# [Note: Colossal-AI's Gemini options]
-# Colossal-AI's GeminiPlugin arguments, as pc's does them:
-# - offload_optim_frac: a chunk's optimizer states live with its shard, so
-#   the share of chunks on the host is offload_param_frac, or when only
-#   offload_optim_frac is given, that one (the shards go with their
-#   states: less device memory than asked, not more);
-# - max_prefetch: 0 gathers each chunk when it is needed, 1 the next one
-#   ahead (pc's prefetch);
-# - enable_gradient_accumulation: pc's Gemini accumulates over backwards
-#   either way; True is refused with step_in_backward, which cannot;
-# - force_outputs_fp32: floating outputs of the forward cast to fp32;
-# - enable_flash_attention / enable_fused_normalization /
-#   enable_all_optimization: as HybridParallelPlugin's;
-# - verbose: the chunk layout printed once on rank 0;
-# - pin_memory: host chunk shards pinned (True) or pageable on a GPU
-#   machine; nothing is copied on a CPU-only one;
-# - hidden_dim: the chunk-size search's step, in elements;
-# - chunk_init_device: pc builds each rank's share where it will live, so
-#   it must be that device (or None).
 
 
 def _outputs_fp32(module: nn.Module, args: Any, output: Any) -> Any:

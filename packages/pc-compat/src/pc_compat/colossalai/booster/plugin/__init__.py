@@ -22,6 +22,11 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from pc_booster import plugin as _core
 from pc_booster.plugin import Plugin
 from pc_booster.rules import TrainPrecision
+from pc_compat.colossalai.booster.plugin._gemini import (
+    GEMINI_HANDLED,
+    GEMINI_NO_EFFECT,
+    gemini_to_pc,
+)
 from pc_compat.colossalai.shardformer import GradientCheckpointConfig, enable_recomputation
 from pc_compat.surface import Translation, refused_class
 
@@ -43,6 +48,11 @@ _OVERLAP = (
     "an overlap of the original's own communication; pc overlaps its gathers and "
     "reductions as its schedule allows, and the values computed are the same"
 )
+
+
+def _together(value: Any) -> dict[str, Any]:
+    """An argument translated with others, by the translation's ``combine``."""
+    return {}
 
 
 class DPPluginBase:
@@ -135,7 +145,13 @@ class GeminiPlugin(DPPluginBase, _core.GeminiPlugin):
     """Colossal-AI's ``GeminiPlugin``: chunk-based ZeRO-3, fp16 by default."""
 
     CORE = _core.GeminiPlugin
-    TRANSLATION = Translation(_MODULE, "GeminiPlugin")
+    TRANSLATION = Translation(
+        _MODULE,
+        "GeminiPlugin",
+        no_effect=GEMINI_NO_EFFECT,
+        handled=dict.fromkeys(GEMINI_HANDLED, _together),
+        combine=gemini_to_pc,
+    )
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(**self.TRANSLATION.to_pc(self.CORE, args, kwargs))
