@@ -17,6 +17,7 @@ from pc_booster.plugins.hybrid import _fused_rms_norm
 from pc_booster.rules import TrainPrecision
 from pc_comm.testing import run_subtests
 from pc_compat.colossalai.booster import Booster
+from pc_compat.colossalai.booster.plugin import HybridParallelPlugin as EdgeHybrid
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -119,8 +120,8 @@ def check_accepted(case: str) -> None:
         assert norms
         assert all(m.forward.func is _fused_rms_norm for m in norms)
         _matches(_llama, losses, booster, model)
-    elif case == "all_optimization":
-        plugin = HybridParallelPlugin(tp_size=2, enable_all_optimization=True)
+    elif case == "all_optimization":  # Colossal-AI's flag, at the edge
+        plugin = EdgeHybrid(tp_size=2, pp_size=1, enable_all_optimization=True, precision="fp32")
         losses, booster, model = _train(plugin, _llama, 2)
         assert model.unwrap().config._attn_implementation == "sdpa"
         norms = [m for m in model.unwrap().modules() if type(m).__name__ == "LlamaRMSNorm"]
@@ -224,18 +225,25 @@ def check_hybrid_data_parallel(case: str) -> None:
         with pytest.raises(RuntimeError):  # pc-comm DDP names the parameter that got no gradient
             booster.backward(model(torch.randn(2, 4)), optimizer)
     elif case == "refused":
-        for kwargs, message in (
-            ({"communication_dtype": torch.float16}, "pc reduces gradients in fp32"),
-            ({"static_graph": True}, "are torch DDP's"),
-            ({"dp_outside": False}, "tensor-parallel innermost"),
-            ({"make_vocab_size_divisible_by": 128}, "pads the vocabulary only to a multiple"),
+        refused: tuple[tuple[dict[str, Any], str], ...] = (
             ({"cpu_offload": True}, "set zero_stage=1 or 2"),
             ({"zero_stage": 1, "find_unused_parameters": True}, "used with zero_stage=0"),
             ({"zero_bucket_size_in_m": 1.0}, "used with zero_stage 1 or 2"),
-            ({"use_fp8": True}, "no custom pipeline schedule"),
-        ):
+        )
+        for kwargs, message in refused:
             with pytest.raises(ValueError, match=message):
                 HybridParallelPlugin(**kwargs)
+        at_edge: tuple[tuple[dict[str, Any], str], ...] = (
+            ({"communication_dtype": torch.float16}, "pc reduces gradients in fp32"),
+            ({"static_graph": True}, "are torch DDP's"),
+            ({"dp_outside": False}, "tensor-parallel innermost"),
+            ({"use_fp8": True}, "there is no fp8 path"),
+            ({"inner_ring_size": 2}, "no custom pipeline schedule graphs"),
+        )  # Colossal-AI's arguments, at the edge
+        for kwargs, message in at_edge:
+            with pytest.raises(ValueError, match=message):
+                EdgeHybrid(tp_size=1, pp_size=1, **kwargs)
+        EdgeHybrid(tp_size=1, pp_size=1, make_vocab_size_divisible_by=128)  # no effect
     dist.barrier()
 
 
@@ -280,12 +288,9 @@ REFUSED: dict[str, tuple[dict[str, Any], str]] = {
     ),
     "ring": (
         {"tp_size": 2, "enable_sequence_parallelism": True, "sequence_parallelism_mode": "ring"},
-        "Colossal-AI's 'ring' computes the same with ring communication",
+        "pc has 'split_gather'",
     ),
     "sp_size": ({"tp_size": 2, "sp_size": 2}, "leave sp_size out"),
-    "fp8": ({"fp8_communication": True}, "fp8 compression is not implemented"),
-    "jit": ({"enable_jit_fused": True}, "torch.compile fuses the same element-wise ops"),
-    "policy": ({"custom_policy": object()}, "register one there and leave custom_policy out"),
     "gathered pipeline logits": (
         {"pp_size": 2, "parallel_output": False},
         "gather them there with pc_tensor.gather_logits",
@@ -293,10 +298,25 @@ REFUSED: dict[str, tuple[dict[str, Any], str]] = {
 }
 
 
+# Colossal-AI's arguments pc's plugin does not take, refused at the edge.
+EDGE_REFUSED: dict[str, tuple[dict[str, Any], str]] = {
+    "fp8": ({"fp8_communication": True}, "there is no fp8 path"),
+    "jit": ({"enable_jit_fused": True}, "torch.compile fuses the same element-wise ops"),
+    "policy": ({"custom_policy": object()}, "register one there and leave custom_policy out"),
+}
+
+
 def check_refused() -> None:
     for kwargs, message in REFUSED.values():
         with pytest.raises(ValueError, match=message):
             HybridParallelPlugin(**kwargs)
+    for kwargs, message in EDGE_REFUSED.values():
+        with pytest.raises(ValueError, match=message):
+            EdgeHybrid(tp_size=1, pp_size=1, **kwargs)
+    # Colossal-AI's 'ring' (Megatron's with ring communication) is split_gather's values
+    ring = EdgeHybrid(tp_size=2, pp_size=1, enable_sequence_parallelism=True,
+                      sequence_parallelism_mode="ring")  # fmt: skip
+    assert ring.options.sequence_parallelism_mode == "split_gather"
     plugin = HybridParallelPlugin(pp_size=2, zero_stage=1, microbatch_size=3)
     booster = Booster(plugin=plugin)
     built = _gpt2()
@@ -345,8 +365,10 @@ def check_torch_ddp_amp() -> None:
         booster.boost(_gpt2().to(torch.bfloat16))
     with pytest.raises(ValueError, match="check_reduction=True: torch's DistributedDataParallel"):
         TorchDDPPlugin(check_reduction=True)
+    from pc_compat.colossalai.booster.plugin import TorchDDPPlugin as EdgeTorchDDP
+
     with pytest.raises(ValueError, match="fp8_communication=True"):
-        TorchDDPPlugin(fp8_communication=True)
+        EdgeTorchDDP(fp8_communication=True)  # Colossal-AI's argument, at the edge
     dist.barrier()
 
 
@@ -420,7 +442,6 @@ def check_fsdp1_arguments(case: str) -> None:
             ({"backward_prefetch": BackwardPrefetch.BACKWARD_POST}, "BACKWARD_POST is not offered"),
             ({"param_init_fn": lambda m: None}, "drop param_init_fn"),
             ({"ignored_modules": [torch.nn.Linear(1, 1)]}, "Freeze it"),
-            ({"fp8_communication": True}, "pc all-gathers and reduces"),
         ):
             with pytest.raises(ValueError, match=message):
                 TorchFSDPPlugin(**kwargs)
@@ -444,6 +465,7 @@ def check_low_level_zero_arguments() -> None:
     import io
 
     from pc_booster.plugin import LowLevelZeroPlugin
+    from pc_compat.colossalai.booster.plugin import LowLevelZeroPlugin as EdgeLowLevelZero
 
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
@@ -458,12 +480,14 @@ def check_low_level_zero_arguments() -> None:
     for kwargs, message in (
         ({"norm_type": 1.0}, "pc clips by the global 2-norm"),
         ({"master_weights": False}, "pc keeps fp32 masters"),
-        ({"communication_dtype": torch.float16}, "pc reduces gradients in fp32"),
+        ({"communication_dtype": torch.bfloat16}, "reduces gradients in the dtype they are"),
         ({"fp8_communication": True}, "pc has no fp8 path"),
-        ({"extra_dp_size": 2}, "no second data-parallel level"),
-    ):
+        ({"extra_dp_size": 2}, "two-level sharding is not built yet"),
+    ):  # Colossal-AI's arguments, at the edge (fp16 by default)
         with pytest.raises(ValueError, match=message):
-            LowLevelZeroPlugin(**kwargs)
+            EdgeLowLevelZero(**kwargs)
+    EdgeLowLevelZero(communication_dtype=torch.float16)  # the compute dtype: accepted
+    EdgeLowLevelZero(precision="fp32", master_weights=False)  # fp32: no masters to drop
     dist.barrier()
 
 

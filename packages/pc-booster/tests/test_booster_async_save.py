@@ -184,12 +184,16 @@ def test_async_copies_run_beside_training(tmp_path: Path) -> None:
                  args=(str(tmp_path),), timeout=200)  # fmt: skip
 
 
-def check_refusal(root: str) -> None:
+def check_single_file(root: str) -> None:
     booster, model, _ = _boosted("zero2", lr=1e-3)
-    with pytest.raises(ValueError, match="pass shard=True"):
-        booster.save_model(model, Path(root) / "single", use_async=True)
+    # One file is gathered whole and written before save_model returns: the
+    # future it gives back is done [Note: single-file arguments].
+    future = booster.save_model(model, Path(root) / "single", use_async=True)
+    assert future is not None
+    assert future.done()
+    assert (Path(root) / "single" / "model.safetensors").is_file()
     dist.barrier()
 
 
-def test_async_needs_the_sharded_form(tmp_path: Path) -> None:
-    run_subtests(check_refusal, 2, {}, args=(str(tmp_path),), timeout=120)
+def test_async_single_file_is_written_at_once(tmp_path: Path) -> None:
+    run_subtests(check_single_file, 2, {}, args=(str(tmp_path),), timeout=120)

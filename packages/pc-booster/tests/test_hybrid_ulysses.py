@@ -124,7 +124,7 @@ def test_ulysses_refusals() -> None:
         ),
         mixed_precision="bf16",
     )  # fmt: skip
-    with pytest.raises(ValueError, match=r"ring attention"):
+    with pytest.raises(ValueError, match=r"'ring_attn' \(ring attention\)"):
         HybridParallelPlugin(
             tp_size=2, enable_sequence_parallelism=True, sequence_parallelism_mode="ring"
         )

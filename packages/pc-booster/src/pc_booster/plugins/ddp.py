@@ -62,8 +62,6 @@ def _torch_ddp_arguments(options: Any, setting: RunSetting) -> str | None:
             "check_reduction=True: torch's DistributedDataParallel no longer uses it; "
             "find_unused_parameters=True finds parameters that got no gradient."
         )
-    if getattr(options, "fp8_communication", False):
-        return "fp8_communication=True: pc reduces gradients in their own dtype; leave it False."
     return None
 
 
@@ -73,10 +71,13 @@ DATA_PARALLEL_RULES = (
         _fp32_parameters,
         ({}, RunSetting(precision=TrainPrecision.BF16, model_dtype=torch.bfloat16)),
     ),
+)
+TORCH_DDP_RULES = (
+    *DATA_PARALLEL_RULES,
     Rule(
-        "check_reduction or fp8_communication",
+        "check_reduction",
         _torch_ddp_arguments,
-        ({"fp8_communication": True}, RunSetting()),
+        ({"check_reduction": True}, RunSetting()),
     ),
 )
 
@@ -111,7 +112,7 @@ class TorchDDPOptions(PluginConfig):
     (clipping by the global norm before each step, 0 for none)."""
 
     name: ClassVar[str] = "torch-ddp"
-    RULES: ClassVar[tuple[Rule, ...]] = DATA_PARALLEL_RULES
+    RULES: ClassVar[tuple[Rule, ...]] = TORCH_DDP_RULES
 
     broadcast_buffers: bool = True
     bucket_cap_mb: int = 25
@@ -120,7 +121,6 @@ class TorchDDPOptions(PluginConfig):
     static_graph: bool = False
     max_norm: float = 0.0
     check_reduction: bool = False
-    fp8_communication: bool = False
     initial_scale: float = 2.0**16
     min_scale: float = 1.0
     max_scale: float = 2.0**32
@@ -147,7 +147,6 @@ class DDPOptions(PluginConfig):
     find_unused_parameters: bool = False
     broadcast_buffers: bool = True
     max_norm: float = 0.0
-    fp8_communication: bool = False
     initial_scale: float = 2.0**16
     min_scale: float = 1.0
     max_scale: float = 2.0**32
@@ -256,7 +255,6 @@ class TorchDDPPlugin(_DataParallel):
         growth_interval: int = 1000,
         hysteresis: int = 2,
         check_reduction: bool = False,
-        fp8_communication: bool = False,
     ) -> None:
         super().__init__(
             TorchDDPOptions(
@@ -274,7 +272,6 @@ class TorchDDPPlugin(_DataParallel):
                 growth_interval=growth_interval,
                 hysteresis=hysteresis,
                 check_reduction=check_reduction,
-                fp8_communication=fp8_communication,
             )
         )
         loss_scale_config(self.options)  # a bad loss scale is refused here, not at boost
@@ -313,7 +310,6 @@ class DDPPlugin(_DataParallel):
         backoff_factor: float = 0.5,
         growth_interval: int = 1000,
         hysteresis: int = 2,
-        fp8_communication: bool = False,
     ) -> None:
         super().__init__(
             DDPOptions(
@@ -328,7 +324,6 @@ class DDPPlugin(_DataParallel):
                 backoff_factor=backoff_factor,
                 growth_interval=growth_interval,
                 hysteresis=hysteresis,
-                fp8_communication=fp8_communication,
             )
         )
         loss_scale_config(self.options)  # a bad loss scale is refused here, not at boost

@@ -142,9 +142,7 @@ def _sp_pipeline(o: HybridParallelOptions, setting: RunSetting) -> str | None:
 
 
 # [Note: mixed precision without ZeRO]
-# Colossal-AI's HybridParallelPlugin trains in fp16 with zero_stage=0 by
-# keeping fp32 masters in an AMP optimizer. Here, with zero_stage=0 and no
-# pipeline, the parameters themselves stay fp32 (they are the masters), the
+# With zero_stage=0 and no pipeline, the parameters themselves stay fp32 (they are the masters), the
 # forward runs under torch.autocast in the run's precision, and for fp16 the
 # returned optimizer's step policy (AmpStep) scales the loss, unscales the
 # gradients after the data-parallel all-reduce and skips a step that
@@ -254,8 +252,7 @@ def _sp_mode(o: HybridParallelOptions, setting: RunSetting) -> str | None:
     if mode is not None and mode not in SP_MODES:
         return (
             f"sequence_parallelism_mode={mode!r}: pc has 'split_gather' (Megatron's sequence "
-            "parallelism over the tensor-parallel ranks; Colossal-AI's 'ring' computes the "
-            "same with ring communication: use 'split_gather'), 'all_to_all' (Ulysses) and "
+            "parallelism over the tensor-parallel ranks), 'all_to_all' (Ulysses) and "
             "'ring_attn' (ring attention), the last two over sp_size ranks of their own."
         )
     if mode is not None and not o.enable_sequence_parallelism:
@@ -286,47 +283,6 @@ def _sp_mode(o: HybridParallelOptions, setting: RunSetting) -> str | None:
 
 
 def _refused_extras(o: HybridParallelOptions, setting: RunSetting) -> str | None:
-    if o.fp8_communication:
-        return (
-            "fp8_communication=True: pc communicates in the gradients' and parameters' own "
-            "dtype; fp8 compression is not implemented. Leave it False."
-        )
-    if o.enable_jit_fused:
-        return (
-            "enable_jit_fused=True: pc has no jit-fused kernels of its own; torch.compile "
-            "fuses the same element-wise ops. Leave it False."
-        )
-    if o.custom_policy is not None:
-        return (
-            "custom_policy: pc shards a model from its transformers tensor-parallel plan or a "
-            "pc_tensor.Policy registered in pc_tensor.POLICIES, not from a Colossal-AI policy; "
-            "register one there and leave custom_policy out."
-        )
-    if o.communication_dtype not in (None, torch.float32):
-        return (
-            f"communication_dtype={o.communication_dtype}: pc reduces gradients in fp32; leave "
-            "communication_dtype out."
-        )
-    if o.check_reduction or o.static_graph:
-        return (
-            "check_reduction / static_graph are torch DDP's; the hybrid plugin's data "
-            "parallelism is pc-comm's DDP (zero_stage=0) or ZeRO; leave them False."
-        )
-    if not o.dp_outside:
-        return (
-            "dp_outside=False: pc lays ranks out data-parallel outermost, tensor-parallel "
-            "innermost (tp ranks are neighbours); leave dp_outside=True."
-        )
-    if o.scheduler_nodes is not None or o.inner_ring_size is not None or o.use_fp8:
-        return (
-            "scheduler_nodes / inner_ring_size / use_fp8: pc has no custom pipeline schedule "
-            "graphs, ring attention or fp8 path; leave them out."
-        )
-    if o.make_vocab_size_divisible_by != 64:
-        return (
-            f"make_vocab_size_divisible_by={o.make_vocab_size_divisible_by}: pc pads the "
-            "vocabulary only to a multiple of tp_size, as the shards need; leave it at 64."
-        )
     if o.cpu_offload and o.zero_stage == 0:
         return "cpu_offload offloads ZeRO's masters and moments: set zero_stage=1 or 2."
     ddp_options = (o.ddp_bucket_cap_mb, o.find_unused_parameters, o.gradient_as_bucket_view)
@@ -431,10 +387,9 @@ class HybridParallelOptions(PluginConfig):
             ),
         ),
         Rule(
-            "fp8_communication, enable_jit_fused, custom_policy, or parallel_output=False "
-            "with pipelines",
+            "ZeRO's options without ZeRO, DDP's with it, or parallel_output=False with pipelines",
             _refused_extras,
-            ({"fp8_communication": True}, RunSetting()),
+            ({"cpu_offload": True, "zero_stage": 0}, RunSetting()),
         ),
     )
 
@@ -459,39 +414,26 @@ class HybridParallelOptions(PluginConfig):
     # Buffers re-broadcast from the first data-parallel rank before each
     # forward (torch DDP's), without pipelines and ZeRO.
     broadcast_buffers: bool = True
-    # Colossal-AI's names [Note: Colossal-AI's hybrid options].
+    # Micro-batches, model chunks and sequence parallelism.
     microbatch_size: int | None = None
     num_model_chunks: int | None = None
     sequence_parallelism_mode: str | None = None
     sp_size: int | None = None
     enable_flash_attention: bool = False
     enable_fused_normalization: bool = False
-    enable_jit_fused: bool = False
-    enable_all_optimization: bool = False
     overlap_communication: bool = True
-    fp8_communication: bool = False
     parallel_output: bool = True
-    custom_policy: Any = None
     zero_bucket_size_in_m: float = 12.0
     cpu_offload: bool = False
-    communication_dtype: torch.dtype | None = None
     ddp_bucket_cap_mb: float = 25.0
     find_unused_parameters: bool = False
-    check_reduction: bool = False
     gradient_as_bucket_view: bool = False
-    static_graph: bool = False
-    dp_outside: bool = True
-    enable_metadata_cache: bool = True
-    make_vocab_size_divisible_by: int = 64
-    scheduler_nodes: Any = None
-    inner_ring_size: int | None = None
-    use_fp8: bool = False
 
     def flash_attention(self) -> bool:
-        return self.enable_flash_attention or self.enable_all_optimization
+        return self.enable_flash_attention
 
     def fused_normalization(self) -> bool:
-        return self.enable_fused_normalization or self.enable_all_optimization
+        return self.enable_fused_normalization
 
     def chunks_per_rank(self) -> int:
         return 2 if self.pp_style == "interleaved" else 1
@@ -559,26 +501,13 @@ class HybridParallelPlugin(Plugin, SupportsNoSync, SupportsPipeline):
         sp_size: int | None = None,
         enable_flash_attention: bool = False,
         enable_fused_normalization: bool = False,
-        enable_jit_fused: bool = False,
-        enable_all_optimization: bool = False,
         overlap_communication: bool = True,
-        fp8_communication: bool = False,
         parallel_output: bool = True,
-        custom_policy: Any = None,
         zero_bucket_size_in_m: float = 12.0,
         cpu_offload: bool = False,
-        communication_dtype: torch.dtype | None = None,
         ddp_bucket_cap_mb: float = 25.0,
         find_unused_parameters: bool = False,
-        check_reduction: bool = False,
         gradient_as_bucket_view: bool = False,
-        static_graph: bool = False,
-        dp_outside: bool = True,
-        enable_metadata_cache: bool = True,
-        make_vocab_size_divisible_by: int = 64,
-        scheduler_nodes: Any = None,
-        inner_ring_size: int | None = None,
-        use_fp8: bool = False,
         num_layers_per_stage: Sequence[int] | None = None,
         broadcast_buffers: bool = True,
     ) -> None:
@@ -605,26 +534,13 @@ class HybridParallelPlugin(Plugin, SupportsNoSync, SupportsPipeline):
                 sp_size=sp_size,
                 enable_flash_attention=enable_flash_attention,
                 enable_fused_normalization=enable_fused_normalization,
-                enable_jit_fused=enable_jit_fused,
-                enable_all_optimization=enable_all_optimization,
                 overlap_communication=overlap_communication,
-                fp8_communication=fp8_communication,
                 parallel_output=parallel_output,
-                custom_policy=custom_policy,
                 zero_bucket_size_in_m=zero_bucket_size_in_m,
                 cpu_offload=cpu_offload,
-                communication_dtype=communication_dtype,
                 ddp_bucket_cap_mb=ddp_bucket_cap_mb,
                 find_unused_parameters=find_unused_parameters,
-                check_reduction=check_reduction,
                 gradient_as_bucket_view=gradient_as_bucket_view,
-                static_graph=static_graph,
-                dp_outside=dp_outside,
-                enable_metadata_cache=enable_metadata_cache,
-                make_vocab_size_divisible_by=make_vocab_size_divisible_by,
-                scheduler_nodes=scheduler_nodes,
-                inner_ring_size=inner_ring_size,
-                use_fp8=use_fp8,
                 num_layers_per_stage=(
                     tuple(num_layers_per_stage) if num_layers_per_stage is not None else None
                 ),
@@ -653,7 +569,7 @@ class HybridParallelPlugin(Plugin, SupportsNoSync, SupportsPipeline):
         # pp groups, by id (clip_grad_by_norm calls it).
         self.clippers: dict[int, Callable[[Sequence[torch.Tensor], float], float]] = {}
 
-    # Colossal-AI's attribute names.
+    # The layout's sizes and groups, by the names training scripts read.
     @property
     def tp_size(self) -> int:
         return self.options.tp_size
@@ -696,13 +612,6 @@ class HybridParallelPlugin(Plugin, SupportsNoSync, SupportsPipeline):
     @property
     def pp_group(self) -> dist.ProcessGroup:
         return self.layout.pp_group
-
-    @property
-    def pg_mesh(self) -> ParallelLayout:
-        """The process groups (Colossal-AI's ``ProcessGroupMesh``): pc's
-        :class:`ParallelLayout`, with ``dp_group`` / ``tp_group`` /
-        ``pp_group`` and the coordinates of this rank."""
-        return self.layout
 
     @property
     def stage_manager(self) -> PipelineStageManager | None:
@@ -1008,24 +917,19 @@ class HybridParallelPlugin(Plugin, SupportsNoSync, SupportsPipeline):
         hybrid_state.load_optimizer_state_dict(self, optimizer, state)
 
 
-# [Note: Colossal-AI's hybrid options]
-# Colossal-AI's HybridParallelPlugin swaps in kernels by flag. pc does what
-# each flag asks with what torch has, or refuses it (the rules above):
+# [Note: kernels and outputs of the hybrid plugin]
+# What each option asks, with what torch has:
 # - enable_flash_attention: the model's attention through torch's
 #   scaled_dot_product_attention (transformers' "sdpa"), whose CUDA kernels
 #   are FlashAttention's;
 # - enable_fused_normalization: RMS norms through torch's fused rms_norm
 #   (LayerNorm is one fused kernel in torch already);
-# - enable_all_optimization: both (pc has no jit-fused kernels: refused
-#   apart as enable_jit_fused);
 # - parallel_output=False: a tensor-parallel model's logits gathered to the
 #   full vocabulary after the forward (True keeps each rank's slice, which
 #   is what the loss uses);
 # - zero_bucket_size_in_m, cpu_offload: the ZeRO optimizer's bucket size
 #   and host offload; ddp_bucket_cap_mb, find_unused_parameters,
-#   gradient_as_bucket_view: pc-comm DDP's (zero_stage=0);
-# - enable_metadata_cache: pc infers the shapes crossing stages once per
-#   micro-batch shape and keeps them (True is what it does).
+#   gradient_as_bucket_view: pc-comm DDP's (zero_stage=0).
 
 
 def apply_optimizations(model: nn.Module, options: Any) -> None:

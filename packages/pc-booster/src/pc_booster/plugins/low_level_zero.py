@@ -72,31 +72,6 @@ def _stage(options: LowLevelZeroOptions, setting: RunSetting) -> str | None:
     return None
 
 
-def _colossal_arguments(options: LowLevelZeroOptions, setting: RunSetting) -> str | None:
-    """Colossal-AI's LowLevelZeroPlugin arguments pc has no counterpart for."""
-    o = options
-    if o.norm_type != 2.0:
-        return f"norm_type={o.norm_type}: pc clips by the global 2-norm; pass norm_type=2.0."
-    if not o.master_weights:
-        return (
-            "master_weights=False: pc keeps fp32 masters of each rank's shard under bf16/fp16 "
-            "(the update of a 16-bit parameter in place loses small steps); leave it True."
-        )
-    if o.communication_dtype not in (None, torch.float32):
-        return (
-            f"communication_dtype={o.communication_dtype}: pc reduces gradients in fp32; leave "
-            "communication_dtype out."
-        )
-    if o.fp8_communication or o.use_fp8:
-        return "fp8_communication / use_fp8: pc has no fp8 path; leave them False."
-    if o.extra_dp_size != 1:
-        return (
-            f"extra_dp_size={o.extra_dp_size}: pc shards ZeRO over every rank (no second "
-            "data-parallel level); leave it 1."
-        )
-    return None
-
-
 def zero_states(
     psi: float, dp: int, precision: TrainPrecision, stage: int, *, offload: bool, pipeline: bool
 ) -> StateBytes:
@@ -130,12 +105,6 @@ class LowLevelZeroOptions(PluginConfig):
     name: ClassVar[str] = "low-level-zero"
     RULES: ClassVar[tuple[Rule, ...]] = (
         Rule("stage other than 1 or 2", _stage, ({"stage": 3}, RunSetting())),
-        Rule(
-            "norm_type other than 2, master_weights=False, a communication dtype, fp8, "
-            "extra_dp_size",
-            _colossal_arguments,
-            ({"master_weights": False}, RunSetting()),
-        ),
     )
 
     stage: int = 1
@@ -150,13 +119,7 @@ class LowLevelZeroOptions(PluginConfig):
     max_scale: float = 2.0**32
     growth_factor: float = 2.0
     backoff_factor: float = 0.5
-    norm_type: float = 2.0
-    master_weights: bool = True
     verbose: bool = False
-    communication_dtype: torch.dtype | None = None
-    fp8_communication: bool = False
-    use_fp8: bool = False
-    extra_dp_size: int = 1
     # Floating inputs cast to the compute dtype (an fp32 batch into an fp16 model).
     cast_inputs: bool = True
 
@@ -355,13 +318,7 @@ class LowLevelZeroPlugin(Plugin, SupportsNoSync):
         growth_factor: float = 2.0,
         backoff_factor: float = 0.5,
         precision: str | None = None,
-        norm_type: float = 2.0,
-        master_weights: bool = True,
         verbose: bool = False,
-        communication_dtype: torch.dtype | None = None,
-        fp8_communication: bool = False,
-        use_fp8: bool = False,
-        extra_dp_size: int = 1,
         cast_inputs: bool = True,
     ) -> None:
         super().__init__(
@@ -378,13 +335,7 @@ class LowLevelZeroPlugin(Plugin, SupportsNoSync):
                 max_scale=max_scale,
                 growth_factor=growth_factor,
                 backoff_factor=backoff_factor,
-                norm_type=norm_type,
-                master_weights=master_weights,
                 verbose=verbose,
-                communication_dtype=communication_dtype,
-                fp8_communication=fp8_communication,
-                use_fp8=use_fp8,
-                extra_dp_size=extra_dp_size,
                 cast_inputs=cast_inputs,
             )
         )

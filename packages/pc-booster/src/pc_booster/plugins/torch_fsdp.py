@@ -74,8 +74,7 @@ __all__ = ["TorchFSDPOptions", "TorchFSDPPlugin"]
 #   model from the same seed) either way;
 # - process_group: the default group only (FSDP2 shards over a mesh of
 #   every rank here).
-# Refused with the FSDP2 way named: param_init_fn, ignored_modules,
-# fp8_communication.
+# Refused with the FSDP2 way named: param_init_fn, ignored_modules.
 
 
 def _fsdp1_arguments(o: TorchFSDPOptions, setting: RunSetting) -> str | None:
@@ -111,8 +110,6 @@ def _fsdp1_arguments(o: TorchFSDPOptions, setting: RunSetting) -> str | None:
             "ignored_modules: every parameter is sharded and its gradient reduced; a module "
             "left out would train unsynchronised. Freeze it (requires_grad=False) instead."
         )
-    if o.fp8_communication:
-        return "fp8_communication=True: pc all-gathers and reduces in the parameters' dtype."
     return None
 
 
@@ -161,7 +158,6 @@ class TorchFSDPOptions(PluginConfig):
     param_init_fn: Any = None
     ignored_modules: Any = None
     sync_module_states: bool = False
-    fp8_communication: bool = False
     # fp16's dynamic loss scale [Note: fp16 under FSDP2].
     initial_scale: float = 2.0**16
     min_scale: float = 1.0
@@ -206,7 +202,6 @@ class TorchFSDPPlugin(Plugin, SupportsNoSync):
         ignored_modules: Any = None,
         param_init_fn: Any = None,
         sync_module_states: bool = False,
-        fp8_communication: bool = False,
         param_dtype: torch.dtype | None = None,
         reduce_dtype: torch.dtype | None = None,
         buffer_dtype: torch.dtype | None = None,
@@ -255,7 +250,6 @@ class TorchFSDPPlugin(Plugin, SupportsNoSync):
                 param_init_fn=param_init_fn,
                 ignored_modules=ignored_modules,
                 sync_module_states=sync_module_states,
-                fp8_communication=fp8_communication,
                 initial_scale=initial_scale,
                 min_scale=min_scale,
                 max_scale=max_scale,

@@ -19,6 +19,7 @@ from typing import Any, ClassVar
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from pc_booster import ParallelLayout
 from pc_booster import plugin as _core
 from pc_booster.plugin import Plugin
 from pc_booster.rules import TrainPrecision
@@ -27,6 +28,12 @@ from pc_compat.colossalai.booster.plugin._gemini import (
     GEMINI_NO_EFFECT,
     gemini_to_pc,
 )
+from pc_compat.colossalai.booster.plugin._hybrid import (
+    HYBRID_HANDLED,
+    HYBRID_NO_EFFECT,
+    hybrid_to_pc,
+)
+from pc_compat.colossalai.booster.plugin._low_level import LOW_LEVEL_HANDLED, low_level_to_pc
 from pc_compat.colossalai.shardformer import GradientCheckpointConfig, enable_recomputation
 from pc_compat.surface import Translation, refused_class
 
@@ -52,6 +59,15 @@ _OVERLAP = (
 
 def _together(value: Any) -> dict[str, Any]:
     """An argument translated with others, by the translation's ``combine``."""
+    return {}
+
+
+def _no_fp8(value: Any) -> dict[str, Any]:
+    if value:
+        raise ValueError(
+            "fp8_communication=True: pc all-gathers and reduces in the parameters' and "
+            "gradients' own dtype; there is no fp8 path. Leave it False."
+        )
     return {}
 
 
@@ -111,7 +127,7 @@ class TorchDDPPlugin(DPPluginBase, _core.TorchDDPPlugin):
     """Colossal-AI's ``TorchDDPPlugin`` (torch's DistributedDataParallel)."""
 
     CORE = _core.TorchDDPPlugin
-    TRANSLATION = Translation(_MODULE, "TorchDDPPlugin")
+    TRANSLATION = Translation(_MODULE, "TorchDDPPlugin", handled={"fp8_communication": _no_fp8})
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(**self.TRANSLATION.to_pc(self.CORE, args, kwargs))
@@ -121,7 +137,7 @@ class TorchFSDPPlugin(DPPluginBase, _core.TorchFSDPPlugin):
     """Colossal-AI's ``TorchFSDPPlugin`` (FSDP1's arguments, run as FSDP2)."""
 
     CORE = _core.TorchFSDPPlugin
-    TRANSLATION = Translation(_MODULE, "TorchFSDPPlugin")
+    TRANSLATION = Translation(_MODULE, "TorchFSDPPlugin", handled={"fp8_communication": _no_fp8})
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(**self.TRANSLATION.to_pc(self.CORE, args, kwargs))
@@ -135,6 +151,8 @@ class LowLevelZeroPlugin(DPPluginBase, _core.LowLevelZeroPlugin):
         _MODULE,
         "LowLevelZeroPlugin",
         no_effect={"overlap_allgather": _OVERLAP},
+        handled=dict.fromkeys(LOW_LEVEL_HANDLED, _together),
+        combine=low_level_to_pc,
     )
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -176,17 +194,29 @@ class HybridParallelPlugin(DPPluginBase, _core.HybridParallelPlugin):
     TRANSLATION = Translation(
         _MODULE,
         "HybridParallelPlugin",
-        no_effect={"overlap_p2p": _OVERLAP, "overlap_allgather": _OVERLAP},
-        handled={"gradient_checkpoint_config": _checkpoint_config},
+        no_effect={"overlap_p2p": _OVERLAP, "overlap_allgather": _OVERLAP, **HYBRID_NO_EFFECT},
+        handled={
+            "gradient_checkpoint_config": _checkpoint_config,
+            **dict.fromkeys(HYBRID_HANDLED, _together),
+        },
+        combine=hybrid_to_pc,
     )
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(**self.TRANSLATION.to_pc(self.CORE, args, kwargs))
         bound = self.TRANSLATION.signature(self.CORE).bind(None, *args, **kwargs)
+        # (bound again here: the checkpoint config is the edge's, applied at boost)
         # Recomputation asked for, applied to the model at boost.
         self.gradient_checkpoint_config: GradientCheckpointConfig | None = bound.arguments.get(
             "gradient_checkpoint_config"
         )
+
+    @property
+    def pg_mesh(self) -> ParallelLayout:
+        """Colossal-AI's ``ProcessGroupMesh``: pc's layout of the process
+        groups (``dp_group``, ``tp_group``, ``pp_group``, this rank's
+        coordinates)."""
+        return self.layout
 
     def configure(
         self,
