@@ -74,7 +74,8 @@ def _fence_steps(booster: Booster) -> None:
 
 
 # [Note: single-file arguments]
-# Colossal-AI's programs pass size_per_shard and use_async with shard=False.
+# Programs written for the original Booster pass size_per_shard and use_async
+# with shard=False (docs/migrate-colossalai.md).
 # One file has no shards, and it is gathered whole before it is written, so
 # there is nothing to stage in the background: both are accepted and have
 # no effect; with use_async the save returns a future that is already done
@@ -119,13 +120,13 @@ def _named_failures(what: str) -> Iterator[None]:
 
 
 # [Note: checkpoint forms]
-# Colossal-AI's save_model(shard=False) writes one file at the path it is
+# save_model(shard=False) in the original Booster writes one file at the path it is
 # given, which its users torch.load; pc did so only as a directory of
 # transformers' layout. Both are kept: a path with a file suffix is a file,
 # any other path a directory (model.safetensors + config.json). shard=True
 # is DCP's directory (every rank its share), or with use_safetensors=True
 # transformers' sharded safetensors streamed without gathering, which is
-# what Colossal-AI's sharded form is.
+# what the original's sharded form is (docs/migrate-colossalai.md).
 _FILE_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".safetensors")
 
 
@@ -357,8 +358,8 @@ class Booster:
         use_safetensors: bool | None = None,
         use_async: bool = False,
     ) -> Future[None] | None:
-        """Write the model (collective: every rank calls it), in Colossal-AI's
-        call shape [Note: checkpoint forms]:
+        """Write the model (collective: every rank calls it) [Note: checkpoint
+        forms]:
 
         - ``shard=False`` and ``checkpoint`` a file name (``.pt``, ``.pth``,
           ``.bin``, ``.ckpt``, ``.safetensors``): one file that rank 0 writes

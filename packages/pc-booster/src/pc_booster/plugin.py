@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import inspect
 import math
-import sys
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager
@@ -121,28 +120,11 @@ class ScalesLoss(Protocol):
 
 
 # [Note: precision default]
-# Colossal-AI's LowLevelZeroPlugin, GeminiPlugin and HybridParallelPlugin
-# train in fp16 unless told otherwise. pc trains in the precision asked
-# for (the plugin's ``precision=`` or the Booster's ``mixed_precision=``),
-# else in the dtype the model was built in: a model built in fp32 trains in
-# fp32, as it would without a plugin, and matches single-process training.
-# So that a script written for Colossal-AI learns the difference, those
-# plugins say once, on rank 0, which precision runs when none was asked.
-_SAID: set[str] = set()
-
-
-def _say_precision_once(plugin: str, precision: TrainPrecision) -> None:
-    if plugin in _SAID:
-        return
-    _SAID.add(plugin)
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        print(
-            f"pc: {plugin} trains in {precision.value} (no precision given: pc's default is the "
-            "model's dtype; Colossal-AI's is fp16). Pass precision='fp16' or 'bf16' for mixed "
-            "precision.",
-            file=sys.stderr,
-            flush=True,
-        )
+# A plugin trains in the precision asked for (the plugin's ``precision=`` or
+# the Booster's ``mixed_precision=``), else in the dtype the model was built
+# in: a model built in fp32 trains in fp32, as it would without a plugin,
+# and matches single-process training. (The compatibility edge's plugins
+# keep their original's defaults: docs/migrate-colossalai.md.)
 
 
 class Plugin(ABC):
@@ -151,8 +133,7 @@ class Plugin(ABC):
     :meth:`configure` and the four canonical state conversions."""
 
     options: PluginConfig
-    # Whether the plugin takes ``precision=`` (Colossal-AI's default for it
-    # is fp16 [Note: precision default]).
+    # Whether the plugin takes ``precision=`` [Note: precision default].
     takes_precision: bool = False
 
     def __init__(self, options: PluginConfig) -> None:
@@ -163,12 +144,12 @@ class Plugin(ABC):
         self.setting = RunSetting(world=dist.get_world_size() if dist.is_initialized() else None)
         options.validate(self.setting)
         self._boosted: dict[int, Boosted] = {}
-        # The precision given to the plugin (Colossal-AI's ``precision=``),
+        # The precision given to the plugin (``precision=``),
         # or None: then the Booster's, else the model's dtype.
         self.precision: TrainPrecision | None = None
 
     def set_precision(self, precision: str | None) -> None:
-        """``precision=`` of the plugins that take it, as Colossal-AI's do:
+        """``precision=`` of the plugins that take it:
         'fp16', 'bf16' or 'fp32' (None: the Booster's ``mixed_precision``,
         else the dtype the model was built in) [Note: precision default]."""
         if precision is None:
@@ -196,7 +177,7 @@ class Plugin(ABC):
         assert group is not None
         return group
 
-    # Colossal-AI's attribute names, on every plugin: a script reads them
+    # The layout's sizes and groups, on every plugin: a script reads them
     # to count throughput (samples per step = batch x dp_size) or to pick
     # the rank that prints. Plugins without tensor or pipeline parallelism
     # have sizes 1 and no such groups.
@@ -269,8 +250,6 @@ class Plugin(ABC):
         effective = (
             asked if asked is not None else TrainPrecision.of_model(dtype) or TrainPrecision.FP32
         )
-        if asked is None and self.takes_precision:
-            _say_precision_once(type(self).__name__, effective)
         self.validate_later(
             world=dist.get_world_size() if dist.is_initialized() else None,
             precision=effective,
@@ -572,9 +551,8 @@ def optimizer_names(optimizer: Optimizer, names: dict[int, str]) -> list[str | N
     return [names.get(id(p)) for g in optimizer.param_groups for p in g["params"]]
 
 
-# Colossal-AI's ``colossalai.booster.plugin`` exports every plugin, so this
-# module does too (``from pc_booster.plugin import GeminiPlugin``). Imported
-# last: the plugins build on the base classes above.
+# Every plugin is importable from here too (``from pc_booster.plugin import
+# GeminiPlugin``). Imported last: the plugins build on the base classes above.
 from pc_booster.plugins import (  # noqa: E402
     DDPPlugin,
     GeminiPlugin,

@@ -71,9 +71,8 @@ class PlainStep:
 class BoostedOptimizer(Optimizer):
     """The optimizer ``boost`` returns [Note: boosted optimizer]:
     ``param_groups``, ``state`` and ``defaults`` are the inner optimizer's
-    (not copies), ``step`` runs the plugin's policy, and Colossal-AI's
-    ``OptimizerWrapper`` methods (``backward``, ``clip_grad_by_norm``,
-    ``unwrap``) are here. Any other attribute reads through to the inner
+    (not copies), ``step`` runs the plugin's policy, and ``backward``,
+    ``clip_grad_by_norm`` and ``unwrap`` are here. Any other attribute reads through to the inner
     optimizer (a pc-zero optimizer's ``memory()``, ``loss_scale``)."""
 
     def __init__(self, inner: Optimizer, plugin: Plugin, policy: StepPolicy | None = None) -> None:
@@ -176,7 +175,7 @@ class BoostedOptimizer(Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         self.inner.add_param_group(param_group)
 
-    # -- Colossal-AI's OptimizerWrapper methods ------------------------------------------
+    # -- backward, clipping, unwrap ------------------------------------------------------
 
     def unwrap(self) -> Optimizer:
         """The torch optimizer that updates the parameters (the one a ZeRO

@@ -1,5 +1,5 @@
 """pc-chunk: parameters packed in execution order into equal contiguous
-chunks (Colossal-AI's Gemini design), sharded across ranks, placed on the
+chunks (the Gemini design, docs/packages/pc-chunk.md), sharded across ranks, placed on the
 device or the host against an accounted budget, with a chunk-size search and
 a memory tracer."""
 

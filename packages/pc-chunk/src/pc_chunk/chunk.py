@@ -15,7 +15,7 @@
 
 A chunk in COMPUTE or HOLD_AFTER_BWD cannot be released (an operator reads
 it, or its gradients are not reduced yet); every illegal transition raises.
-Colossal-AI's Gemini uses the same set; we keep it because each state
+The Gemini design (docs/packages/pc-chunk.md) uses this set because each state
 answers a placement question: FREE and HOLD* chunks are eviction
 candidates, COMPUTE ones are pinned, and HOLD_AFTER_BWD marks gradients
 that are ready to be reduced.

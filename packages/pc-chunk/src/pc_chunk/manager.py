@@ -75,13 +75,13 @@ order (Gemini).
 
 [Note: oversized parameters]
 With an equal ``chunk_size``, a parameter larger than it gets a chunk of its
-own, sized to it (rounded up to a multiple of the world size), as
-Colossal-AI does: a chunk size searched with the largest parameters left out
-([Note: Colossal-AI's grid search] in pc_chunk.search) packs everything else
+own, sized to it (rounded up to a multiple of the world size): a chunk size
+searched with the largest parameters left out ([Note: grid search] in
+pc_chunk.search) packs everything else
 tightly. The chunk open before it is closed, so the next parameter opens a
 new one. ``chunk_per_tensor=True`` does this for every parameter: one chunk
-per tensor, which is what Colossal-AI's ``ChunkManager(chunk_size=None)``
-means. The packing is planned before any chunk is built, so static
+per tensor (what ``chunk_size=None`` means at the compatibility edge,
+docs/packages/pc-compat.md). The packing is planned before any chunk is built, so static
 placement knows the chunk count exactly.
 
 [Note: lazy parameters]
@@ -333,9 +333,8 @@ class ChunkManager:
         min_chunk_size: int | None = None,
         filter_exlarge_params: bool = True,
     ) -> int:
-        """Colossal-AI's ``ChunkManager.search_chunk_size``: the chunk size
-        (elements) with the least padding for ``module``'s parameters in
-        module order [Note: Colossal-AI's grid search] in pc_chunk.search."""
+        """The chunk size (elements) with the least padding for ``module``'s
+        parameters in module order [Note: grid search] in pc_chunk.search."""
         params = [p for p in module.parameters() if p.requires_grad]
         return grid_search_chunk_size(
             params, search_range, n_grids, min_chunk_size, filter_exlarge_params

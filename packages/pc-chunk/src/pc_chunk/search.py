@@ -14,9 +14,10 @@ candidates, so it runs once over the parameters with one vector of fills
 and counts per candidate: thousands of parameters times tens of thousands of
 candidates take well under a second.
 
-[Note: Colossal-AI's grid search]
-Colossal-AI's ``ChunkManager.search_chunk_size(module, search_range,
-n_grids, min_chunk_size=None, filter_exlarge_params=True)`` tries
+[Note: grid search]
+The Gemini grid search (``search_chunk_size(module, search_range, n_grids,
+min_chunk_size=None, filter_exlarge_params=True)`` at the compatibility
+edge, docs/packages/pc-compat.md) tries
 ``n_grids + 1`` sizes, ``start, start + step, ... start + search_range``
 with ``step = search_range // n_grids`` and ``start`` the minimum chunk size
 (default: the largest parameter), and keeps the one with the best
@@ -133,7 +134,7 @@ def _least_waste(sizes: list[int], candidates: torch.Tensor) -> ChunkSizeResult:
 
 def filter_exlarge_sizes(sizes: Iterable[int]) -> list[int]:
     """``sizes`` without those above ``mean + 3 * std`` (population standard
-    deviation) [Note: Colossal-AI's grid search]."""
+    deviation) [Note: grid search]."""
     kept = list(sizes)
     if not kept:
         return kept
@@ -149,7 +150,7 @@ def grid_search_chunk_size(
     min_chunk_size: int | None = None,
     filter_exlarge_params: bool = True,
 ) -> int:
-    """Colossal-AI's grid search [Note: Colossal-AI's grid search]: the
+    """The grid search [Note: grid search]: the
     chunk size (elements) with the least padding among ``n_grids + 1``
     evenly spaced sizes from ``min_chunk_size`` (default: the largest
     parameter) up by ``search_range``."""

@@ -1,10 +1,6 @@
 """pc-comm: process groups and topology, the Communicator protocol and its
 torch.distributed implementation, and collectives built on it.
 
-Colossal-AI's launch-level names live here too: ``launch``,
-``launch_from_torch``, ``DistCoordinator``, ``get_dist_logger`` and
-``get_accelerator``.
-
 The multi-process test harness lives in :mod:`pc_comm.testing`; which rank
 failed and where, in :mod:`pc_comm.health`.
 """

@@ -1,7 +1,7 @@
 """Starting the default process group from torchrun's environment
 (:func:`init_distributed`), or from an explicit rendezvous store and the
-variables torchrun would have set (``store=`` / ``environ=``, what
-Colossal-AI's ``launch`` at the compatibility edge passes).
+variables torchrun would have set (``store=`` / ``environ=``, for processes
+no launcher started; docs/packages/pc-compat.md).
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ __all__ = ["DistContext", "init_distributed"]
 # that a dead peer does not hold a job for torch's 30-minute default.
 DEFAULT_TIMEOUT = timedelta(minutes=10)
 
-# Colossal-AI's old ``config=``: a dict (or its Config, a dict) or a file path.
 _ENV_KEYS = (
     "RANK",
     "WORLD_SIZE",

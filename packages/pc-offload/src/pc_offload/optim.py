@@ -19,17 +19,17 @@ calling it directly skips torch.optim's per-step regrouping of tensors by
 device and dtype, which we do once. The numbers are exactly those of
 ``torch.optim.AdamW(fused=True)``, and match the default implementation to
 fp32 rounding. The kernel always corrects the moments' bias, so a group with
-``bias_correction=False`` (Colossal-AI's option) takes the same update
+``bias_correction=False`` takes the same update
 without the correction through foreach operations instead.
 
-[Note: Colossal-AI's call shape]
-``CPUAdam`` and ``HybridAdam`` take Colossal-AI's arguments in their
-order: ``(params, lr, bias_correction, betas, eps, weight_decay, adamw_mode,
-nvme_offload_fraction, nvme_offload_dir)`` (DeepSpeed's CPU Adam shares the
-first six), with decoupled weight decay (AdamW) by default, so their
-programs run with only the import changed. ``amsgrad`` and ``maximize``,
-which Colossal-AI's lack, are keyword-only. ``CPUAdamW`` keeps torch's order ``(params, lr, betas,
-...)``. A tuple where ``bias_correction`` goes is a torch-ordered call and
+[Note: call shape]
+``CPUAdam`` and ``HybridAdam`` take their arguments in the order of the
+CPU Adams programs already call (DeepSpeed's shares the first six; the
+compatibility edge's, docs/migrate-colossalai.md, all):
+``(params, lr, bias_correction, betas, eps, weight_decay, adamw_mode,
+nvme_offload_fraction, nvme_offload_dir)``, with decoupled weight decay
+(AdamW) by default. ``amsgrad`` and ``maximize`` are keyword-only.
+``CPUAdamW`` keeps torch's order ``(params, lr, betas, ...)``. A tuple where ``bias_correction`` goes is a torch-ordered call and
 is refused rather than read as a flag.
 
 State entries are named as torch's (``step``, ``exp_avg``, ``exp_avg_sq``,
@@ -138,7 +138,7 @@ class _MasterAdam(Optimizer):
         if weight_decay < 0.0:
             raise ValueError(f"invalid weight_decay: {weight_decay} (must be >= 0).")
         # Decoupled (AdamW) or L2 (Adam) weight decay, for every group: one
-        # optimizer is one algorithm, as in Colossal-AI (its ``adamw_mode``).
+        # optimizer is one algorithm (``adamw_mode`` chooses the decay).
         self._decoupled = decoupled
         defaults = {
             "lr": lr,
@@ -354,8 +354,8 @@ class _MasterAdam(Optimizer):
 
 
 def _refuse_nvme(name: str, fraction: float, directory: str | None) -> None:
-    """pc keeps optimizer states in memory; Colossal-AI's NVMe offload of a
-    fraction of them is not implemented, so asking for it is an error rather
+    """pc keeps optimizer states in memory; NVMe offload of a fraction of
+    them is not implemented, so asking for it is an error rather
     than silently ignored."""
     if fraction == 0.0:
         return
@@ -370,22 +370,22 @@ def _refuse_nvme(name: str, fraction: float, directory: str | None) -> None:
 
 def _check_flag(name: str, bias_correction: object) -> bool:
     """``bias_correction`` as passed, refusing a torch-ordered call that put
-    ``betas`` there [Note: Colossal-AI's call shape]."""
+    ``betas`` there [Note: call shape]."""
     if not isinstance(bias_correction, bool):
         raise TypeError(
             f"{name}: expected a bool for bias_correction (the third positional argument), got "
-            f"{bias_correction!r}. {name} takes Colossal-AI's order (params, lr, "
+            f"{bias_correction!r}. {name} takes the CPU Adam order (params, lr, "
             "bias_correction, betas, eps, weight_decay, adamw_mode); pass betas=... by keyword."
         )
     return bias_correction
 
 
 class CPUAdam(_MasterAdam):
-    """AdamW (``adamw_mode=True``, the default, as Colossal-AI's and
-    DeepSpeed's CPU Adam) or Adam with L2 weight decay (``adamw_mode=False``, as
-    ``torch.optim.Adam``), with fp32 master weights and optimizer states in
-    host memory. Arguments in Colossal-AI's order [Note: Colossal-AI's call
-    shape]; ``bias_correction=False`` drops the moments' bias correction.
+    """AdamW (``adamw_mode=True``, the default, as DeepSpeed's CPU Adam) or
+    Adam with L2 weight decay (``adamw_mode=False``, as ``torch.optim.Adam``),
+    with fp32 master weights and optimizer states in host memory. Arguments
+    in the CPU Adam order [Note: call shape]; ``bias_correction=False`` drops
+    the moments' bias correction.
     ``nvme_offload_fraction`` must be 0: pc keeps the states in memory."""
 
     def __init__(

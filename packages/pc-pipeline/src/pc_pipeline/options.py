@@ -8,7 +8,7 @@ by ``chunks`` itself (or accepts the sum). ``scale_grads=True`` divides each
 microbatch's loss by the number of microbatches before backward, as
 ``torch.distributed.pipelining``'s schedules do, so a criterion returning a
 microbatch's mean loss gives the gradient of the whole batch's mean loss
-(Colossal-AI's convention, which pc-booster's pipelines keep). The losses
+(the convention pc-booster's pipelines keep, docs/packages/pc-pipeline.md). The losses
 returned are always the criterion's own values, unscaled.
 """
 

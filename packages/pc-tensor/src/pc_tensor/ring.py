@@ -1,4 +1,4 @@
-"""Ring attention (Colossal-AI's ``ring_attn``, torch's ``context_parallel``)
+"""Ring attention (``sequence_parallelism_mode="ring_attn"``, torch's ``context_parallel``)
 for ``transformers`` models: each rank of a sequence-parallel group keeps
 its queries and passes key/value blocks around the ring, one step per
 rank, combining the partial softmax results exactly by their log-sum-exp.

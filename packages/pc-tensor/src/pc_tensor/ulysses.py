@@ -1,5 +1,5 @@
-"""Ulysses sequence parallelism (DeepSpeed-Ulysses, Colossal-AI's
-``all_to_all`` mode) for ``transformers`` models: each rank of a sequence-
+"""Ulysses sequence parallelism (DeepSpeed-Ulysses,
+``sequence_parallelism_mode="all_to_all"``) for ``transformers`` models: each rank of a sequence-
 parallel group holds a contiguous block of the sequence through the whole
 model; around attention, an all-to-all swaps the sequence blocks for
 blocks of heads, so each rank attends over the whole sequence with its

@@ -1,4 +1,4 @@
-"""ZeRO-3 by chunks (Colossal-AI's Gemini): :class:`GeminiDDP` and
+"""ZeRO-3 by chunks (Gemini, docs/packages/pc-zero.md): :class:`GeminiDDP` and
 :class:`GeminiOptimizer`.
 
 [Note: Gemini]
@@ -47,18 +47,18 @@ touches a parameter).
 Without ``chunk_size`` the size is searched ([Note: packing] in
 pc_chunk.search) from ``min_chunk_size`` (raised to the largest parameter,
 lowered to the whole model, so a model smaller than it is one chunk) up by
-``search_range``, over multiples of ``hidden_dim`` (Colossal-AI's search
-step; rounded to a multiple of the world size so a chunk shards evenly) or,
-without it, of 64 x the world size. Colossal-AI's ``search_range_mb`` and
+``search_range``, over multiples of ``hidden_dim`` (the search step;
+rounded to a multiple of the world size so a chunk shards evenly) or,
+without it, of 64 x the world size. ``search_range_mb`` and
 ``min_chunk_size_mb`` count units of 2**20 *elements* (their search counts
 elements, whatever the suffix says); pc's ``search_range`` and
 ``min_chunk_size`` count elements; pass one spelling of each. Unlike
-Colossal-AI's default search, large parameters are not left out here
+the edge's default search, large parameters are not left out here
 (the compatibility edge's ``init_chunk_manager`` does leave them out).
 ``chunk_per_tensor=True`` gives every parameter its own chunk.
 
 [Note: placement policies]
-Colossal-AI's names: ``"cuda"`` keeps every shard on the compute device
+``"cuda"`` keeps every shard on the compute device
 (nothing offloaded), ``"cpu"`` every shard on the host, ``"auto"`` as many
 as fit the budget (``device_budget_bytes``, by default the GPU's free memory
 when the compute device is CUDA; a CPU device has no free memory to plan
@@ -73,16 +73,16 @@ changes nothing there.
 
 [Note: step clears the gradients]
 ``GeminiOptimizer.step()`` ends with the gradients cleared (the exposed
-``.grad`` and each chunk's gradient shard), on a skipped step too, as
-Colossal-AI's ZeRO optimizer does: its accumulation loop (several
+``.grad`` and each chunk's gradient shard), on a skipped step too
+(docs/packages/pc-zero.md): an accumulation loop (several
 backwards, one ``step()``, ``zero_grad()`` or not) starts every window from
 zero. The host gradient buffers of offloaded chunks are kept for the next
 step [Note: host buffers] in pc_chunk.chunk.
 
 [Note: loss scaling in every precision]
 Loss scaling exists for fp16; under fp32 or bf16 compute GeminiOptimizer
-does not scale unless ``scale_every_precision=True``, which Colossal-AI's
-ZeRO optimizer (the edge's ``ZeroOptimizer``) asks for: its
+does not scale unless ``scale_every_precision=True``, which the edge's
+``ZeroOptimizer`` (docs/packages/pc-compat.md) asks for: its
 ``initial_scale`` and friends then apply as asked (the loss is multiplied,
 the gradient shards divided, a step whose gradients overflow is skipped
 and the scale backs off). A power-of-two scale changes fp32 results by
@@ -129,7 +129,7 @@ _STATE_BYTES = 8
 
 class PlacementPolicy(Enum):
     """Where chunk shards rest between uses [Note: Gemini]; the strings are
-    Colossal-AI's names, parsed once at the edge."""
+    parsed once, where the user's options come in."""
 
     STATIC = "static"  # the last offload_param_frac of the chunks on the host
     AUTO = "auto"  # as many chunks on the device as the budget holds
@@ -146,7 +146,7 @@ class PlacementPolicy(Enum):
         return cls(value)
 
 
-# Colossal-AI's chunk search sizes count 2**20 elements ("_mb", "_m").
+# Chunk search sizes in "_mb" / "_m" count 2**20 elements.
 _MEGA = 1024 * 1024
 
 
@@ -160,7 +160,7 @@ def _one_of(
     pc_name: str, pc_value: int | None, mb_name: str, mb_value: float | None, default: int
 ) -> int:
     """A search setting given in elements (pc) or in 2**20 elements
-    (Colossal-AI's ``_mb``), not both."""
+    (``_mb``), not both."""
     if pc_value is not None and mb_value is not None:
         raise ValueError(
             f"GeminiDDP: pass {pc_name} (elements) or {mb_name} (2**20 elements), not both."
@@ -199,7 +199,7 @@ class GeminiDDP(ShardedModule):
     built in: [Note: build dtype] in pc_zero.sharded); fp16 needs
     :class:`GeminiOptimizer` for loss scaling. Build the optimizer after
     wrapping, over ``model.parameters()``. The chunk search takes
-    Colossal-AI's ``search_range_mb`` / ``min_chunk_size_mb`` /
+    ``search_range_mb`` / ``min_chunk_size_mb`` /
     ``hidden_dim`` as well as pc's element counts [Note: chunk search];
     ``pin_memory`` and the placement policies: [Note: placement policies]."""
 
@@ -536,7 +536,7 @@ class GeminiOptimizer(Optimizer):
 
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         """Unscale, check for overflow, clip and step; then clear the
-        gradients, as Colossal-AI's does [Note: step clears the gradients]."""
+        gradients [Note: step clears the gradients]."""
         loss = closure() if closure is not None else None
         if self.step_in_backward:  # done in backward [Note: stepping in backward]
             self._stepped.clear()

@@ -8,7 +8,7 @@ all-reduced, so no rank steps alone) and, after ``hysteresis`` consecutive
 overflows, the scale is multiplied by ``backoff_factor`` (never below
 ``min_scale``). After ``growth_interval`` clean steps in a row it is
 multiplied by ``growth_factor`` (never above ``max_scale``). The names and
-defaults are Colossal-AI's; ``hysteresis=1`` gives torch's GradScaler rule.
+defaults are those of docs/packages/pc-zero.md; ``hysteresis=1`` gives torch's GradScaler rule.
 
 [Note: global norm across groups]
 Clipping and the overflow decision must be the same on every rank that

@@ -72,7 +72,7 @@ class LowLevelZeroOptimizer(Optimizer):
     stage 1 or 2 [Note: a step].
 
     ``stage``: 1 shards optimizer states, 2 also gradients
-    (``partition_grad=True`` is Colossal-AI's spelling of stage 2).
+    (``partition_grad=True`` is stage 2's older spelling).
     ``comm`` / ``dp_process_group``: the data-parallel ranks (default: every
     rank, through shared memory on one host). ``reduce_bucket_size``:
     elements per bucket. ``clip_grad_norm``: max global norm, 0 for none.

@@ -149,7 +149,7 @@ def cast_floating_inputs(module: nn.Module, dtype: torch.dtype) -> None:
     """Cast the floating tensors ``module``'s forward is called with (in
     tuples, lists and dicts too) to ``dtype``, the dtype its parameters were
     cast to, through a forward pre-hook: an fp32 image batch into an fp16
-    model, as Colossal-AI's ``cast_inputs=True`` does. Integer inputs
+    model (``cast_inputs``, docs/packages/pc-booster.md). Integer inputs
     (token ids, masks) are left as they are."""
 
     def hook(mod: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:

@@ -83,9 +83,9 @@ TORCH_DDP_RULES = (
 
 
 # [Note: mixed precision of the data-parallel plugins]
-# Colossal-AI runs Booster(mixed_precision='fp16') with TorchDDPPlugin as
-# torch's AMP: fp32 parameters, the forward under torch.autocast, the loss
-# scaled for fp16. Here the same: the wrapped model's forward runs under
+# Booster(mixed_precision='fp16') with a data-parallel plugin is torch's
+# AMP: fp32 parameters, the forward under torch.autocast, the loss scaled
+# for fp16. The wrapped model's forward runs under
 # autocast in the run's precision; for fp16 the returned optimizer's step
 # policy (pc_booster.step_policies.AmpStep, [Note: boosted optimizer])
 # multiplies the loss by a dynamic loss scale in backward, and before the

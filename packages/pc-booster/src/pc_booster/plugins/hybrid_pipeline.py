@@ -2,7 +2,7 @@
 cutting a ``transformers`` model into stages (:mod:`pc_booster.pipeline`),
 materialising and placing only this rank's stage, the groups that sum a
 weight tied across stages, and one step through the schedule with the
-loss scaled for fp16 and the criterion called as Colossal-AI calls it."""
+loss scaled for fp16 and the criterion called as ``criterion(outputs, inputs)``."""
 
 from __future__ import annotations
 
@@ -295,7 +295,7 @@ def execute_pipeline(
     batch of ``data_iter`` (a dict of batch-first tensors with
     ``input_ids``, or a tensor of ids), split into micro-batches.
 
-    ``criterion(outputs, inputs)``, as Colossal-AI calls it: ``outputs`` a
+    ``criterion(outputs, inputs)`` (docs/migrate-colossalai.md): ``outputs`` a
     :class:`StageOutput` of the micro-batch (``.logits``, ``.loss``),
     ``inputs`` the micro-batch's dict; it returns the micro-batch's mean
     loss. None means ``outputs.loss``. Under fp16 the loss is multiplied by
@@ -316,7 +316,7 @@ def execute_pipeline(
         )
     keys = [k for k, v in inputs.items() if isinstance(v, torch.Tensor)]
     size = plugin.options.microbatch_size
-    if size is not None:  # Colossal-AI's microbatch_size: the count follows the batch
+    if size is not None:  # microbatch_size: the count follows the batch
         rows = inputs["input_ids"].shape[0]
         if rows % size:
             raise ValueError(

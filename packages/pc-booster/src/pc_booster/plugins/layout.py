@@ -103,8 +103,8 @@ class ParallelLayout:
 
 @dataclass(frozen=True)
 class PipelineStageManager:
-    """Where this rank sits in the pipeline, under Colossal-AI's names
-    (``plugin.stage_manager``): ``stage`` (this rank's stage, 0-based),
+    """Where this rank sits in the pipeline (``plugin.stage_manager``):
+    ``stage`` (this rank's stage, 0-based),
     ``num_stages``, ``is_first_stage()``, ``is_last_stage()``, the
     neighbouring ranks and the pipeline's group."""
 

@@ -55,8 +55,8 @@ __all__ = ["TorchFSDPOptions", "TorchFSDPPlugin"]
 
 
 # [Note: FSDP1 arguments]
-# Colossal-AI's TorchFSDPPlugin takes torch FSDP1's arguments; pc's runs
-# FSDP2 (fully_shard) and maps each:
+# TorchFSDPPlugin takes torch FSDP1's arguments (as programs written for
+# FSDP1 pass them) and runs FSDP2 (fully_shard), mapping each:
 # - sharding_strategy: FULL_SHARD is reshard_after_forward=True,
 #   SHARD_GRAD_OP False; NO_SHARD and the hybrid strategies are refused
 #   (TorchDDPPlugin replicates; pc shards over every rank);

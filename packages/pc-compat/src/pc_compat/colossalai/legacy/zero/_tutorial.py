@@ -28,7 +28,7 @@ current device as Colossal-AI does. Sizes are in elements.
   (``GeminiManager.get_default_device(policy)``).
 - ``ChunkManager.search_chunk_size(model, search_range, n_grids,
   min_chunk_size, filter_exlarge_params)`` is Colossal-AI's grid search
-  ([Note: Colossal-AI's grid search] in pc_chunk.search).
+  ([Note: grid search] in pc_chunk.search).
 - ``init_chunk_manager(model=, init_device=, hidden_dim=,
   search_range_mb=, min_chunk_size_mb=, filter_exlarge_params=,
   verbose=)`` searches as Colossal-AI does: sizes in units of 2**20
