@@ -29,7 +29,8 @@ compatibility edge's, docs/migrate-colossalai.md, all):
 ``(params, lr, bias_correction, betas, eps, weight_decay, adamw_mode,
 nvme_offload_fraction, nvme_offload_dir)``, with decoupled weight decay
 (AdamW) by default. ``amsgrad`` and ``maximize`` are keyword-only.
-``CPUAdamW`` keeps torch's order ``(params, lr, betas, ...)``. A tuple where ``bias_correction`` goes is a torch-ordered call and
+``CPUAdamW`` keeps torch's order ``(params, lr, betas, ...)``. A tuple
+where ``bias_correction`` goes is a torch-ordered call and
 is refused rather than read as a flag.
 
 State entries are named as torch's (``step``, ``exp_avg``, ``exp_avg_sq``,
