@@ -4,7 +4,9 @@
 by the program, ``checkpoint="except_last"``, saves through ``.module``;
 ``haiscale.fsdp.FullyShardedDataParallel`` with a ``functools.partial``
 wrap policy, ``backward_prefetch`` and per-rank optimizer state) with only
-the imports changed. Each trains as plain single-process training on the
+the imports changed (``from haiscale.x import y`` -> ``from
+pc_compat.haiscale.x import y``); ``haiscale.ddp.DistributedDataParallel``
+with ``device_ids=``. Each trains as plain single-process training on the
 whole batch (fp32, several steps); where pc refuses, the exact message.
 One spawn of 2 ranks runs every sub-case."""
 
@@ -28,8 +30,16 @@ from torch.distributed.fsdp.wrap import (
 )
 
 from pc_comm.testing import run_subtests
-from pc_pipeline import GPipe, Interleaved1F1B, PipeDream, SequentialModel, partition
-from pc_zero import FullyShardedDataParallel, size_based_auto_wrap_policy
+from pc_compat.haiscale.ddp import DistributedDataParallel
+from pc_compat.haiscale.fsdp import FullyShardedDataParallel
+from pc_compat.haiscale.pipeline import (
+    GPipe,
+    Interleaved1F1B,
+    PipeDream,
+    SequentialModel,
+    partition,
+)
+from pc_zero import size_based_auto_wrap_policy
 from pc_zero.fsdp import BackwardPrefetch
 
 pytestmark = pytest.mark.timeout(120)
@@ -106,6 +116,36 @@ def _compare_owned(pipe: Any, model: nn.Module, ref: nn.Module) -> None:
             torch.testing.assert_close(p, q, rtol=RTOL, atol=ATOL, msg=name)
             compared += 1
     assert compared > 0
+
+
+# ------------------------------------------------------------------- ddp
+
+
+def check_ddp_with_device_ids() -> None:
+    """haiscale's DDP as its programs build it, ``device_ids=[local_rank]``
+    (the one device of this process; the CPU here): each rank's half of the
+    batch, the same result as one process on the whole batch."""
+    ref, ref_losses = _reference()
+    model = _pipe_model()
+    ddp = DistributedDataParallel(model, device_ids=[dist.get_rank()])
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+    half = BATCH // dist.get_world_size()
+    rank = dist.get_rank()
+    for step in range(STEPS):
+        x, y = _batch(step)
+        loss = _mse(ddp(x[rank * half : (rank + 1) * half]), y[rank * half : (rank + 1) * half])
+        loss.backward()  # type: ignore[no-untyped-call]
+        opt.step()
+        opt.zero_grad()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        torch.testing.assert_close(
+            mean / dist.get_world_size(), ref_losses[step], rtol=RTOL, atol=ATOL
+        )
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=RTOL, atol=ATOL)
+    with pytest.raises(ValueError, match="one process drives one device"):
+        DistributedDataParallel(_pipe_model(), device_ids=[0, 1])
 
 
 # ------------------------------------------------------------- pipelines
@@ -437,6 +477,7 @@ def _cases() -> dict[str, Any]:
     cases["fsdp-recurse"] = check_fsdp_torch_policy_stops_recursion
     cases["fsdp-refused"] = check_fsdp_refusals
     cases["fsdp-optimizer-resume"] = check_fsdp_per_rank_optimizer_resume
+    cases["ddp-device_ids"] = check_ddp_with_device_ids
     return cases
 
 
