@@ -310,6 +310,12 @@ class Booster:
             boosted.lr_scheduler,
         )
 
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        """The model as it was built, behind what ``boost`` returned
+        (tensor-parallel layers stay split, FSDP2 parameters stay DTensors:
+        the module, not a gathered copy)."""
+        return self.plugin.boosted(model).module
+
     def backward(self, loss: torch.Tensor, optimizer: Any) -> None:
         """``loss.backward()`` as the plugin needs it (loss scaling)."""
         from pc_booster.wrappers import BoostedOptimizer

@@ -135,6 +135,9 @@ class Plugin(ABC):
     options: PluginConfig
     # Whether the plugin takes ``precision=`` [Note: precision default].
     takes_precision: bool = False
+    # Whether a model built on the meta device is materialised and
+    # initialised by the plugin (FSDP2's own init pattern), not refused.
+    initialises_meta: bool = False
 
     def __init__(self, options: PluginConfig) -> None:
         # The plugin's settings; every rule is theirs.
@@ -238,7 +241,8 @@ class Plugin(ABC):
         """Check the rules against the model and precision, then wrap
         [Note: model dtype]: the run trains in ``precision`` when given,
         else in the dtype the model was built in."""
-        _refuse_meta(model, type(self).__name__)
+        if not self.initialises_meta:
+            _refuse_meta(model, type(self).__name__)
         dtype = _model_dtype(model)
         asked = TrainPrecision.parse(precision) if precision is not None else None
         if asked is not None and self.precision is not None and asked is not self.precision:

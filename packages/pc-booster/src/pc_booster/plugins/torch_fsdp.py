@@ -176,6 +176,57 @@ class TorchFSDPOptions(PluginConfig):
         return TorchFSDPPlugin(**self.as_dict())
 
 
+# [Note: meta-device models under FSDP2]
+# FSDP2's own pattern builds the model on the meta device, shards it, then
+# allocates each rank's shards (to_empty) and initialises them. Here boost
+# does the last two: after fully_shard, the model is moved to the run's
+# device with to_empty, and its own init_weights() (transformers' and
+# torchtitan's convention) fills the shards, and every buffer it computes
+# (rotary frequencies); a model without one gets each module's
+# reset_parameters(), and is refused if it has buffers (their values would
+# be undefined). Each rank fills only its own shards, from a generator
+# seeded apart per rank (forked, so the user's generator is left as it
+# was): the same seed on every rank would give every shard the same values.
+# The values are a fresh initialisation, not those an eager build would
+# give; no rank ever holds the whole model.
+
+
+def _on_meta(model: nn.Module) -> bool:
+    from pc_chunk import is_lazy
+
+    return any(t.is_meta and not is_lazy(t) for t in [*model.parameters(), *model.buffers()])
+
+
+def _check_initialisable(model: nn.Module) -> None:
+    if callable(getattr(model, "init_weights", None)):
+        return
+    if any(True for _ in model.buffers()):
+        raise ValueError(
+            f"TorchFSDPPlugin: {type(model).__name__} was built on the meta device and has "
+            "buffers but no init_weights() to compute them, so their values would be "
+            "undefined. Give it an init_weights() method (torchtitan's convention), or build "
+            "it under pc_chunk.LazyInitContext instead."
+        )
+
+
+def initialise_meta(model: nn.Module, where: torch.device) -> None:
+    """Allocate a sharded meta-device model on ``where`` and initialise it
+    [Note: meta-device models under FSDP2]."""
+    model.to_empty(device=where)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    devices = [where.index or 0] if where.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices), torch.no_grad():
+        torch.manual_seed(torch.initial_seed() + 7919 * (rank + 1))
+        init = getattr(model, "init_weights", None)
+        if callable(init):
+            init()
+            return
+        for module in model.modules():
+            reset = getattr(module, "reset_parameters", None)
+            if callable(reset):
+                reset()
+
+
 class TorchFSDPPlugin(Plugin, SupportsNoSync):
     """torch's FSDP2 (``fully_shard``) on every transformer block (the
     model's ``_no_split_modules`` for ``transformers`` models, or
@@ -186,6 +237,7 @@ class TorchFSDPPlugin(Plugin, SupportsNoSync):
     ``torch.distributed.checkpoint``'s state-dict functions."""
 
     options: TorchFSDPOptions
+    initialises_meta = True
 
     def __init__(
         self,
@@ -305,7 +357,10 @@ class TorchFSDPPlugin(Plugin, SupportsNoSync):
         require_initialized("TorchFSDPPlugin")
         names = names_by_id(model)
         lazy = has_lazy(model)
-        if not lazy:
+        meta = _on_meta(model)
+        if meta:
+            _check_initialisable(model)
+        elif not lazy:
             model = model.to(device())
             broadcast_module(model)
         o = self.options
@@ -325,6 +380,8 @@ class TorchFSDPPlugin(Plugin, SupportsNoSync):
                             offload_policy=offload)  # fmt: skip
             else:
                 fully_shard(module, reshard_after_forward=reshard, mp_policy=policy)
+        if meta:
+            initialise_meta(model, device())
         if o.buffer_dtype is not None:
             for buffer in model.buffers():
                 if buffer.is_floating_point():

@@ -74,6 +74,9 @@ class Booster(_PcBooster):
     ) -> AbstractContextManager[None]:
         return super().no_sync(_core(model), optimizer)
 
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        return super().unwrap(_core(model))
+
     def execute_pipeline(
         self,
         data_iter: Iterator[Any],
