@@ -375,6 +375,88 @@ def _plan_layers(
     return [first, *middle, last]
 
 
+# [Note: a cut inferred from the module tree]
+# A family without a base_model_pp_plan is cut the same way, from its
+# module tree: the block list is the base model's one nn.ModuleList (at any
+# depth) of two or more blocks of one class; everything else in the base
+# model (embeddings, position embeddings, projections, final norms) goes to
+# the first stage, which runs the base model's forward up to the first
+# block, and, but for the token embedding, to the last stage, which runs the
+# model's forward after the last block. A module one of them does not use
+# (the final norm on the first stage) gets no gradient there; the stages
+# holding a module are tied, their gradients summed, so its copies stay
+# equal. A model whose base forward takes no inputs_embeds (the blocks'
+# arguments are recorded through it) or whose blocks are not found this
+# way is refused.
+
+
+def _block_list(base: nn.Module) -> tuple[str, nn.ModuleList] | None:
+    """The base model's one list of repeated blocks, by dotted name."""
+    found = [
+        (name, module)
+        for name, module in base.named_modules()
+        if isinstance(module, nn.ModuleList)
+        and len(module) >= 2
+        and len({type(block) for block in module}) == 1
+    ]
+    return found[0] if len(found) == 1 else None
+
+
+def _outside(base: nn.Module, path: str) -> dict[str, nn.Module]:
+    """The largest submodules of ``base`` that neither are nor hold the
+    module at ``path``, keyed by dotted name with the dots as underscores."""
+    out: dict[str, nn.Module] = {}
+    holder, prefix = base, ""
+    for part in path.split("."):
+        for name, child in holder.named_children():
+            if name != part:
+                out[(prefix + name).replace(".", "_")] = child
+        holder, prefix = getattr(holder, part), prefix + part + "."
+    return out
+
+
+def _inferred_layers(
+    model: nn.Module, kind: str, share: SequenceShare | None = None
+) -> list[nn.Module]:
+    """The layers of a model without a ``base_model_pp_plan``
+    [Note: a cut inferred from the module tree]."""
+    import inspect
+
+    base: nn.Module = getattr(model, "base_model", model)
+    name = type(model).__name__
+    found = _block_list(base)
+    if found is None or model is base:
+        raise ValueError(
+            f"pipeline parallelism: {name} has no base_model_pp_plan, and pc finds no single "
+            "list of two or more blocks of one class under its base model (with a head) to cut "
+            "it at. Build the stages yourself with pc_pipeline (partition a Sequential)."
+        )
+    if "inputs_embeds" not in inspect.signature(base.forward).parameters:
+        raise ValueError(
+            f"pipeline parallelism: {type(base).__name__}'s forward takes no inputs_embeds, "
+            "through which pc records what each block is passed; pc cannot cut it. Build the "
+            "stages yourself with pc_pipeline."
+        )
+    path, blocks = found
+    others = _outside(base, path)
+    shared = {n: m for n, m in others.items() if not any(True for _ in m.parameters())}
+    owning = {n: m for n, m in others.items() if n not in shared}
+    heads = {n: m for n, m in model.named_children() if m is not base}
+    context = _PlanContext(model, base, blocks, share)
+    first = _PlanEmbed(context, {**owning, **shared})
+    middle = [_PlanBlock(context, i, b, shared) for i, b in enumerate(blocks)]
+    if kind == "sequence":
+        raise ValueError(
+            f"pipeline parallelism: {name} classifies sequences and has no base_model_pp_plan "
+            "naming the modules after its blocks, which its pooled head needs; pc cannot cut "
+            "it. Use a family with a plan, or no pipeline."
+        )
+    find: Any = getattr(base, "get_input_embeddings", None)
+    embedding = find() if callable(find) else None
+    kept = {n: m for n, m in owning.items() if m is not embedding}
+    return [first, *middle, _PlanHead(context, {**kept, **shared, **heads}, pooled=False)]
+
+
 def _generic_pooling(model: nn.Module) -> bool:
     """Whether a sequence classifier pools as transformers' decoder models
     do: one linear ``score`` head applied to every position, the last token
@@ -434,14 +516,17 @@ def pipeline_layers(
         )
     if plan and head is not None:
         return _plan_layers(model, dict(plan), head, share), head
-    reason = (
-        f"its head ({name}) is not one of {', '.join(_HEADS)}"
-        if plan
-        else "its config has no base_model_pp_plan"
-    )
+    if head is not None:
+        if head == "sequence" and not _generic_pooling(model):
+            raise ValueError(
+                f"pipeline parallelism: {name} pools its sequence classification in its own "
+                "way (a first token, a mean, a dense layer); pc's pipeline pools each row's "
+                "last token that is not padding, as transformers' generic head does, so it "
+                "refuses this one."
+            )
+        return _inferred_layers(model, head, share), head
     raise ValueError(
-        f"pipeline parallelism in HybridParallelPlugin cuts a transformers model from its "
-        f"family's base_model_pp_plan (and GPT2LMHeadModel, BertForMaskedLM from pc's own "
-        f"lists); {name} (model_type={kind!r}) cannot be cut: {reason}. For another model, "
-        "build the stages yourself with pc_pipeline (partition a Sequential)."
+        f"pipeline parallelism in HybridParallelPlugin cuts a transformers model with a "
+        f"{', '.join(_HEADS)} head; {name} (model_type={kind!r}) has none of them. Build "
+        "the stages yourself with pc_pipeline (partition a Sequential)."
     )

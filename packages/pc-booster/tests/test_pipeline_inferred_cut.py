@@ -1,0 +1,111 @@
+"""Pipelines for transformers families without a base_model_pp_plan, cut
+from their module tree [Note: a cut inferred from the module tree in
+pc_booster.pipeline]: OPT's causal LM (its blocks under model.decoder, the
+final norm registered before them, the LM head tied to the embedding) and
+BERT's token classifier train in 2 stages as one process does (fp32, rtol
+1e-5 / atol 1e-6, 3 steps); a model the cut cannot serve (ViT's image
+classifier: no token-model head, and its base forward takes no
+inputs_embeds) is refused with the reason."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from transformers import (
+    BertConfig,
+    BertForTokenClassification,
+    OPTConfig,
+    OPTForCausalLM,
+    ViTConfig,
+    ViTForImageClassification,
+)
+
+from pc_booster import Booster, HybridParallelPlugin
+from pc_comm.testing import run_subtests
+
+pytestmark = pytest.mark.timeout(300)
+
+STEPS, BATCH, SEQ, VOCAB = 3, 4, 8, 64
+
+
+def _opt() -> nn.Module:
+    torch.manual_seed(0)
+    config = OPTConfig(
+        vocab_size=VOCAB, hidden_size=32, ffn_dim=64, num_hidden_layers=4, num_attention_heads=4,
+        max_position_embeddings=32, word_embed_proj_dim=32, dropout=0.0, attention_dropout=0.0,
+    )  # fmt: skip
+    model: nn.Module = OPTForCausalLM(config)
+    return model
+
+
+def _bert_tokens() -> nn.Module:
+    torch.manual_seed(0)
+    config = BertConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+        num_attention_heads=4, max_position_embeddings=32, num_labels=3,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )  # fmt: skip
+    model: nn.Module = BertForTokenClassification(config)
+    return model
+
+
+def _batch(step: int, head: str) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(700 + step)
+    ids = torch.randint(3, VOCAB, (BATCH, SEQ), generator=gen)
+    labels = torch.randint(0, 3, (BATCH, SEQ), generator=gen) if head == "token" else ids
+    return {"input_ids": ids, "labels": labels}
+
+
+def check_family_trains(build: Callable[[], nn.Module], head: str) -> None:
+    reference = build()
+    ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    booster = Booster(plugin=HybridParallelPlugin(pp_size=2, zero_stage=1, num_microbatches=2))
+    built = build()
+    optimizer: Any = torch.optim.SGD(built.parameters(), lr=0.1, momentum=0.9)
+    model, optimizer, *_ = booster.boost(built, optimizer)
+    for step in range(STEPS):
+        batch = _batch(step, head)
+        out = booster.execute_pipeline(iter([batch]), model, None, optimizer)
+        optimizer.step()
+        optimizer.zero_grad()
+        want = reference(**batch).loss
+        want.backward()
+        ref_optimizer.step()
+        ref_optimizer.zero_grad()
+        if booster.plugin.stage_manager.is_last_stage():
+            torch.testing.assert_close(out["loss"], want.detach(), rtol=1e-5, atol=1e-6)
+    state = booster.plugin.model_state_dict(model)
+    for key, value in reference.state_dict().items():
+        if key in state:
+            torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=key)
+
+
+def check_vit_is_refused() -> None:
+    torch.manual_seed(0)
+    config = ViTConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=4, image_size=8, patch_size=4, num_labels=3)  # fmt: skip
+    built = ViTForImageClassification(config)
+    booster = Booster(plugin=HybridParallelPlugin(pp_size=2, zero_stage=1, num_microbatches=2))
+    with pytest.raises(ValueError, match="ViTForImageClassification .* has none of them"):
+        booster.boost(built, torch.optim.SGD(built.parameters(), lr=0.1))
+    dist.barrier()
+
+
+CASES: dict[str, Callable[[], None]] = {
+    "opt": lambda: check_family_trains(_opt, "causal"),
+    "bert-token": lambda: check_family_trains(_bert_tokens, "token"),
+    "vit-refused": check_vit_is_refused,
+}
+
+
+def run(case: str) -> None:
+    CASES[case]()
+
+
+def test_families_without_a_plan_cut_from_their_module_tree() -> None:
+    run_subtests(run, 2, {"case": list(CASES)}, timeout=240)
