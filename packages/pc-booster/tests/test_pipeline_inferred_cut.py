@@ -91,7 +91,7 @@ def check_vit_is_refused() -> None:
                        num_attention_heads=4, image_size=8, patch_size=4, num_labels=3)  # fmt: skip
     built = ViTForImageClassification(config)
     booster = Booster(plugin=HybridParallelPlugin(pp_size=2, zero_stage=1, num_microbatches=2))
-    with pytest.raises(ValueError, match="ViTForImageClassification .* has none of them"):
+    with pytest.raises(ValueError, match=r"ViTForImageClassification .* has none of them"):
         booster.boost(built, torch.optim.SGD(built.parameters(), lr=0.1))
     dist.barrier()
 
