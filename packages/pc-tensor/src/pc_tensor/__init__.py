@@ -2,11 +2,12 @@
 
 ``shard_model(model, tp_group)`` shards a ``transformers`` model in place:
 any family whose config carries transformers' tensor-parallel plan
-(``base_model_tp_plan``), and GPT-2, BERT, OPT and Bloom from pc's own
-policies (attention heads and MLPs split
-Megatron-style, the vocabulary split with a loss that never gathers the
-logits, optional sequence parallelism); :class:`Policy` describes another
-model family.
+(``base_model_tp_plan``), GPT-2, BERT, OPT and Bloom from pc's own
+policies, and other families from a plan inferred from their module tree
+(:func:`infer_plan`: ViT, CLIP's vision tower, RoBERTa ...). Attention heads
+and MLPs are split Megatron-style, the vocabulary split with a loss that
+never gathers the logits, optional sequence parallelism; :class:`Policy`
+describes another model family.
 """
 
 from pc_tensor.comm import (
@@ -18,6 +19,7 @@ from pc_tensor.comm import (
     split_to_tp,
     sync_replicated_grads,
 )
+from pc_tensor.inferred import infer_plan, policy_or_inferred
 from pc_tensor.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -68,10 +70,12 @@ __all__ = [
     "gather_sequence",
     "has_plan",
     "heads_to_sequence",
+    "infer_plan",
     "load_full_state_dict",
     "place_local_box",
     "plan_policy",
     "policy_for",
+    "policy_or_inferred",
     "reduce_from_tp",
     "reduce_scatter_sequence",
     "ring_model",

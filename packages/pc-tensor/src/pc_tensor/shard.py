@@ -81,7 +81,7 @@ class ShardInfo:
     group: dist.ProcessGroup
     tp_size: int
     sequence_parallel: bool
-    vocab_size: int
+    vocab_size: int  # 0 where the policy splits no token embedding
     padded_vocab_size: int
     sharded: tuple[str, ...]  # names of the parameters split across the group
     replicated_in_blocks: tuple[str, ...]  # whole on every rank, inside the blocks
@@ -256,9 +256,10 @@ def shard_model(
     """Shard ``model`` over ``tp_group`` (default: the world) in place and
     return it. Every rank of the group must call it with the same model
     (same weights: build it from the same seed, or load the same
-    checkpoint). ``policy`` defaults to the built-in one for the model's
-    ``config.model_type``; ``pad_vocab=False`` turns a vocabulary tp does not
-    divide into an error instead of padding.
+    checkpoint). ``policy`` defaults to the family's transformers plan, else
+    pc's policy for its ``config.model_type``, else one inferred from its
+    module tree (:func:`~pc_tensor.infer_plan`); ``pad_vocab=False`` turns a
+    vocabulary tp does not divide into an error instead of padding.
 
     ``materialize``: for a model built without memory (lazily), called on
     each layer right before its weights are split, and on the whole model
@@ -276,9 +277,9 @@ def shard_model(
         raise ValueError("this model is already sharded (shard_model was called on it before).")
     config = getattr(model, "config", None)
     if policy is None:
-        from pc_tensor.plans import policy_for
+        from pc_tensor.inferred import policy_or_inferred
 
-        policy = policy_for(model)
+        policy = policy_or_inferred(model)
     tp = dist.get_world_size(group)
     for name in policy.head_counts:
         count = getattr(config, name, None)
@@ -295,23 +296,33 @@ def shard_model(
     base: nn.Module = getattr(model, "base_model", model)
     try:
         blocks = list(_get(base, policy.blocks))
-        embedding = _get(base, policy.embedding)
+        # An empty path: no token embedding to split (an inferred plan).
+        embedding = _get(base, policy.embedding) if policy.embedding else None
     except AttributeError as exc:
         raise ValueError(
             f"policy {policy.name!r} does not fit {type(model).__name__}: {exc}. The "
             "policy's paths are relative to model.base_model."
         ) from exc
-    if not isinstance(embedding, nn.Embedding):
+    if embedding is not None and not isinstance(embedding, nn.Embedding):
         raise TypeError(
             f"policy {policy.name!r}: {policy.embedding} is {type(embedding).__name__}, "
             "expected nn.Embedding."
         )
-    if type(embedding) is not nn.Embedding and not hasattr(embedding, "embed_scale"):
+    if (
+        embedding is not None
+        and type(embedding) is not nn.Embedding
+        and not hasattr(embedding, "embed_scale")
+    ):
         raise ValueError(
             f"policy {policy.name!r}: the token embedding {policy.embedding} is "
             f"{type(embedding).__name__}, a subclass of nn.Embedding with a forward of its own "
             "that pc cannot split by vocabulary (it knows a plain embedding and one scaled by "
             "embed_scale)."
+        )
+    if embedding is None and type(model).__name__ in policy.lm_heads:
+        raise ValueError(
+            f"policy {policy.name!r} splits {type(model).__name__}'s output layer by "
+            "vocabulary but names no token embedding (policy.embedding is empty); name it."
         )
 
     specs: dict[int, ShardSpec] = {}  # id of a new sharded parameter -> its split
@@ -373,16 +384,19 @@ def shard_model(
             if policy.prepare_attention is not None:
                 policy.prepare_attention(attention, group)
 
-    vocab = embedding.num_embeddings
-    padded = -(-vocab // tp) * tp if pad_vocab else vocab
-    if materialize is not None:
-        materialize(embedding)
-    new_embedding = VocabParallelEmbedding.from_embedding(embedding, group, padded_size=padded)
-    replaced.add(id(embedding.weight))
-    originals.append(embedding)
-    sharded.add(id(new_embedding.weight))
-    specs[id(new_embedding.weight)] = ShardSpec(0, size=vocab)
-    _set(base, policy.embedding, new_embedding)
+    vocab = padded = 0
+    new_embedding: VocabParallelEmbedding | None = None
+    if embedding is not None:
+        vocab = embedding.num_embeddings
+        padded = -(-vocab // tp) * tp if pad_vocab else vocab
+        if materialize is not None:
+            materialize(embedding)
+        new_embedding = VocabParallelEmbedding.from_embedding(embedding, group, padded_size=padded)
+        replaced.add(id(embedding.weight))
+        originals.append(embedding)
+        sharded.add(id(new_embedding.weight))
+        specs[id(new_embedding.weight)] = ShardSpec(0, size=vocab)
+        _set(base, policy.embedding, new_embedding)
 
     retie: dict[int, nn.Parameter] = {}
     head_path = policy.lm_heads.get(type(model).__name__)
@@ -398,7 +412,8 @@ def shard_model(
         new_head = ColumnParallelLinear(
             weight, bias, group, valid_out_features=vocab if padded != vocab else None
         )
-        if head.weight is embedding.weight:
+        if embedding is not None and head.weight is embedding.weight:
+            assert new_embedding is not None
             new_head.weight = new_embedding.weight
         replaced.update(id(p) for p in head.parameters())
         originals.append(head)
