@@ -238,7 +238,8 @@ def check_hybrid_data_parallel(case: str) -> None:
             ({"static_graph": True}, "are torch DDP's"),
             ({"dp_outside": False}, "tensor-parallel innermost"),
             ({"use_fp8": True}, "there is no fp8 path"),
-            ({"inner_ring_size": 2}, "no custom pipeline schedule graphs"),
+            ({"inner_ring_size": 2}, "pc runs ring attention over one ring"),
+            ({"scheduler_nodes": object()}, "pc builds each schedule itself"),
         )  # Colossal-AI's arguments, at the edge
         for kwargs, message in at_edge:
             with pytest.raises(ValueError, match=message):

@@ -182,3 +182,28 @@ def test_plugins_take_colossalais_defaults() -> None:
     # pc's own options stay reachable, after the original's
     assert LowLevelZeroPlugin(stage=2, precision="fp32").precision is TrainPrecision.FP32
     assert HybridParallelPlugin.__init__.__signature__.parameters["precision"].default == "fp16"  # type: ignore[attr-defined]
+
+
+def test_booster_refuses_a_plugin_in_the_device_place() -> None:
+    from pc_booster import TorchDDPPlugin
+    from pc_compat.colossalai.booster import Booster
+
+    with pytest.raises(TypeError, match=r"pass the plugin by name, Booster\(plugin=...\)"):
+        Booster(TorchDDPPlugin.__new__(TorchDDPPlugin))
+
+
+def test_launchers_read_their_variables(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pc_compat import colossalai
+
+    monkeypatch.delenv("SLURM_PROCID", raising=False)
+    with pytest.raises(ValueError, match="SLURM_PROCID, SLURM_NPROCS not set"):
+        colossalai.launch_from_slurm(host="127.0.0.1", port=29500)
+    monkeypatch.delenv("OMPI_COMM_WORLD_RANK", raising=False)
+    with pytest.raises(ValueError, match="not started by openmpi"):
+        colossalai.launch_from_openmpi(host="127.0.0.1", port=29500)
+    assert colossalai.__version__ == "0.5.0"
+
+
+def test_linear_warmup_longer_than_the_run_warms_up() -> None:
+    # Colossal-AI's mixed-precision page builds one with warmup_steps=50 for a 2-step run.
+    _close(_lrs(lambda o: schedules.LinearWarmupLR(o, 2, warmup_steps=4), 3), [0.2, 0.4, 0.6])

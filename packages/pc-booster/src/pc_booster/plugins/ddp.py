@@ -194,6 +194,10 @@ class _DataParallel(Plugin, SupportsNoSync):
             policy = AmpStep(loss_scale_config(self.options), device())
         if optimizer is not None and self.options.max_norm > 0:
             optimizer.register_step_pre_hook(clip_hook(self.options.max_norm, clip_replicated))
+        if criterion is not None and precision is not TrainPrecision.FP32:
+            # A loss computed outside the model runs under the same autocast
+            # (cross-entropy in fp32), as torch's AMP recipe computes it.
+            criterion = partial(_autocast_forward, criterion, device().type, precision.dtype)
         return Boosted(
             wrapped,
             optimizer,

@@ -28,6 +28,7 @@ from pc_booster.plugin import (
     torch_to_canonical,
 )
 from pc_booster.plugins.common import (
+    cast_floating_inputs,
     clip_at_next_step,
     device,
     loss_scale_config,
@@ -319,6 +320,14 @@ class GeminiPlugin(Plugin, SupportsNoSync):
             inner = rebuild_optimizer(optimizer, names, trainable, skip_missing=True)
             scale = loss_scale_config(o)
             zero = GeminiOptimizer(inner, wrapped, max_norm=o.max_norm, loss_scale=scale)
+        if precision is not TrainPrecision.FP32:
+            # The chunks compute in the run's dtype: so do the floating inputs
+            # (an fp32 image batch) and buffers (BatchNorm's statistics).
+            cast_floating_inputs(wrapped, dtype)
+            with torch.no_grad():
+                for buffer in model.buffers():
+                    if buffer.is_floating_point():
+                        buffer.data = buffer.data.to(dtype)
         if o.force_outputs_fp32:
             wrapped.register_forward_hook(_outputs_fp32)
         if o.verbose and torch.distributed.get_rank() == 0:

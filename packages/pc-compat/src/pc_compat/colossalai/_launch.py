@@ -32,7 +32,13 @@ from pc_comm import DistContext, init_distributed
 from pc_comm.launch import DEFAULT_TIMEOUT
 from pc_compat.colossalai.logging import get_dist_logger
 
-__all__ = ["LegacyConfig", "launch", "launch_from_torch"]
+__all__ = [
+    "LegacyConfig",
+    "launch",
+    "launch_from_openmpi",
+    "launch_from_slurm",
+    "launch_from_torch",
+]
 
 # Colossal-AI's old config argument: only an empty one is taken.
 LegacyConfig = Mapping[str, object] | str | os.PathLike[str] | None
@@ -251,3 +257,41 @@ def launch(
             health_interval=health_interval,
         )
     return _finish_launch(context, seed, verbose)
+
+
+def _from_environment(
+    launcher: str, keys: tuple[str, str, str | None]
+) -> tuple[int, int, int | None]:
+    """Rank, world size and local rank from a launcher's variables."""
+    rank_key, world_key, local_key = keys
+    missing = [k for k in keys if k is not None and k not in os.environ]
+    if missing:
+        raise ValueError(
+            f"launch_from_{launcher}: {', '.join(missing)} not set; this process was not "
+            f"started by {launcher}. Under torchrun use launch_from_torch(), elsewhere "
+            "launch(rank=, world_size=, host=, port=)."
+        )
+    local = int(os.environ[local_key]) if local_key is not None else None
+    return int(os.environ[rank_key]), int(os.environ[world_key]), local
+
+
+def launch_from_slurm(
+    host: str, port: int, backend: str = "nccl", seed: int = 1024, verbose: bool = True
+) -> DistContext:
+    """Colossal-AI's ``launch_from_slurm``: :func:`launch` with the rank and
+    world size Slurm gives (``SLURM_PROCID``, ``SLURM_NPROCS``)."""
+    rank, world, _ = _from_environment("slurm", ("SLURM_PROCID", "SLURM_NPROCS", None))
+    return launch(rank, world, host, port, backend, None, seed, verbose)
+
+
+def launch_from_openmpi(
+    host: str, port: int, backend: str = "nccl", seed: int = 1024, verbose: bool = True
+) -> DistContext:
+    """Colossal-AI's ``launch_from_openmpi``: :func:`launch` with the ranks
+    OpenMPI gives (``OMPI_COMM_WORLD_RANK``, ``OMPI_COMM_WORLD_SIZE``,
+    ``OMPI_COMM_WORLD_LOCAL_RANK``)."""
+    rank, world, local = _from_environment(
+        "openmpi",
+        ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
+    )
+    return launch(rank, world, host, port, backend, local, seed, verbose)

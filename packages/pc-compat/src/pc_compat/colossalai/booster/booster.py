@@ -46,6 +46,12 @@ class Booster(_PcBooster):
         mixed_precision: Precision | str | Any = None,
         plugin: Plugin | None = None,
     ) -> None:
+        if isinstance(device, Plugin):
+            raise TypeError(
+                f"Booster({type(device).__name__}(...)): the first argument is the device "
+                "(Colossal-AI's order: device, mixed_precision, plugin); pass the plugin by "
+                "name, Booster(plugin=...)."
+            )
         if mixed_precision is not None and not isinstance(mixed_precision, str):
             raise TypeError(
                 f"Booster(mixed_precision={mixed_precision!r}): pc takes 'fp16', 'bf16' or "

@@ -14,10 +14,16 @@ not take become pc's options [Note: edges from signatures in pc_compat.surface].
 - ``make_vocab_size_divisible_by``: pc pads the vocabulary to a multiple of
   ``tp_size`` only, as the shards need; the padding rows take no part in
   the loss, so the values are the same.
+- what Colossal-AI ignores in the mode asked, the edge ignores too:
+  ``sequence_parallelism_mode`` without ``enable_sequence_parallelism``,
+  ``cpu_offload`` with ``zero_stage=0`` (it offloads ZeRO's states);
+- ``scheduler_nodes``: ``PipelineGraph(...).get_v_schedule()`` with
+  ``pp_style="zbv"`` has no effect (pc builds its own ZB-V schedule from the
+  stage and micro-batch counts);
 - refused with the reason when not at their defaults: ``enable_jit_fused``,
   ``fp8_communication``, ``use_fp8``, ``custom_policy`` (Colossal-AI policy
   objects), ``check_reduction`` / ``static_graph`` (torch DDP's),
-  ``dp_outside=False``, ``scheduler_nodes``, ``inner_ring_size``.
+  ``dp_outside=False``, other ``scheduler_nodes``, ``inner_ring_size``.
 """
 
 from __future__ import annotations
@@ -26,6 +32,8 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+
+from pc_compat.colossalai.pipeline.schedule.v_schedule import PcVSchedule
 
 __all__ = ["HYBRID_HANDLED", "HYBRID_NO_EFFECT", "hybrid_to_pc"]
 
@@ -89,11 +97,17 @@ def _refusal(given: Mapping[str, Any]) -> str | None:
             "dp_outside=False: pc lays ranks out data-parallel outermost, tensor-parallel "
             "innermost (tp ranks are neighbours); leave dp_outside=True."
         )
-    if given["scheduler_nodes"] is not None or given["inner_ring_size"] is not None:
+    nodes = given["scheduler_nodes"]
+    if nodes is not None and not (isinstance(nodes, PcVSchedule) and given["pp_style"] == "zbv"):
         return (
-            "scheduler_nodes / inner_ring_size: pc has no custom pipeline schedule graphs and "
-            "runs ring attention over one ring (sequence_parallelism_mode='ring_attn'); leave "
-            "them out."
+            "scheduler_nodes: pc builds each schedule itself (pp_style='1f1b', "
+            "'interleaved' or 'zbv'); a PipelineGraph's V schedule is taken with "
+            "pp_style='zbv' only. Leave scheduler_nodes out."
+        )
+    if given["inner_ring_size"] is not None:
+        return (
+            "inner_ring_size: pc runs ring attention over one ring "
+            "(sequence_parallelism_mode='ring_attn'); leave it out."
         )
     return None
 
@@ -105,6 +119,8 @@ def hybrid_to_pc(given: Mapping[str, Any], out: dict[str, Any]) -> dict[str, Any
         raise ValueError(f"HybridParallelPlugin: {refused}")
     if given["enable_all_optimization"]:
         out["enable_flash_attention"] = out["enable_fused_normalization"] = True
-    mode = given["sequence_parallelism_mode"]
+    mode = given["sequence_parallelism_mode"] if given["enable_sequence_parallelism"] else None
     out["sequence_parallelism_mode"] = "split_gather" if mode == "ring" else mode
+    if given["cpu_offload"] and not given["zero_stage"]:
+        out["cpu_offload"] = False  # ZeRO's states: none without ZeRO
     return out

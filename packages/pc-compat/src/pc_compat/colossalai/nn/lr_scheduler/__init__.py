@@ -145,7 +145,9 @@ class LinearWarmupLR(_ClosedFormLR):
 
     Differs from Colossal-AI's past ``total_steps``: theirs goes negative
     (the optimizer would climb the loss) or, with ``warmup_steps ==
-    total_steps``, divides by zero; here it stays 0.
+    total_steps``, divides by zero; here it stays 0. ``warmup_steps`` above
+    ``total_steps`` is taken, as theirs takes it (a run shorter than its
+    warmup only warms up).
     """
 
     def __init__(
@@ -156,7 +158,9 @@ class LinearWarmupLR(_ClosedFormLR):
         last_epoch: int = -1,
         **kwargs: Any,
     ) -> None:
-        _check_steps(type(self).__name__, total_steps, warmup_steps)
+        _check_steps(type(self).__name__, total_steps)
+        if warmup_steps < 0:
+            raise ValueError(f"LinearWarmupLR: expected warmup_steps >= 0, got {warmup_steps}.")
         self.total_steps = total_steps
         self.warmup_steps = warmup_steps
         super().__init__(optimizer, last_epoch)

@@ -1,0 +1,1 @@
+"""``colossalai.pipeline``."""
