@@ -189,7 +189,7 @@ def test_booster_refuses_a_plugin_in_the_device_place() -> None:
     from pc_compat.colossalai.booster import Booster
 
     with pytest.raises(TypeError, match=r"pass the plugin by name, Booster\(plugin=...\)"):
-        Booster(TorchDDPPlugin.__new__(TorchDDPPlugin))
+        Booster(TorchDDPPlugin.__new__(TorchDDPPlugin))  # type: ignore[arg-type]
 
 
 def test_launchers_read_their_variables(monkeypatch: pytest.MonkeyPatch) -> None:
