@@ -142,8 +142,10 @@ def _sp_pipeline(o: HybridParallelOptions, setting: RunSetting) -> str | None:
 
 
 # [Note: mixed precision without ZeRO]
-# With zero_stage=0 and no pipeline, the parameters themselves stay fp32 (they are the masters), the
-# forward runs under torch.autocast in the run's precision, and for fp16 the
+# With zero_stage=0 the parameters themselves stay fp32 (they are the
+# masters), the forward (of each pipeline stage) runs under torch.autocast in
+# the run's precision, so the activations between stages keep the residual
+# stream's fp32, and for fp16 the
 # returned optimizer's step policy (AmpStep) scales the loss, unscales the
 # gradients after the data-parallel all-reduce and skips a step that
 # overflowed on any tensor- or pipeline-parallel rank; clipping (a step
@@ -161,12 +163,6 @@ def _mixed_needs_zero(o: HybridParallelOptions, setting: RunSetting) -> str | No
             f"{p.value} through torch.autocast [Note: mixed precision without ZeRO], but the "
             f"model was built in {setting.model_dtype}, so there are no fp32 values to keep. "
             "Build the model in fp32, or set zero_stage=1 (fp32 masters of a half model)."
-        )
-    if o.pp_size > 1:
-        return (
-            f"{p.value} with pipelines and zero_stage=0: pipeline stages exchange activations "
-            "in the parameters' dtype, and without ZeRO the parameters stay fp32; set "
-            "zero_stage=1, which keeps fp32 masters of half stages."
         )
     return None
 
@@ -346,7 +342,7 @@ class HybridParallelOptions(PluginConfig):
             ({"enable_sequence_parallelism": True, "tp_size": 2, "pp_size": 2}, RunSetting()),
         ),
         Rule(
-            "mixed precision with zero_stage=0 on a model built in bf16/fp16, or with pipelines",
+            "mixed precision with zero_stage=0 on a model built in bf16/fp16",
             _mixed_needs_zero,
             (
                 {"zero_stage": 0},

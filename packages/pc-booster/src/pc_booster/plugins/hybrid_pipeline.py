@@ -19,16 +19,19 @@ from torch.optim import Optimizer
 from pc_booster.pipeline import SequenceShare, pipeline_layers
 from pc_booster.plugin import Boosted, rebuild_optimizer
 from pc_booster.plugins.common import (
+    autocast_forward,
     broadcast_module,
     cast_floating,
     device,
     has_lazy,
+    loss_scale_config,
     materialize_lazy,
     materializer,
     values_a_cast_rounds,
 )
 from pc_booster.plugins.low_level_zero import masters_from_built
 from pc_booster.rules import TrainPrecision
+from pc_booster.step_policies import AmpStep
 
 if TYPE_CHECKING:
     from pc_booster.plugins.hybrid import HybridParallelPlugin
@@ -149,8 +152,13 @@ def configure_pipeline(
             # The ranks of this stage start from its first data-parallel rank's values.
             broadcast_module(module, layout.dp_group)
     built = values_a_cast_rounds(mine, precision.dtype) if o.zero_stage else {}
+    amp = not o.zero_stage and precision is not TrainPrecision.FP32
     for module in mine:
-        cast_floating(module, precision.dtype)
+        if amp:  # [Note: mixed precision without ZeRO] in hybrid.py, stage by stage
+            cast_floating(module, torch.float32)
+            autocast_forward(module, precision.dtype)
+        else:
+            cast_floating(module, precision.dtype)
 
     holders: dict[int, list[int]] = {}  # parameter id -> pp ranks holding it
     for rank in range(pp):
@@ -204,7 +212,13 @@ def configure_pipeline(
             optimizer = zero
         else:
             plugin.clip_own_optimizer(optimizer, own_names)
-    return Boosted(pipe, optimizer, criterion, dataloader, lr_scheduler, module=model)
+    step_policy = None
+    if optimizer is not None and amp and precision is TrainPrecision.FP16:
+        step_policy = AmpStep(loss_scale_config(o), device(), groups=plugin.norm_groups())
+    return Boosted(
+        pipe, optimizer, criterion, dataloader, lr_scheduler, module=model,
+        step_policy=step_policy,
+    )  # fmt: skip
 
 
 def _tie_groups(
@@ -325,6 +339,9 @@ def execute_pipeline(
             )
         model.set_chunks(rows // size)  # type: ignore[operator]
     scaler = optimizer.scaler if plugin.zero_stage and optimizer is not None else None
+    policy = plugin.boosted(model).step_policy
+    if isinstance(policy, AmpStep):  # fp16 without ZeRO: the returned optimizer's scale
+        scaler = policy.scaler
     scale = float(scaler.scale) if scaler is not None else 1.0
     user: Callable[[Any, dict[str, Any]], torch.Tensor] = (
         criterion if criterion is not None else lambda outputs, _: outputs.loss
