@@ -1,8 +1,10 @@
 """Pipelines for transformers families without a base_model_pp_plan, cut
 from their module tree [Note: a cut inferred from the module tree in
 pc_booster.pipeline]: OPT's causal LM (its blocks under model.decoder, the
-final norm registered before them, the LM head tied to the embedding) and
-BERT's token classifier train in 2 stages as one process does (fp32, rtol
+final norm registered before them, the LM head tied to the embedding),
+BERT's token classifier and BERT's sequence classifier (its own pooler,
+[Note: classifiers that pool their own way]) train in 2 stages as one
+process does (fp32, rtol
 1e-5 / atol 1e-6, 3 steps); a model the cut cannot serve (ViT's image
 classifier: no token-model head, and its base forward takes no
 inputs_embeds) is refused with the reason."""
@@ -18,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 from transformers import (
     BertConfig,
+    BertForSequenceClassification,
     BertForTokenClassification,
     OPTConfig,
     OPTForCausalLM,
@@ -54,10 +57,24 @@ def _bert_tokens() -> nn.Module:
     return model
 
 
+def _bert_sequences() -> nn.Module:
+    torch.manual_seed(0)
+    config = BertConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+        num_attention_heads=4, max_position_embeddings=32, num_labels=3,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )  # fmt: skip
+    model: nn.Module = BertForSequenceClassification(config)
+    return model
+
+
 def _batch(step: int, head: str) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(700 + step)
     ids = torch.randint(3, VOCAB, (BATCH, SEQ), generator=gen)
-    labels = torch.randint(0, 3, (BATCH, SEQ), generator=gen) if head == "token" else ids
+    labels = {
+        "token": lambda: torch.randint(0, 3, (BATCH, SEQ), generator=gen),
+        "sequence": lambda: torch.randint(0, 3, (BATCH,), generator=gen),
+    }.get(head, lambda: ids)()
     return {"input_ids": ids, "labels": labels}
 
 
@@ -99,6 +116,8 @@ def check_vit_is_refused() -> None:
 CASES: dict[str, Callable[[], None]] = {
     "opt": lambda: check_family_trains(_opt, "causal"),
     "bert-token": lambda: check_family_trains(_bert_tokens, "token"),
+    # BERT pools its first token through its own pooler: the last stage runs it.
+    "bert-sequence": lambda: check_family_trains(_bert_sequences, "sequence"),
     "vit-refused": check_vit_is_refused,
 }
 

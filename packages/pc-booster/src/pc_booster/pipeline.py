@@ -319,6 +319,15 @@ class _PlanHead(nn.Module):
         return result
 
 
+# [Note: classifiers that pool their own way]
+# A sequence classifier that pools as transformers' generic head does (one
+# linear ``score`` on every position, the last token that is not padding)
+# is cut with its head applied to every position, and the loss pools
+# (kind "sequence"). One that pools its own way (BERT's pooler on the first
+# token, a mean, a dense layer) keeps its own: the last stage runs the
+# model's forward after the last block, pooler and classifier included, and
+# the loss takes its per-row logits (kind "pooled").
+
 _HEADS = {
     "ForCausalLM": "causal",
     "LMHeadModel": "causal",
@@ -480,7 +489,8 @@ def pipeline_layers(
     model: nn.Module, share: SequenceShare | None = None
 ) -> tuple[list[nn.Module], str]:
     """The layers of ``model`` in order, and its loss kind (``"causal"``,
-    ``"masked"``, ``"sequence"`` or ``"token"``). Any model whose family's
+    ``"masked"``, ``"sequence"``, ``"pooled"`` [Note: classifiers that pool
+    their own way] or ``"token"``). Any model whose family's
     config has transformers' ``base_model_pp_plan``, with a causal-LM,
     masked-LM, sequence- or token-classification head; GPT-2's LM head and
     BERT's masked LM from pc's own layer lists."""
@@ -503,12 +513,9 @@ def pipeline_layers(
         return [_BertEmbed(lm), *blocks, _Head(None, lm.cls)], "masked"
     plan = getattr(config, "base_model_pp_plan", None)
     head = next((v for k, v in _HEADS.items() if name.endswith(k)), None)
-    if plan and head == "sequence" and not _generic_pooling(model):
-        raise ValueError(
-            f"pipeline parallelism: {name} pools its sequence classification in its own way "
-            "(a first token, a mean, a dense layer); pc's pipeline pools each row's last token "
-            "that is not padding, as transformers' generic head does, so it refuses this one."
-        )
+    if head == "sequence" and not _generic_pooling(model):
+        # [Note: classifiers that pool their own way]
+        head = "pooled"
     if share is not None and head != "causal":
         raise ValueError(
             f"sequence parallelism inside pipeline stages computes the loss of causal language "
@@ -517,13 +524,6 @@ def pipeline_layers(
     if plan and head is not None:
         return _plan_layers(model, dict(plan), head, share), head
     if head is not None:
-        if head == "sequence" and not _generic_pooling(model):
-            raise ValueError(
-                f"pipeline parallelism: {name} pools its sequence classification in its own "
-                "way (a first token, a mean, a dense layer); pc's pipeline pools each row's "
-                "last token that is not padding, as transformers' generic head does, so it "
-                "refuses this one."
-            )
         return _inferred_layers(model, head, share), head
     raise ValueError(
         f"pipeline parallelism in HybridParallelPlugin cuts a transformers model with a "

@@ -263,13 +263,13 @@ def lm_loss(
     parallel under tensor parallelism; sequence classification on the
     pooled logits, token classification per position, as transformers
     computes them (regression, single- or multi-label by the config)."""
-    if plugin.loss_kind in ("sequence", "token"):
+    if plugin.loss_kind in ("sequence", "pooled", "token"):
         from transformers.loss.loss_utils import (
             ForSequenceClassificationLoss,
             ForTokenClassification,
         )
 
-        if plugin.loss_kind == "sequence":
+        if plugin.loss_kind in ("sequence", "pooled"):
             loss: torch.Tensor = ForSequenceClassificationLoss(labels, logits, plugin.loss_config)
         else:
             loss = ForTokenClassification(logits, labels, plugin.loss_config)
