@@ -164,10 +164,6 @@ def test_one_rank_on_all_cores_after_plugin_auto(tmp_path: Path) -> None:
         (["--model", "/no/such/dir"], "does not exist"),
         (["--plugin", "hybrid", "--tp", "3"], "does not divide the world size (2)"),
         (["--plugin", "zero1", "--tp", "2"], "need --plugin hybrid"),
-        (
-            ["--plugin", "hybrid", "--tp", "2", "--zero-stage", "0", "--precision", "bf16"],
-            "keeps fp32 masters in the ZeRO optimizer",
-        ),
         (["--corpus", "/no/such/corpus.txt"], "corpus '/no/such/corpus.txt' does not exist"),
         (["--global-batch-size", "3"], "does not split into 2 data-parallel rank(s)"),
         (["--steps", "0"], "steps must be an integer of at least 1, got 0"),
