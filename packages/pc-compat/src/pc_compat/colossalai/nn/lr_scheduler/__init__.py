@@ -160,7 +160,9 @@ class LinearWarmupLR(_ClosedFormLR):
     ) -> None:
         _check_steps(type(self).__name__, total_steps)
         if warmup_steps < 0:
-            raise ValueError(f"LinearWarmupLR: expected warmup_steps >= 0, got {warmup_steps}.")
+            raise ValueError(
+                f"LinearWarmupLR: expected warmup_steps >= 0, got warmup_steps={warmup_steps}."
+            )
         self.total_steps = total_steps
         self.warmup_steps = warmup_steps
         super().__init__(optimizer, last_epoch)
