@@ -686,22 +686,8 @@ VIT = "images/vit/vit_train_demo.py"
 RESNET = "images/resnet/train.py"
 
 FP16_X32 = Precision("fp16", initial_scale=2**5)
-# The edge: plugin.pg_mesh is pc's ParallelLayout, without ProcessGroupMesh's
-# get_ranks_in_group (bert/finetune.py's pipeline evaluation).
-NO_RANKS_IN_GROUP = "AttributeError: 'ParallelLayout' object has no attribute 'get_ranks_in_group'"
 # The original's own bug: its parser never defines --tp_degree.
 NO_TP_DEGREE = "AttributeError: 'Namespace' object has no attribute 'tp_degree'"
-# pc's refusal: benchmark.py builds the model in bf16, and 3d runs zero_stage=0.
-BF16_MODEL_AT_ZERO_0 = (
-    "ValueError: HybridParallelPlugin: with zero_stage=0, bf16 keeps the parameters in fp32 "
-    "and computes in bf16 through torch.autocast [Note: mixed precision without ZeRO], but "
-    "the model was built in torch.bfloat16, so there are no fp32 values to keep. Build the "
-    "model in fp32, or set zero_stage=1 (fp32 masters of a half model)."
-)
-# Gemini casts the fp32 pixel values to fp16, but ViTModel.forward casts them
-# back to projection.weight.dtype, read outside any forward, where Gemini's
-# parameter is its fp32 shard (docs/compat-examples.md).
-FLOAT_INPUT = "RuntimeError: Input type (float) and bias type (c10::Half) should be the same"
 OPT_ARGS = ("--num_epoch", "1", "--batch_size", "4", "--learning_rate", "1e-3")
 VIT_ARGS = ("--num_epoch", "1", "--batch_size", "4", "--learning_rate", "1e-3")
 DEMO_LONG = ("--train_step", "48")  # 47 after the warmup step: odd, as it asserts
@@ -794,14 +780,15 @@ DEMO_PLANS: dict[str, tuple[Expect, tuple[str, ...]]] = {
     "Pytorch_ZeRO": (Stops(NO_TP_DEGREE), ()),
 }
 LLAMA_PLUGINS: dict[str, Expect] = {
-    # The model is built in bf16; pc keeps fp32 masters of it.
+    # The model is built in bf16; pc keeps fp32 masters of it (3d: fp32
+    # parameters made from the bf16 ones, bf16 compute under autocast).
     "gemini": Trains(Precision("bf16")),
     "gemini_auto": Trains(Precision("bf16")),
     # MixedPrecision(param_dtype=float16): fp16 compute, loss scale 2**16.
     "fsdp": Trains(Precision("fp16"), tolerance=FP32_LOSS),
     "fsdp_cpu": Trains(Precision("fp16"), tolerance=FP32_LOSS),
-    "3d": Stops(BF16_MODEL_AT_ZERO_0),
-    "3d_cpu": Stops(BF16_MODEL_AT_ZERO_0),
+    "3d": Trains(Precision("bf16")),
+    "3d_cpu": Trains(Precision("bf16")),
 }
 
 DOC_ZERO_WITH_CHUNK = Trains(
@@ -818,8 +805,8 @@ CASES: list[Case] = [
             "gemini": Trains(FP16_X32, linear_warmup(0.1)),
             "low_level_zero": Trains(FP16_X32, linear_warmup(0.1)),
             "torch_fsdp": Trains(Precision("fp16"), linear_warmup(0.1)),
-            # Trains in 2 stages, then its evaluation asks the plugin's pg_mesh.
-            "hybrid_parallel": Stops(NO_RANKS_IN_GROUP),
+            # 2 stages (zero 1, fp16, loss scale 1); its evaluation reads pg_mesh.
+            "hybrid_parallel": Trains(Precision("fp16", initial_scale=1), linear_warmup(0.1)),
         },
     ),
     *_plugin_runs(
@@ -858,7 +845,7 @@ CASES: list[Case] = [
             "torch_ddp": Trains(Precision("fp32"), cosine_warmup(0.3)),
             "torch_ddp_fp16": Trains(Precision("amp"), cosine_warmup(0.3)),
             "low_level_zero": Trains(FP16_X32, cosine_warmup(0.3)),
-            "gemini": Stops(FLOAT_INPUT),
+            "gemini": Trains(FP16_X32, cosine_warmup(0.3)),
         },
         *VIT_ARGS,
     ),

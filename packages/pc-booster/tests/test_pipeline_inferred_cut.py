@@ -4,7 +4,7 @@ pc_booster.pipeline]: OPT's causal LM (its blocks under model.decoder, the
 final norm registered before them, the LM head tied to the embedding),
 BERT's token classifier and BERT's sequence classifier (its own pooler,
 [Note: classifiers that pool their own way]) train in 2 stages as one
-process does (fp32, rtol
+process does, and evaluate (forward only) to its loss (fp32, rtol
 1e-5 / atol 1e-6, 3 steps); a model the cut cannot serve (ViT's image
 classifier: no token-model head, and its base forward takes no
 inputs_embeds) is refused with the reason."""
@@ -96,6 +96,17 @@ def check_family_trains(build: Callable[[], nn.Module], head: str) -> None:
         ref_optimizer.zero_grad()
         if booster.plugin.stage_manager.is_last_stage():
             torch.testing.assert_close(out["loss"], want.detach(), rtol=1e-5, atol=1e-6)
+    # Evaluation: forward only (no optimizer, no grad), the whole batch's loss
+    # on every rank and the logits on the last stage.
+    batch = _batch(STEPS, head)
+    with torch.no_grad():
+        out = booster.execute_pipeline(iter([batch]), model, None, return_outputs=True)
+        want = reference(**batch)
+    torch.testing.assert_close(out["loss"], want.loss, rtol=1e-5, atol=1e-6)
+    if booster.plugin.stage_manager.is_last_stage():
+        logits = out["outputs"]["logits"]
+        if head != "causal":  # a causal stage's logits are vocabulary-wide, as the model's
+            torch.testing.assert_close(logits, want.logits, rtol=1e-5, atol=1e-5)
     state = booster.plugin.model_state_dict(model)
     for key, value in reference.state_dict().items():
         if key in state:

@@ -324,6 +324,12 @@ class GeminiPlugin(Plugin, SupportsNoSync):
             # The chunks compute in the run's dtype: so do the floating inputs
             # (an fp32 image batch) and buffers (BatchNorm's statistics).
             cast_floating_inputs(wrapped, dtype)
+            # Also at each module holding parameters: a model may cast an
+            # input to its parameters' dtype outside any forward (ViT's
+            # patch embedding), where Gemini's are the fp32 shards.
+            for module in model.modules():
+                if any(True for _ in module.parameters(recurse=False)):
+                    cast_floating_inputs(module, dtype)
             with torch.no_grad():
                 for buffer in model.buffers():
                     if buffer.is_floating_point():

@@ -149,22 +149,10 @@ def _sp_pipeline(o: HybridParallelOptions, setting: RunSetting) -> str | None:
 # returned optimizer's step policy (AmpStep) scales the loss, unscales the
 # gradients after the data-parallel all-reduce and skips a step that
 # overflowed on any tensor- or pipeline-parallel rank; clipping (a step
-# pre-hook of the optimizer) sees unscaled gradients. With zero_stage >= 1
+# pre-hook of the optimizer) sees unscaled gradients. A model built in bf16
+# or fp16 is cast up: its fp32 parameters hold the half values exactly, as
+# the fp32 masters an AMP optimizer would make of them. With zero_stage >= 1
 # the ZeRO optimizer keeps fp32 masters of a half model instead.
-
-
-def _mixed_needs_zero(o: HybridParallelOptions, setting: RunSetting) -> str | None:
-    p = setting.precision
-    if o.zero_stage or p is None or p is TrainPrecision.FP32:
-        return None
-    if setting.model_dtype is not None and setting.model_dtype != torch.float32:
-        return (
-            f"with zero_stage=0, {p.value} keeps the parameters in fp32 and computes in "
-            f"{p.value} through torch.autocast [Note: mixed precision without ZeRO], but the "
-            f"model was built in {setting.model_dtype}, so there are no fp32 values to keep. "
-            "Build the model in fp32, or set zero_stage=1 (fp32 masters of a half model)."
-        )
-    return None
 
 
 def _layers_split(o: HybridParallelOptions, setting: RunSetting) -> str | None:
@@ -340,14 +328,6 @@ class HybridParallelOptions(PluginConfig):
             "sequence parallelism with pipelines",
             _sp_pipeline,
             ({"enable_sequence_parallelism": True, "tp_size": 2, "pp_size": 2}, RunSetting()),
-        ),
-        Rule(
-            "mixed precision with zero_stage=0 on a model built in bf16/fp16",
-            _mixed_needs_zero,
-            (
-                {"zero_stage": 0},
-                RunSetting(precision=TrainPrecision.BF16, model_dtype=torch.bfloat16),
-            ),
         ),
         Rule(
             "pipeline stages not dividing the transformer blocks",

@@ -318,7 +318,9 @@ def execute_pipeline(
 
     Returns ``{"loss", "outputs"}``: the mean loss over the micro-batches
     (unscaled) on every rank, and the last stage's logits there (None
-    elsewhere)."""
+    elsewhere). Without an optimizer, or under ``torch.no_grad()``, the
+    batch only goes forward (evaluation): the loss is the criterion's on the
+    whole batch, ``outputs`` ``{"logits": ...}`` on the last stage."""
     if plugin.pp_size == 1:
         raise ValueError("execute_pipeline needs pp_size > 1; call the model directly.")
     batch = next(data_iter)
@@ -338,14 +340,16 @@ def execute_pipeline(
                 f"microbatch_size={size}; pass a batch whose size is a multiple of it."
             )
         model.set_chunks(rows // size)  # type: ignore[operator]
-    scaler = optimizer.scaler if plugin.zero_stage and optimizer is not None else None
+    user: Callable[[Any, dict[str, Any]], torch.Tensor] = (
+        criterion if criterion is not None else lambda outputs, _: outputs.loss
+    )
+    if optimizer is None or not torch.is_grad_enabled():
+        return _evaluate(plugin, model, inputs, keys, user, return_loss, return_outputs)
+    scaler = optimizer.scaler if plugin.zero_stage else None
     policy = plugin.boosted(model).step_policy
     if isinstance(policy, AmpStep):  # fp16 without ZeRO: the returned optimizer's scale
         scaler = policy.scaler
     scale = float(scaler.scale) if scaler is not None else 1.0
-    user: Callable[[Any, dict[str, Any]], torch.Tensor] = (
-        criterion if criterion is not None else lambda outputs, _: outputs.loss
-    )
 
     def loss_fn(logits: torch.Tensor, *parts: torch.Tensor) -> torch.Tensor:
         micro = dict(zip(keys, parts, strict=True))
@@ -382,4 +386,32 @@ def execute_pipeline(
     layout = plugin.layout
     last = dist.get_global_rank(layout.pp_group, plugin.pp_size - 1)
     dist.broadcast(loss, last, group=layout.pp_group)
+    return {"loss": loss if return_loss else None, "outputs": outputs}
+
+
+def _evaluate(
+    plugin: HybridParallelPlugin,
+    model: nn.Module,
+    inputs: dict[str, Any],
+    keys: list[str],
+    user: Callable[[Any, dict[str, Any]], torch.Tensor],
+    return_loss: bool,
+    return_outputs: bool,
+) -> dict[str, Any]:
+    """execute_pipeline's forward-only pass (evaluation)."""
+    with torch.no_grad():
+        logits = model(inputs["input_ids"])  # the last stage's output, None elsewhere
+        loss = torch.zeros((), device=device())
+        if logits is not None:
+            batch = {k: inputs[k] for k in keys}
+            labels = batch["labels"] if "labels" in batch else batch["input_ids"]
+            if plugin.loss_kind == "sequence":
+                logits = pooled(plugin, logits, batch["input_ids"])
+            final = logits
+            out = StageOutput(final, lambda: lm_loss(plugin, final, labels))
+            loss = user(out, batch).detach().float().to(loss.device)
+    layout = plugin.layout
+    last = dist.get_global_rank(layout.pp_group, plugin.pp_size - 1)
+    dist.broadcast(loss, last, group=layout.pp_group)
+    outputs = {"logits": logits} if return_outputs and logits is not None else None
     return {"loss": loss if return_loss else None, "outputs": outputs}

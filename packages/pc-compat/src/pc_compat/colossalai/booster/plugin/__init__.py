@@ -71,6 +71,27 @@ def _no_fp8(value: Any) -> dict[str, Any]:
     return {}
 
 
+class ProcessGroupMeshView:
+    """What programs read of Colossal-AI's ``plugin.pg_mesh``: pc's
+    :class:`~pc_booster.ParallelLayout` (its groups and coordinates read
+    through) and ``get_ranks_in_group(group)``, the global ranks of a
+    group."""
+
+    def __init__(self, layout: ParallelLayout) -> None:
+        # The plugin's layout, whose attributes read through.
+        self.layout = layout
+
+    def get_ranks_in_group(self, group: Any) -> list[int]:
+        import torch.distributed as dist
+
+        return list(dist.get_process_group_ranks(group))
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "layout":
+            raise AttributeError(name)
+        return getattr(self.layout, name)
+
+
 class DPPluginBase:
     """What every edge plugin adds to pc's: Colossal-AI's ``prepare_dataloader``
     (Colossal-AI's base of its data-parallel plugins has the same name)."""
@@ -212,11 +233,11 @@ class HybridParallelPlugin(DPPluginBase, _core.HybridParallelPlugin):
         )
 
     @property
-    def pg_mesh(self) -> ParallelLayout:
+    def pg_mesh(self) -> ProcessGroupMeshView:
         """Colossal-AI's ``ProcessGroupMesh``: pc's layout of the process
         groups (``dp_group``, ``tp_group``, ``pp_group``, this rank's
-        coordinates)."""
-        return self.layout
+        coordinates), with ``get_ranks_in_group``."""
+        return ProcessGroupMeshView(self.layout)
 
     def configure(
         self,
