@@ -330,14 +330,18 @@ class Plugin(ABC):
         drop_last: bool = False,
         pin_memory: bool = False,
         num_workers: int = 0,
+        distributed_sampler_cls: type[DistributedSampler[Any]] | None = None,
         **kwargs: Any,
     ) -> DataLoader[Any]:
         """A DataLoader over this rank's share of ``dataset``: a
         DistributedSampler by data-parallel rank (tensor- and pipeline-
         parallel ranks of one replica read the same samples); ``pin_memory``,
-        ``num_workers`` and ``kwargs`` are the DataLoader's."""
+        ``num_workers`` and ``kwargs`` are the DataLoader's;
+        ``distributed_sampler_cls``: another sampler class, built with the
+        same arguments."""
         group = self.dp_group
-        sampler: DistributedSampler[Any] = DistributedSampler(
+        sampler_cls = distributed_sampler_cls or DistributedSampler
+        sampler: DistributedSampler[Any] = sampler_cls(
             dataset,
             num_replicas=dist.get_world_size(group),
             rank=dist.get_rank(group),

@@ -17,7 +17,6 @@ from collections.abc import Callable
 from typing import Any, ClassVar
 
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from pc_booster import ParallelLayout
 from pc_booster import plugin as _core
@@ -92,51 +91,14 @@ class ProcessGroupMeshView:
         return getattr(self.layout, name)
 
 
-class DPPluginBase:
-    """What every edge plugin adds to pc's: Colossal-AI's ``prepare_dataloader``
-    (Colossal-AI's base of its data-parallel plugins has the same name)."""
+class DPPluginBase(Plugin):
+    """The base of the edge's plugins (Colossal-AI's base of its data-parallel
+    plugins has the same name): the translation each declares."""
 
     TRANSLATION: ClassVar[Translation]
     CORE: ClassVar[type[Plugin]]
 
-    def prepare_dataloader(
-        self,
-        dataset: Dataset[Any],
-        batch_size: int,
-        shuffle: bool = False,
-        seed: int = 1024,
-        drop_last: bool = False,
-        pin_memory: bool = False,
-        num_workers: int = 0,
-        distributed_sampler_cls: type[DistributedSampler[Any]] | None = None,
-        **kwargs: Any,
-    ) -> DataLoader[Any]:
-        """A DataLoader over this rank's share of ``dataset``, sampled by
-        data-parallel rank (``distributed_sampler_cls``: the sampler class,
-        built with ``num_replicas``, ``rank``, ``shuffle``, ``seed`` and
-        ``drop_last``, as Colossal-AI builds it)."""
-        import torch.distributed as dist
-
-        assert isinstance(self, Plugin)
-        group = self.dp_group
-        sampler_cls = distributed_sampler_cls or DistributedSampler
-        sampler = sampler_cls(
-            dataset,
-            num_replicas=dist.get_world_size(group),
-            rank=dist.get_rank(group),
-            shuffle=shuffle,
-            seed=seed,
-            drop_last=drop_last,
-        )
-        return DataLoader(
-            dataset,
-            batch_size=batch_size,
-            sampler=sampler,
-            pin_memory=pin_memory,
-            num_workers=num_workers,
-            drop_last=drop_last,
-            **kwargs,
-        )
+    # prepare_dataloader is pc's Plugin's, which takes Colossal-AI's arguments.
 
 
 def _install(edge: type[DPPluginBase]) -> None:
