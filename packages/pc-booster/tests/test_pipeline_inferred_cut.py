@@ -2,8 +2,9 @@
 from their module tree [Note: a cut inferred from the module tree in
 pc_booster.pipeline]: OPT's causal LM (its blocks under model.decoder, the
 final norm registered before them, the LM head tied to the embedding),
-BERT's token classifier and BERT's sequence classifier (its own pooler,
-[Note: classifiers that pool their own way]) train in 2 stages as one
+BERT's token classifier, BERT's sequence classifier (its own pooler,
+[Note: classifiers that pool their own way]) and GPT-2's (the generic
+head, taken per position) train in 2 stages as one
 process does, and evaluate (forward only) to its loss (fp32, rtol
 1e-5 / atol 1e-6, 3 steps); a model the cut cannot serve (ViT's image
 classifier: no token-model head, and its base forward takes no
@@ -22,6 +23,8 @@ from transformers import (
     BertConfig,
     BertForSequenceClassification,
     BertForTokenClassification,
+    GPT2Config,
+    GPT2ForSequenceClassification,
     OPTConfig,
     OPTForCausalLM,
     ViTConfig,
@@ -65,6 +68,16 @@ def _bert_sequences() -> nn.Module:
         hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
     )  # fmt: skip
     model: nn.Module = BertForSequenceClassification(config)
+    return model
+
+
+def _gpt2_sequences() -> nn.Module:
+    torch.manual_seed(0)
+    config = GPT2Config(
+        vocab_size=VOCAB, n_embd=32, n_layer=4, n_head=4, n_positions=32, num_labels=3,
+        pad_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    )  # fmt: skip
+    model: nn.Module = GPT2ForSequenceClassification(config)
     return model
 
 
@@ -129,6 +142,9 @@ CASES: dict[str, Callable[[], None]] = {
     "bert-token": lambda: check_family_trains(_bert_tokens, "token"),
     # BERT pools its first token through its own pooler: the last stage runs it.
     "bert-sequence": lambda: check_family_trains(_bert_sequences, "sequence"),
+    # GPT-2 pools as transformers' generic head does (the last token that is
+    # not padding): its score is taken per position and the loss pools.
+    "gpt2-sequence": lambda: check_family_trains(_gpt2_sequences, "sequence"),
     "vit-refused": check_vit_is_refused,
 }
 

@@ -297,10 +297,20 @@ class _PlanHead(nn.Module):
     handing over these hidden states. Sequence classification applies its
     head to every position; the loss pools them (it has the token ids)."""
 
-    def __init__(self, context: _PlanContext, modules: dict[str, nn.Module], pooled: bool) -> None:
+    def __init__(
+        self,
+        context: _PlanContext,
+        modules: dict[str, nn.Module],
+        pooled: bool,
+        capture: nn.Module | None = None,
+    ) -> None:
         super().__init__()
         self.context, self.pooled = context, pooled
         self.parts = nn.ModuleDict(modules)
+        # A head whose output is taken as it leaves the head, before the
+        # model pools it (a per-position sequence classifier without a plan,
+        # [Note: classifiers that pool their own way]).
+        self.capture = capture
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.pooled:
@@ -310,10 +320,22 @@ class _PlanHead(nn.Module):
         handed = (hidden,) if self.context.block_returns_tuple else hidden
         last = len(self.context.blocks) - 1
         calls: list[Any] = [None] * len(self.context.blocks)
-        with self.context.swapped(
-            lambda i: _Recorder(i, calls, stop=False, value=handed if i == last else None)
-        ):
-            out = self.context.model(inputs_embeds=hidden, use_cache=False)
+        taken: list[torch.Tensor] = []
+        handle = (
+            self.capture.register_forward_hook(lambda m, a, out: taken.append(out))
+            if self.capture is not None
+            else None
+        )
+        try:
+            with self.context.swapped(
+                lambda i: _Recorder(i, calls, stop=False, value=handed if i == last else None)
+            ):
+                out = self.context.model(inputs_embeds=hidden, use_cache=False)
+        finally:
+            if handle is not None:
+                handle.remove()
+        if taken:
+            return taken[-1]
         logits = out["logits"] if isinstance(out, dict) else out[0]
         result: torch.Tensor = logits
         return result
@@ -323,7 +345,9 @@ class _PlanHead(nn.Module):
 # A sequence classifier that pools as transformers' generic head does (one
 # linear ``score`` on every position, the last token that is not padding)
 # is cut with its head applied to every position, and the loss pools
-# (kind "sequence"). One that pools its own way (BERT's pooler on the first
+# (kind "sequence"; without a plan, the model's own forward runs on the
+# last stage and the head's output is taken per position as it leaves the
+# head, before the model pools it). One that pools its own way (BERT's pooler on the first
 # token, a mean, a dense layer) keeps its own: the last stage runs the
 # model's forward after the last block, pooler and classifier included, and
 # the loss takes its per-row logits (kind "pooled").
@@ -454,16 +478,14 @@ def _inferred_layers(
     context = _PlanContext(model, base, blocks, share)
     first = _PlanEmbed(context, {**owning, **shared})
     middle = [_PlanBlock(context, i, b, shared) for i, b in enumerate(blocks)]
-    if kind == "sequence":
-        raise ValueError(
-            f"pipeline parallelism: {name} classifies sequences and has no base_model_pp_plan "
-            "naming the modules after its blocks, which its pooled head needs; pc cannot cut "
-            "it. Use a family with a plan, or no pipeline."
-        )
+    capture = None
+    if kind == "sequence":  # the generic head: taken per position, pooled by the loss
+        capture = next(iter(heads.values()))
     find: Any = getattr(base, "get_input_embeddings", None)
     embedding = find() if callable(find) else None
     kept = {n: m for n, m in owning.items() if m is not embedding}
-    return [first, *middle, _PlanHead(context, {**kept, **shared, **heads}, pooled=False)]
+    head = _PlanHead(context, {**kept, **shared, **heads}, pooled=False, capture=capture)
+    return [first, *middle, head]
 
 
 def _generic_pooling(model: nn.Module) -> bool:
