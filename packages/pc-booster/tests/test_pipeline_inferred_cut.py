@@ -3,12 +3,10 @@ from their module tree [Note: a cut inferred from the module tree in
 pc_booster.pipeline]: OPT's causal LM (its blocks under model.decoder, the
 final norm registered before them, the LM head tied to the embedding),
 BERT's token classifier, BERT's sequence classifier (its own pooler,
-[Note: classifiers that pool their own way]) and GPT-2's (the generic
-head, taken per position) train in 2 stages as one
-process does, and evaluate (forward only) to its loss (fp32, rtol
-1e-5 / atol 1e-6, 3 steps); a model the cut cannot serve (ViT's image
-classifier: no token-model head, and its base forward takes no
-inputs_embeds) is refused with the reason."""
+[Note: classifiers that pool their own way]), GPT-2's (the generic head,
+taken per position) and ViT's image classifier (pixel_values in, no
+inputs_embeds) train in 2 stages as one process does, and evaluate (forward
+only) to its loss (fp32, rtol 1e-5 / atol 1e-6, 3 steps)."""
 
 from __future__ import annotations
 
@@ -17,7 +15,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from transformers import (
     BertConfig,
@@ -81,8 +78,24 @@ def _gpt2_sequences() -> nn.Module:
     return model
 
 
+def _vit() -> nn.Module:
+    torch.manual_seed(0)
+    config = ViTConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+        image_size=8, patch_size=4, num_labels=3,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )  # fmt: skip
+    model: nn.Module = ViTForImageClassification(config)
+    return model
+
+
 def _batch(step: int, head: str) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(700 + step)
+    if head == "image":
+        return {
+            "pixel_values": torch.randn(BATCH, 3, 8, 8, generator=gen),
+            "labels": torch.randint(0, 3, (BATCH,), generator=gen),
+        }
     ids = torch.randint(3, VOCAB, (BATCH, SEQ), generator=gen)
     labels = {
         "token": lambda: torch.randint(0, 3, (BATCH, SEQ), generator=gen),
@@ -126,17 +139,6 @@ def check_family_trains(build: Callable[[], nn.Module], head: str) -> None:
             torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=key)
 
 
-def check_vit_is_refused() -> None:
-    torch.manual_seed(0)
-    config = ViTConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                       num_attention_heads=4, image_size=8, patch_size=4, num_labels=3)  # fmt: skip
-    built = ViTForImageClassification(config)
-    booster = Booster(plugin=HybridParallelPlugin(pp_size=2, zero_stage=1, num_microbatches=2))
-    with pytest.raises(ValueError, match=r"ViTForImageClassification .* has none of them"):
-        booster.boost(built, torch.optim.SGD(built.parameters(), lr=0.1))
-    dist.barrier()
-
-
 CASES: dict[str, Callable[[], None]] = {
     "opt": lambda: check_family_trains(_opt, "causal"),
     "bert-token": lambda: check_family_trains(_bert_tokens, "token"),
@@ -145,7 +147,11 @@ CASES: dict[str, Callable[[], None]] = {
     # GPT-2 pools as transformers' generic head does (the last token that is
     # not padding): its score is taken per position and the loss pools.
     "gpt2-sequence": lambda: check_family_trains(_gpt2_sequences, "sequence"),
-    "vit-refused": check_vit_is_refused,
+    # ViT's forward takes pixel_values and no inputs_embeds: its blocks are
+    # passed the hidden states alone, its last stage runs its own layernorm,
+    # first-token pooling and classifier [Note: blocks passed nothing but
+    # the hidden states].
+    "vit-image": lambda: check_family_trains(_vit, "image"),
 }
 
 

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["SequenceShare", "pipeline_layers"]
+__all__ = ["SequenceShare", "feed_inputs", "pipeline_layers"]
 
 
 class _GPT2Embed(nn.Module):
@@ -157,10 +157,22 @@ class _PlanContext:
         blocks: nn.ModuleList,
         share: SequenceShare | None = None,
     ) -> None:
+        import inspect
+
         self.model, self.base, self.blocks = model, base, blocks
         self.share = share  # sequence parallelism: the positions this rank holds
         self.cache: dict[Any, list[Any]] = {}
         self.block_returns_tuple = False
+        # The input the first stage is fed (token ids, or an image model's
+        # pixel_values), and this step's batch of it on every stage, set by
+        # feed_inputs: the last stage of a model whose forward takes no
+        # inputs_embeds runs that forward on a batch of its shape.
+        self.main = str(getattr(model, "main_input_name", "input_ids"))
+        self.inputs: torch.Tensor | None = None
+        accepted = inspect.signature(base.forward).parameters
+        # [Note: blocks passed nothing but the hidden states]
+        self.plain_blocks = "inputs_embeds" not in accepted
+        self.takes_cache = "use_cache" in accepted
 
     def positions(self, local: int, device: torch.device) -> dict[str, torch.Tensor]:
         """Under sequence parallelism, ``position_ids`` of this rank's
@@ -190,12 +202,15 @@ class _PlanContext:
         return run()
 
     def call_base(self, **inputs: Any) -> Any:
+        extra = {"use_cache": False} if self.takes_cache else {}
         try:
-            return self.base(use_cache=False, **inputs)
+            return self.base(**extra, **inputs)
         except _Stop as stop:
             return stop
 
     def block_arguments(self, hidden: torch.Tensor) -> list[Any]:
+        if self.plain_blocks:  # [Note: blocks passed nothing but the hidden states]
+            return [((), {})] * len(self.blocks)
         if hidden.dim() != 3:
             raise ValueError(
                 f"pipeline parallelism: {type(self.base).__name__}'s blocks pass hidden states "
@@ -260,7 +275,7 @@ class _PlanEmbed(nn.Module):
             mine = share.positions(ids.shape[1], ids.device)
             ids, extra = ids.index_select(1, mine), {"position_ids": mine[None]}
         with self.context.swapped(lambda i: _Recorder(i, calls, stop=True) if i == 0 else None):
-            stop = self.context.call_base(input_ids=ids, **extra)
+            stop = self.context.call_base(**{self.context.main: ids}, **extra)
         if not isinstance(stop, _Stop) or not isinstance(stop.hidden, torch.Tensor):
             raise ValueError(
                 f"pipeline parallelism: {type(self.context.base).__name__}'s forward did not "
@@ -326,11 +341,21 @@ class _PlanHead(nn.Module):
             if self.capture is not None
             else None
         )
+        context = self.context
+        if context.plain_blocks:
+            # The forward takes no inputs_embeds: run it on zeros shaped as
+            # this micro-batch's input; what its embedding makes is dropped.
+            if context.inputs is None:
+                raise AssertionError("feed_inputs was not called before the pipeline ran")
+            shape = (hidden.shape[0], *context.inputs.shape[1:])
+            feed: dict[str, Any] = {context.main: context.inputs.new_zeros(shape)}
+        else:
+            feed = {"inputs_embeds": hidden, "use_cache": False}
         try:
             with self.context.swapped(
                 lambda i: _Recorder(i, calls, stop=False, value=handed if i == last else None)
             ):
-                out = self.context.model(inputs_embeds=hidden, use_cache=False)
+                out = self.context.model(**feed)
         finally:
             if handle is not None:
                 handle.remove()
@@ -339,6 +364,26 @@ class _PlanHead(nn.Module):
         logits = out["logits"] if isinstance(out, dict) else out[0]
         result: torch.Tensor = logits
         return result
+
+
+# [Note: blocks passed nothing but the hidden states]
+# A base model whose forward takes no inputs_embeds (ViT's, fed
+# pixel_values) cannot have what it passes each block recorded with a
+# dummy of the hidden states. Its blocks are called with the hidden states
+# alone, which is refused unless every other parameter of the blocks'
+# forward has a default; its last stage runs the model's forward on zeros
+# shaped as the micro-batch's input (feed_inputs gives the shape), the
+# blocks standing aside and the last handing over the hidden states, so the
+# final norm, pooling and head are the model's own; what its embedding
+# computes from the zeros is dropped.
+
+
+def feed_inputs(pipe: nn.Module, inputs: torch.Tensor) -> None:
+    """Give the pipeline layers in ``pipe`` this step's batch of the model's
+    main input [Note: blocks passed nothing but the hidden states]."""
+    for module in pipe.modules():
+        if isinstance(module, _PlanHead):
+            module.context.inputs = inputs
 
 
 # [Note: classifiers that pool their own way]
@@ -358,6 +403,7 @@ _HEADS = {
     "ForMaskedLM": "masked",
     "ForSequenceClassification": "sequence",
     "ForTokenClassification": "token",
+    "ForImageClassification": "pooled",
 }
 
 
@@ -464,13 +510,21 @@ def _inferred_layers(
             "list of two or more blocks of one class under its base model (with a head) to cut "
             "it at. Build the stages yourself with pc_pipeline (partition a Sequential)."
         )
-    if "inputs_embeds" not in inspect.signature(base.forward).parameters:
-        raise ValueError(
-            f"pipeline parallelism: {type(base).__name__}'s forward takes no inputs_embeds, "
-            "through which pc records what each block is passed; pc cannot cut it. Build the "
-            "stages yourself with pc_pipeline."
-        )
     path, blocks = found
+    if "inputs_embeds" not in inspect.signature(base.forward).parameters:
+        # [Note: blocks passed nothing but the hidden states]
+        extra = list(inspect.signature(blocks[0].forward).parameters.values())[1:]
+        needed = [
+            p.name for p in extra
+            if p.default is inspect.Parameter.empty
+            and p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+        ]  # fmt: skip
+        if needed:
+            raise ValueError(
+                f"pipeline parallelism: {type(base).__name__}'s forward takes no inputs_embeds, "
+                "through which pc records what each block is passed, and its blocks need "
+                f"{needed}; pc cannot cut it. Build the stages yourself with pc_pipeline."
+            )
     others = _outside(base, path)
     shared = {n: m for n, m in others.items() if not any(True for _ in m.parameters())}
     owning = {n: m for n, m in others.items() if n not in shared}

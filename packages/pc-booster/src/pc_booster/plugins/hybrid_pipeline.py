@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
-from pc_booster.pipeline import SequenceShare, pipeline_layers
+from pc_booster.pipeline import SequenceShare, feed_inputs, pipeline_layers
 from pc_booster.plugin import Boosted, rebuild_optimizer
 from pc_booster.plugins.common import (
     autocast_forward,
@@ -324,16 +324,18 @@ def execute_pipeline(
     if plugin.pp_size == 1:
         raise ValueError("execute_pipeline needs pp_size > 1; call the model directly.")
     batch = next(data_iter)
-    inputs = batch if isinstance(batch, dict) else {"input_ids": batch}
-    if "input_ids" not in inputs:
+    main = str(getattr(plugin.boosted(model).module, "main_input_name", "input_ids"))
+    inputs = batch if isinstance(batch, dict) else {main: batch}
+    if main not in inputs:
         raise ValueError(
-            f"execute_pipeline feeds the first stage 'input_ids'; the batch has "
-            f"{sorted(inputs)}. Pass a dict with input_ids (and labels), or a tensor of ids."
+            f"execute_pipeline feeds the first stage {main!r}; the batch has "
+            f"{sorted(inputs)}. Pass a dict with {main} (and labels), or a tensor of them."
         )
+    feed_inputs(model, inputs[main])
     keys = [k for k, v in inputs.items() if isinstance(v, torch.Tensor)]
     size = plugin.options.microbatch_size
     if size is not None:  # microbatch_size: the count follows the batch
-        rows = inputs["input_ids"].shape[0]
+        rows = inputs[main].shape[0]
         if rows % size:
             raise ValueError(
                 f"execute_pipeline: the batch's {rows} rows do not split into micro-batches of "
@@ -344,7 +346,7 @@ def execute_pipeline(
         criterion if criterion is not None else lambda outputs, _: outputs.loss
     )
     if optimizer is None or not torch.is_grad_enabled():
-        return _evaluate(plugin, model, inputs, keys, user, return_loss, return_outputs)
+        return _evaluate(plugin, model, inputs, main, keys, user, return_loss, return_outputs)
     scaler = optimizer.scaler if plugin.zero_stage else None
     policy = plugin.boosted(model).step_policy
     if isinstance(policy, AmpStep):  # fp16 without ZeRO: the returned optimizer's scale
@@ -353,9 +355,9 @@ def execute_pipeline(
 
     def loss_fn(logits: torch.Tensor, *parts: torch.Tensor) -> torch.Tensor:
         micro = dict(zip(keys, parts, strict=True))
-        labels = micro["labels"] if "labels" in micro else micro["input_ids"]
+        labels = micro["labels"] if "labels" in micro else micro[main]
         if plugin.loss_kind == "sequence":
-            logits = pooled(plugin, logits, micro["input_ids"])
+            logits = pooled(plugin, logits, micro[main])
         out = StageOutput(logits, lambda: lm_loss(plugin, logits, labels))
         loss = user(out, micro)
         return loss * scale if scale != 1.0 else loss
@@ -365,7 +367,7 @@ def execute_pipeline(
     )
     with context:
         losses, outputs = model.forward_backward(  # type: ignore[operator]
-            inputs["input_ids"],
+            inputs[main],
             criterion=loss_fn,
             labels=tuple(inputs[k] for k in keys),
             return_outputs=return_outputs,
@@ -393,6 +395,7 @@ def _evaluate(
     plugin: HybridParallelPlugin,
     model: nn.Module,
     inputs: dict[str, Any],
+    main: str,
     keys: list[str],
     user: Callable[[Any, dict[str, Any]], torch.Tensor],
     return_loss: bool,
@@ -400,13 +403,13 @@ def _evaluate(
 ) -> dict[str, Any]:
     """execute_pipeline's forward-only pass (evaluation)."""
     with torch.no_grad():
-        logits = model(inputs["input_ids"])  # the last stage's output, None elsewhere
+        logits = model(inputs[main])  # the last stage's output, None elsewhere
         loss = torch.zeros((), device=device())
         if logits is not None:
             batch = {k: inputs[k] for k in keys}
-            labels = batch["labels"] if "labels" in batch else batch["input_ids"]
+            labels = batch["labels"] if "labels" in batch else batch[main]
             if plugin.loss_kind == "sequence":
-                logits = pooled(plugin, logits, batch["input_ids"])
+                logits = pooled(plugin, logits, batch[main])
             final = logits
             out = StageOutput(final, lambda: lm_loss(plugin, final, labels))
             loss = user(out, batch).detach().float().to(loss.device)
