@@ -878,6 +878,20 @@ CASES: list[Case] = [
         # pc's tensor-parallel head computes the loss in fp32 from the fp16 logits.
         Trains(Precision("fp16", initial_scale=1), cosine_warmup(0.3), loss_of=fp32_logits_loss),
     ),
+    Case(
+        "vit",
+        Run(
+            "vit-hybrid_parallel-pp2",
+            VIT,
+            ("--plugin", "hybrid_parallel", "--pp_size", "2", *VIT_ARGS),
+        ),
+        # 2 stages, micro-batches of one image rounding their fp16 losses apart.
+        Trains(
+            Precision("fp16", initial_scale=1),
+            cosine_warmup(0.3),
+            tolerance={"rtol": 2e-3, "atol": 1e-5},
+        ),
+    ),
     *_resnet_cases(),
     Case(
         "docs",
