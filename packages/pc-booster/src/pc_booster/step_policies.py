@@ -68,12 +68,6 @@ class AmpStep:
         self.scaler.update(False)
         return True, result
 
-    def state_dict(self) -> dict[str, Any]:
-        return self.scaler.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.scaler.load_state_dict(state)
-
 
 def _local(grad: torch.Tensor | None) -> torch.Tensor | None:
     """A gradient's local values (a DTensor's shard on this rank)."""

@@ -188,8 +188,7 @@ class HybridParallelPlugin(DPPluginBase, _core.HybridParallelPlugin):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(**self.TRANSLATION.to_pc(self.CORE, args, kwargs))
         bound = self.TRANSLATION.signature(self.CORE).bind(None, *args, **kwargs)
-        # (bound again here: the checkpoint config is the edge's, applied at boost)
-        # Recomputation asked for, applied to the model at boost.
+        # Recomputation asked for: the edge's, applied to the model at boost.
         self.gradient_checkpoint_config: GradientCheckpointConfig | None = bound.arguments.get(
             "gradient_checkpoint_config"
         )
