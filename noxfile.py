@@ -278,7 +278,7 @@ def plugin_matrix(session: nox.Session) -> None:
     accumulation x construction x model dtype, each trained against
     single-process training or refused by the plugin's rules; and the API,
     pc-train and pc-estimate agreeing on every combination pc-train can
-    express. About 15 minutes on 2 cores."""
+    express. About 35 minutes on 2 cores."""
     _install_workspace(session, *TEST_DEPS)
     session.env["PC_PLUGIN_MATRIX"] = "full"
     session.run(

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from plugin_matrix import run_matrix
 
-pytestmark = pytest.mark.timeout(3600)
+pytestmark = pytest.mark.timeout(4000)
 
 
 def test_every_combination_trains_correctly_or_is_refused(tmp_path: Path) -> None:
