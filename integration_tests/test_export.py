@@ -1,4 +1,4 @@
-"""Export without gathering ([Note: streamed export] in pc_booster.export):
+"""Export without gathering ([Note: streamed export] in pc_booster.checkpoint.export):
 a GPT-2 of about 50 MiB of fp32 parameters, saved sharded under ZeRO-2 at
 world 2, becomes a transformers directory with ``pc-export`` whose peak
 memory grows by less than 2 x ``size_per_shard`` over the same command on

@@ -198,7 +198,9 @@ def test_reads_no_other_packages_underscore_attributes(module: str) -> None:
 # file; these modules there are shared helpers, not plugins (layout.py holds
 # ParallelLayout, the process groups some plugins are given).
 PLUGIN_MODULES = ROOT / "packages" / "pc-booster" / "src" / "pc_booster" / "plugins"
-HELPER_MODULES = {"common", "rules", "hybrid_pipeline", "hybrid_state", "layout", "sharded"}
+HELPER_MODULES = {
+    "common", "rules", "hybrid_pipeline", "hybrid_state", "layout", "optimizations", "sharded",
+}  # fmt: skip
 
 
 def test_each_plugin_module_has_its_test_file() -> None:

@@ -17,8 +17,7 @@ import torch
 import torch.distributed as dist
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from pc_booster import Booster
-from pc_booster.plugin import GeminiPlugin, LowLevelZeroPlugin, TorchDDPPlugin
+from pc_booster import Booster, GeminiPlugin, LowLevelZeroPlugin, TorchDDPPlugin
 from pc_comm.testing import run_subtests
 
 pytestmark = pytest.mark.timeout(300)

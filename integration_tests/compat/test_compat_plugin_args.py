@@ -12,7 +12,8 @@ import torch
 import torch.distributed as dist
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-from pc_booster.plugin import HybridParallelPlugin, Plugin
+from pc_booster import HybridParallelPlugin
+from pc_booster.plugin import Plugin
 from pc_booster.plugins.hybrid import _fused_rms_norm
 from pc_booster.rules import TrainPrecision
 from pc_comm.testing import run_subtests
@@ -336,7 +337,7 @@ def test_hybrid_refusals() -> None:
 
 
 def check_torch_ddp_amp() -> None:
-    from pc_booster.plugin import TorchDDPPlugin
+    from pc_booster import TorchDDPPlugin
 
     for precision, dtype in (("fp16", torch.float16), ("bf16", torch.bfloat16)):
         booster = Booster(plugin=TorchDDPPlugin(initial_scale=2.0**8, hysteresis=1),
@@ -397,7 +398,7 @@ def check_fsdp1_arguments(case: str) -> None:
     from torch.distributed.tensor import DTensor
     from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 
-    from pc_booster.plugin import TorchFSDPPlugin
+    from pc_booster import TorchFSDPPlugin
 
     if case == "sharding_strategy":
         for strategy, resharded in ((ShardingStrategy.FULL_SHARD, True),
@@ -465,7 +466,7 @@ def check_low_level_zero_arguments() -> None:
     import contextlib
     import io
 
-    from pc_booster.plugin import LowLevelZeroPlugin
+    from pc_booster import LowLevelZeroPlugin
     from pc_compat.colossalai.booster.plugin import LowLevelZeroPlugin as EdgeLowLevelZero
 
     printed = io.StringIO()

@@ -113,7 +113,7 @@ def test_a_checkpoint_garbled_at_its_full_size_fails_every_rank(
 def test_a_checkpoint_garbled_at_its_full_size_is_refused_before_any_rank_starts(
     saved_run: Path, tmp_path: Path
 ) -> None:
-    """The launcher verifies every file's checksum (pc_booster.checksum)."""
+    """The launcher verifies every file's checksum (pc_booster.checkpoint.checksum)."""
     out, latest = _copy(saved_run, tmp_path)
     optimizer = latest / "optimizer" / "__0_0.distcp"
     optimizer.write_bytes(os.urandom(optimizer.stat().st_size))

@@ -1,4 +1,4 @@
-"""Async sharded saves ([Note: async saves] in pc_booster.booster): the
+"""Async sharded saves ([Note: async saves] in pc_booster.checkpoint.async_saves): the
 call returns at once; the copy of this rank's share is made beside the
 next forward and backward, and the next optimizer step waits for it;
 training steps on while the write goes; the checkpoint then holds the
@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import pc_booster.checkpoint.files as checkpoint_files
 from pc_booster import (
     Booster,
     GeminiPlugin,
@@ -67,13 +68,13 @@ def check_async_save(root: str, plugin: str) -> None:
     out = Path(root) / plugin
     # The writes wait until training has stepped on: what they write must
     # be the copy made when they were asked for.
-    gate, write = threading.Event(), Booster._save_sharded
+    gate, write = threading.Event(), checkpoint_files.save_sharded
 
     def held(*args: Any) -> None:
         assert gate.wait(60), "the test never opened the gate"
         write(*args)
 
-    Booster._save_sharded = staticmethod(held)  # type: ignore[method-assign, assignment]
+    checkpoint_files.save_sharded = held  # type: ignore[assignment]
     try:
         saves = [
             booster.save_model(model, out / "model", shard=True, use_async=True),
@@ -85,7 +86,7 @@ def check_async_save(root: str, plugin: str) -> None:
         gate.set()
         booster.wait_for_saves()
     finally:
-        Booster._save_sharded = staticmethod(write)  # type: ignore[method-assign]
+        checkpoint_files.save_sharded = write
     assert all(s is not None and s.done() for s in saves)
 
     other, loaded, loaded_optimizer = _boosted("zero2", lr=5e-3)

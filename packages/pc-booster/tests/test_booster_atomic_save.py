@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-import pc_booster.booster as booster_module
+import pc_booster.checkpoint.files as checkpoint_files
 from pc_booster import Booster, TorchDDPPlugin
 from pc_comm.testing import spawn, tiny_gpt2
 
@@ -60,7 +60,7 @@ def _saves_killed_at_every_point(root: str) -> None:
     model = tiny_gpt2(n_embd=256)  # 11 shards of at most 1 MiB
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     model, optimizer, *_ = booster.boost(model, optimizer)
-    atomic, remove = booster_module._atomic, booster_module._remove
+    atomic, remove = checkpoint_files.atomic, checkpoint_files.remove
     for old_shard, new_shard in [(True, True), (False, False), (True, False), (False, True)]:
         base = Path(root) / f"base-{old_shard}-{new_shard}"
         _save(booster, model, base, old_shard)
@@ -74,15 +74,15 @@ def _saves_killed_at_every_point(root: str) -> None:
             target = Path(root) / f"case-{old_shard}-{new_shard}-{kill_at}"
             shutil.copytree(base, target)
             switch = _KillSwitch(kill_at)
-            booster_module._atomic = switch.wrap(atomic)
-            booster_module._remove = switch.wrap(remove)
+            checkpoint_files.atomic = switch.wrap(atomic)
+            checkpoint_files.remove = switch.wrap(remove)
             try:
                 _save(booster, model, target, new_shard)
                 finished = True
             except _Killed:
                 finished = False
             finally:
-                booster_module._atomic, booster_module._remove = atomic, remove
+                checkpoint_files.atomic, checkpoint_files.remove = atomic, remove
             booster.load_model(model, target)
             loaded = _state(booster, model)
             assert _same(loaded, before) or _same(loaded, after), (old_shard, new_shard, kill_at)

@@ -15,13 +15,12 @@ at any world size load under any other:
 
 from __future__ import annotations
 
-import inspect
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -29,31 +28,24 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from pc_booster.rules import RunSetting, TrainPrecision
+from pc_booster.canonical import CanonicalOptimizerState
+from pc_booster.clipping import clip_replicated
+from pc_booster.rules import (
+    LossScaleOptions,
+    RunSetting,
+    TrainPrecision,
+    options_from_arguments,
+    options_signature,
+    register_plugin,
+)
+from pc_booster.wrappers import StepPolicy, inner_optimizer
 
 if TYPE_CHECKING:
     from pc_booster.rules import PluginConfig
-    from pc_booster.wrappers import StepPolicy
 
-__all__ = [
-    "Boosted",
-    "CanonicalOptimizerState",
-    "DDPPlugin",
-    "GeminiPlugin",
-    "HybridParallelPlugin",
-    "LowLevelZeroPlugin",
-    "Plugin",
-    "Precision",
-    "SupportsNoSync",
-    "SupportsPipeline",
-    "TorchDDPPlugin",
-    "TorchFSDPPlugin",
-    "rebuild_optimizer",
-]
+__all__ = ["Boosted", "Plugin", "Precision", "ScalesLoss", "SupportsNoSync", "SupportsPipeline"]
 
 Precision = Literal["fp16", "bf16"] | None
-_IMPLEMENTATION = ("foreach", "fused", "capturable", "differentiable")
-CanonicalOptimizerState = dict[str, Any]
 
 
 @dataclass
@@ -133,11 +125,34 @@ class Plugin(ABC):
     :meth:`configure` and the four canonical state conversions."""
 
     options: PluginConfig
+    #: the options dataclass whose fields are the constructor's settings
+    #: [Note: options declared once]
+    OPTIONS: ClassVar[type[PluginConfig]]
+    #: the fields the constructor also takes by position, in order
+    POSITIONAL: ClassVar[tuple[str, ...]] = ()
     # Whether the plugin takes ``precision=`` [Note: precision default].
     takes_precision: bool = False
     # Whether a model built on the meta device is materialised and
     # initialised by the plugin (FSDP2's own init pattern), not refused.
     initialises_meta: bool = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """A plugin naming its ``OPTIONS`` registers itself as what they
+        build, and its constructor's signature is made from their fields."""
+        super().__init_subclass__(**kwargs)
+        config = cls.__dict__.get("OPTIONS")
+        if config is None:
+            return
+        register_plugin(config, cls)
+        init = cls.__dict__.get("__init__")
+        if init is not None:
+            init.__signature__ = options_signature(init, config, cls.POSITIONAL)
+
+    @classmethod
+    def options_of(cls, args: tuple[Any, ...], given: dict[str, Any]) -> Any:
+        """The constructor's options from its call: the options object, or
+        the ``POSITIONAL`` fields' values, and the fields as keywords."""
+        return options_from_arguments(cls.__name__, cls.OPTIONS, cls.POSITIONAL, args, given)
 
     def __init__(self, options: PluginConfig) -> None:
         # The plugin's settings; every rule is theirs.
@@ -146,7 +161,11 @@ class Plugin(ABC):
         # time more is known (construction, Booster, boost, no_sync).
         self.setting = RunSetting(world=dist.get_world_size() if dist.is_initialized() else None)
         options.validate(self.setting)
-        self._boosted: dict[int, Boosted] = {}
+        if isinstance(options, LossScaleOptions):
+            options.loss_scale()  # a bad loss scale is refused here, not at boost
+        # The models and optimizers this plugin boosted, by the objects
+        # themselves (held by their record, so never reused as keys).
+        self._boosted: dict[object, Boosted] = {}
         # The precision given to the plugin (``precision=``),
         # or None: then the Booster's, else the model's dtype.
         self.precision: TrainPrecision | None = None
@@ -268,23 +287,19 @@ class Plugin(ABC):
                     "the model you pass to boost() (model.parameters(), or param groups of it)."
                 )
         boosted = self.configure(model, optimizer, criterion, dataloader, lr_scheduler, effective)
-        self._boosted[id(boosted.model)] = boosted
+        self._boosted[boosted.model] = boosted
         if boosted.optimizer is not None:
-            self._boosted[id(boosted.optimizer)] = boosted
+            self._boosted[boosted.optimizer] = boosted
         return boosted
 
     def has_boosted(self, obj: Any) -> bool:
         """Whether ``obj`` is a model or optimizer this plugin boosted."""
-        from pc_booster.wrappers import inner_optimizer
-
-        return id(inner_optimizer(obj)) in self._boosted
+        return inner_optimizer(obj) in self._boosted
 
     def boosted(self, obj: Any) -> Boosted:
         """The record of a model or optimizer this plugin boosted (the
         optimizer as ``boost`` returned it, or the one inside)."""
-        from pc_booster.wrappers import inner_optimizer
-
-        found = self._boosted.get(id(inner_optimizer(obj)))
+        found = self._boosted.get(inner_optimizer(obj))
         if found is None:
             raise ValueError(
                 f"this {type(obj).__name__} was not boosted by this plugin; pass the objects "
@@ -296,8 +311,6 @@ class Plugin(ABC):
         """``loss.backward()``, through the plugin's optimizer when it
         scales losses itself (pc-zero's); ``optimizer`` is the one inside
         the :class:`~pc_booster.wrappers.BoostedOptimizer`."""
-        from pc_booster.wrappers import inner_optimizer
-
         optimizer = inner_optimizer(optimizer)
         if isinstance(optimizer, ScalesLoss):
             optimizer.backward(loss)
@@ -312,8 +325,6 @@ class Plugin(ABC):
         every rank holds whole gradients (after DDP's all-reduce) or FSDP2's
         DTensor shards, whose norm torch reduces over the shards; plugins
         that shard or scale gradients themselves override it."""
-        from pc_booster.plugins.common import clip_replicated
-
         params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
         norm = clip_replicated(params, max_norm)
         if error_if_nonfinite and not math.isfinite(norm):
@@ -425,147 +436,3 @@ class SupportsPipeline(ABC):
         return_loss: bool = True,
         return_outputs: bool = False,
     ) -> dict[str, Any]: ...
-
-
-def rebuild_optimizer(
-    optimizer: Optimizer,
-    old_names: dict[int, str],
-    new_params: dict[str, nn.Parameter],
-    *,
-    skip_missing: bool = False,
-) -> Optimizer:
-    """The same optimizer class, hyperparameters and param groups over the
-    parameters a wrapper put in place of the originals (sharded ones),
-    matched by name. An optimizer over parameters the model does not have
-    is refused."""
-    groups = []
-    for group in optimizer.param_groups:
-        params = []
-        for p in group["params"]:
-            name = old_names.get(id(p))
-            if name is None:
-                raise ValueError(
-                    "the optimizer holds a parameter that is not the model's; build it over "
-                    "model.parameters() (several param groups are fine)."
-                )
-            if name not in new_params and skip_missing:
-                continue  # e.g. a frozen parameter the wrapper does not manage
-            params.append(new_params[name])
-        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": params})
-    # Each group carries every hyperparameter; the constructor gets the
-    # defaults it accepts (``defaults`` may hold keys it does not take).
-    accepted = inspect.signature(type(optimizer).__init__).parameters
-    defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
-    return type(optimizer)(groups, **defaults)
-
-
-def names_by_id(model: nn.Module) -> dict[int, str]:
-    return {id(p): n for n, p in model.named_parameters()}
-
-
-def torch_to_canonical(
-    state: dict[str, Any], names: Sequence[str | None]
-) -> CanonicalOptimizerState:
-    """A torch-format optimizer state dict (indices in param-group order)
-    to the canonical form; ``names[i]`` is parameter ``i``'s name."""
-    out: dict[str, Any] = {}
-    for index, value in state["state"].items():
-        name = names[int(index)]
-        if name is not None:
-            out[name] = {
-                k: v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v
-                for k, v in value.items()
-            }
-    groups = []
-    for group in state["param_groups"]:
-        hyper = {k: v for k, v in group.items() if k != "params"}
-        groups.append({**hyper, "params": [names[i] for i in group["params"]]})
-    return {"state": out, "param_groups": groups}
-
-
-def canonical_to_torch(
-    state: CanonicalOptimizerState,
-    names: Sequence[str | None],
-    groups: Sequence[tuple[Sequence[int], dict[str, Any]]],
-) -> dict[str, Any]:
-    """The canonical form to a torch-format dict for an optimizer whose
-    parameter ``i`` (in param-group order) is named ``names[i]`` and whose
-    groups are ``(member indices, current hyperparameters)``. Each group
-    takes its hyperparameters from the checkpoint's group holding the same
-    parameters (its own where the checkpoint has none). Keys other plugins
-    add and this one does not use (``master``) are dropped by the caller."""
-    index = {n: i for i, n in enumerate(names) if n is not None}
-    missing = [n for n in state["state"] if n not in index]
-    if missing:
-        raise ValueError(
-            f"the optimizer checkpoint has state for parameters this model lacks: "
-            f"{missing[:5]}{'...' if len(missing) > 5 else ''}. Was it saved from another model?"
-        )
-    saved_group_of = {
-        n: g for g, group in enumerate(state["param_groups"]) for n in group["params"]
-    }
-    out_groups = []
-    for members, current in groups:
-        saved = {saved_group_of.get(names[i]) for i in members} - {None}
-        if len(saved) > 1:
-            raise ValueError(
-                "the optimizer's param groups differ from the checkpoint's: one group here "
-                "holds parameters of several saved groups. Build the param groups as they "
-                "were when it was saved."
-            )
-        source = state["param_groups"][saved.pop()] if saved else current
-        hyper = {k: v for k, v in source.items() if k != "params"}
-        # How the step runs is this optimizer's business, not the
-        # checkpoint's (a ZeRO optimizer steps fused kernels inside).
-        hyper.update({k: current[k] for k in _IMPLEMENTATION if k in current})
-        out_groups.append({**hyper, "params": list(members)})
-    # Copies: tensors read back from one file may be views of one storage
-    # (as the writer held them), which in-place optimizer updates must not
-    # share.
-    return {
-        "state": {
-            index[n]: {
-                k: x.detach().clone() if isinstance(x, torch.Tensor) else x for k, x in v.items()
-            }
-            for n, v in state["state"].items()
-        },
-        "param_groups": out_groups,
-    }
-
-
-def torch_groups(optimizer: Optimizer) -> list[tuple[list[int], dict[str, Any]]]:
-    """``optimizer``'s groups as (member indices, hyperparameters)."""
-    out, offset = [], 0
-    for group in optimizer.param_groups:
-        members = list(range(offset, offset + len(group["params"])))
-        offset += len(members)
-        out.append((members, {k: v for k, v in group.items() if k != "params"}))
-    return out
-
-
-def without(state: CanonicalOptimizerState, *keys: str) -> CanonicalOptimizerState:
-    """``state`` without the per-parameter entries ``keys``."""
-    return {
-        **state,
-        "state": {
-            n: {k: v for k, v in entry.items() if k not in keys}
-            for n, entry in state["state"].items()
-        },
-    }
-
-
-def optimizer_names(optimizer: Optimizer, names: dict[int, str]) -> list[str | None]:
-    """Each parameter's name, in the optimizer's param-group order."""
-    return [names.get(id(p)) for g in optimizer.param_groups for p in g["params"]]
-
-
-# Every plugin is importable from here too (``from pc_booster.plugin import
-# GeminiPlugin``). Imported last: the plugins build on the base classes above.
-from pc_booster.plugins import (  # noqa: E402
-    DDPPlugin,
-    GeminiPlugin,
-    HybridParallelPlugin,
-    LowLevelZeroPlugin,
-    TorchDDPPlugin,
-    TorchFSDPPlugin,
-)

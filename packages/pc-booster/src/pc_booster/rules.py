@@ -15,19 +15,24 @@ accepted or refused in exactly one place.
 
 from __future__ import annotations
 
+import difflib
+import inspect
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, fields, replace
+from dataclasses import MISSING, dataclass, fields, replace
 from enum import Enum
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+from pc_zero import LossScaleConfig
+
 if TYPE_CHECKING:
     from pc_booster.plugin import Plugin
 
 __all__ = [
+    "LossScaleOptions",
     "PluginConfig",
     "Rule",
     "RunSetting",
@@ -212,12 +217,131 @@ class PluginConfig(ABC):
         """Bytes per rank for ``psi`` parameters of this rank's model part
         over ``dp`` data-parallel ranks, with Adam."""
 
-    @abstractmethod
     def build(self) -> Plugin:
-        """The plugin these options describe."""
+        """The plugin these options describe (the plugin class that names
+        these options as its ``OPTIONS`` registers itself for them)."""
+        plugin = _PLUGINS.get(type(self))
+        if plugin is None:
+            raise LookupError(f"no plugin registered for {type(self).__name__}")
+        return plugin(self)
 
     def as_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}  # type: ignore[arg-type]
+
+
+# Options class -> the plugin class built from it, filled in by each
+# plugin class as it is defined (Plugin.__init_subclass__).
+_PLUGINS: dict[type[PluginConfig], Callable[[PluginConfig], Plugin]] = {}
+
+
+def register_plugin(options: type[PluginConfig], plugin: Callable[[PluginConfig], Plugin]) -> None:
+    _PLUGINS[options] = plugin
+
+
+@dataclass(frozen=True, kw_only=True)
+class LossScaleOptions:
+    """fp16's dynamic loss scale, for the options of every plugin that
+    trains in fp16; the defaults are ``pc_zero.LossScaleConfig``'s (unused
+    in fp32 and bf16)."""
+
+    initial_scale: float = LossScaleConfig.initial_scale
+    min_scale: float = LossScaleConfig.min_scale
+    max_scale: float = LossScaleConfig.max_scale
+    growth_factor: float = LossScaleConfig.growth_factor
+    backoff_factor: float = LossScaleConfig.backoff_factor
+    growth_interval: int = LossScaleConfig.growth_interval
+    hysteresis: int = LossScaleConfig.hysteresis
+
+    def loss_scale(self) -> LossScaleConfig:
+        """The settings as pc-zero's optimizers take them (ValueError if
+        they are inconsistent)."""
+        return LossScaleConfig(**{f.name: getattr(self, f.name) for f in fields(LossScaleConfig)})
+
+
+# [Note: options declared once]
+# A plugin's settings are the fields of its frozen options dataclass, and
+# nowhere else: the plugin's constructor takes those fields as keywords (or
+# the options object itself), its signature for help() and inspect is made
+# from them (options_signature), and the plugin reads them from
+# ``self.options``. The constructor adds only what is not a setting of the
+# run (process groups it is given, ``precision=``).
+
+
+def options_from_arguments(
+    owner: str,
+    config: type[PluginConfig],
+    positional: Sequence[str],
+    args: Sequence[Any],
+    given: dict[str, Any],
+) -> PluginConfig:
+    """The options of a plugin constructor's call: ``args`` (the options
+    object, or the values of the ``positional`` fields) and keyword fields
+    ``given``. TypeError, as Python's for a bad call, naming what it takes."""
+    base: PluginConfig | None = None
+    if len(args) == 1 and isinstance(args[0], config):
+        base, args = args[0], ()
+    if len(args) > len(positional):
+        raise TypeError(
+            f"{owner}() takes its options ({config.__name__}) or at most {len(positional)} "
+            f"positional argument(s) ({', '.join(positional) or 'none'}), got {len(args)}."
+        )
+    given = dict(given)
+    for name, value in zip(positional, args, strict=False):
+        if name in given:
+            raise TypeError(f"{owner}() got multiple values for argument {name!r}")
+        given[name] = value
+    known = [f.name for f in sorted(fields(config), key=lambda f: f.kw_only is True)]  # type: ignore[arg-type]
+    unknown = [name for name in given if name not in known]
+    if unknown:
+        hints = [
+            f"{name!r} (did you mean {close[0]!r}?)" if close else repr(name)
+            for name in unknown
+            for close in [difflib.get_close_matches(name, known, n=1)]
+        ]
+        raise TypeError(
+            f"{owner}() got unexpected keyword argument(s) {', '.join(hints)}; its settings are "
+            f"the fields of {config.__name__}: {', '.join(known)}."
+        )
+    if base is not None:
+        return replace(base, **given)  # type: ignore[type-var]
+    return config(**given)
+
+
+def options_signature(
+    init: Callable[..., Any], config: type[PluginConfig], positional: Sequence[str]
+) -> inspect.Signature:
+    """The constructor's signature as a call sees it: ``self``, the
+    ``positional`` fields, then the other fields keyword-only with their
+    defaults and types, then ``init``'s own keyword-only parameters."""
+    kind = inspect.Parameter
+    own = [
+        p
+        for p in inspect.signature(init).parameters.values()
+        if p.name != "self" and p.kind not in (kind.VAR_POSITIONAL, kind.VAR_KEYWORD)
+    ]
+    params = []
+    by_name = {f.name: f for f in fields(config)}  # type: ignore[arg-type]
+    rest = [n for n in by_name if n not in positional]
+    # the plugin's own fields, then the shared ones (LossScaleOptions')
+    order = [*positional, *sorted(rest, key=lambda n: by_name[n].kw_only is True)]
+    for name in order:
+        f = by_name[name]
+        if f.default is not MISSING:
+            default: Any = f.default
+        elif f.default_factory is not MISSING:
+            default = f.default_factory()
+        else:
+            default = kind.empty
+        params.append(
+            kind(
+                name,
+                kind.POSITIONAL_OR_KEYWORD if name in positional else kind.KEYWORD_ONLY,
+                default=default,
+                annotation=f.type,
+            )
+        )
+    first = inspect.Parameter("self", kind.POSITIONAL_OR_KEYWORD)
+    return inspect.Signature([first, *params, *own])
 
 
 def example_message(config: type[PluginConfig], rule: Rule) -> str:

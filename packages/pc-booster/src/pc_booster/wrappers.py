@@ -25,13 +25,10 @@ fp16 overflow), as with torch's ``GradScaler``.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 from torch.optim import Optimizer
-
-if TYPE_CHECKING:
-    from pc_booster.plugin import Plugin
 
 __all__ = ["BoostedOptimizer", "PlainStep", "StepPolicy", "inner_optimizer"]
 
@@ -52,6 +49,16 @@ class StepPolicy(Protocol):
     def step(self, optimizer: Optimizer, closure: Any) -> tuple[bool, Any]:
         """Run ``optimizer.step(closure)`` or skip it: (applied, result)."""
         ...
+
+
+class StepOwner(Protocol):
+    """What the wrapper asks of the plugin that boosted it."""
+
+    def backward(self, loss: torch.Tensor, optimizer: Any) -> None: ...
+
+    def clip_grad_by_norm(
+        self, optimizer: Any, max_norm: float, error_if_nonfinite: bool = False
+    ) -> None: ...
 
 
 class PlainStep:
@@ -75,7 +82,9 @@ class BoostedOptimizer(Optimizer):
     ``clip_grad_by_norm`` and ``unwrap`` are here. Any other attribute reads through to the inner
     optimizer (a pc-zero optimizer's ``memory()``, ``loss_scale``)."""
 
-    def __init__(self, inner: Optimizer, plugin: Plugin, policy: StepPolicy | None = None) -> None:
+    def __init__(
+        self, inner: Optimizer, plugin: StepOwner, policy: StepPolicy | None = None
+    ) -> None:
         # Optimizer.__init__ is not called: it would register the
         # parameters again in new param groups, and LR schedulers must
         # write the inner optimizer's. What it sets that the step hooks

@@ -15,7 +15,7 @@ safetensors header are checked, so a truncated or foreign checkpoint is
 refused with a clear message instead of failing deep inside a load.
 
 [Note: checkpoint checksums]
-Every file's CRC-32 (``pc_booster.checksum``) is recorded beside its size.
+Every file's CRC-32 (``pc_booster.checkpoint.checksum``) is recorded beside its size.
 The large files are hashed by the ranks that wrote them, in parallel: the
 Booster's sharded saves leave ``.checksums.json`` in ``model/`` and
 ``optimizer/``, which rank 0 copies into the trainer state at the commit
@@ -42,7 +42,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pc_booster.checksum import CHECKSUMS, file_checksums, read_sidecar
+from pc_booster.checkpoint.checksum import CHECKSUMS, file_checksums, read_sidecar
 
 __all__ = [
     "CheckpointError",
@@ -227,7 +227,7 @@ def save_checkpoint(
     Returns a future of the checkpoint's directory, done at once, or with
     ``use_async`` once the background writes are done and the directory
     renamed: each rank has then only copied its share of the model and
-    optimizer to host memory [Note: async saves in ``pc_booster.booster``].
+    optimizer to host memory [Note: async saves in ``pc_booster.checkpoint.async_saves``].
     A run killed before that leaves ``step-N.partial``, never loaded, and
     the earlier checkpoints as they were. Wait for one save before the next."""
     final = root / f"step-{step:06d}"

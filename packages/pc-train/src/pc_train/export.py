@@ -55,7 +55,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "Booster.load_model loads under any plugin",
     )
     args = parser.parse_args(argv)
-    from pc_booster.export import (
+    from pc_booster.checkpoint.export import (
         export_files,
         import_pretrained,
         plan_export,

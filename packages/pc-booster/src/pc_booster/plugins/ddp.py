@@ -14,20 +14,14 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from pc_booster.plugin import (
-    Boosted,
-    CanonicalOptimizerState,
-    Plugin,
-    SupportsNoSync,
-)
+from pc_booster.canonical import CanonicalOptimizerState
+from pc_booster.clipping import clip_hook, clip_replicated
+from pc_booster.plugin import Boosted, Plugin, SupportsNoSync
 from pc_booster.plugins.common import (
     cast_floating,
-    clip_hook,
-    clip_replicated,
     clone_state,
     device,
     load_cast,
-    loss_scale_config,
     materialize_lazy,
     require_initialized,
     torch_load_optimizer,
@@ -38,7 +32,14 @@ from pc_booster.plugins.sharded import (
     own_optimizer_state,
     whole_state,
 )
-from pc_booster.rules import PluginConfig, Rule, RunSetting, StateBytes, TrainPrecision
+from pc_booster.rules import (
+    LossScaleOptions,
+    PluginConfig,
+    Rule,
+    RunSetting,
+    StateBytes,
+    TrainPrecision,
+)
 from pc_booster.step_policies import AmpStep
 
 __all__ = ["DDPOptions", "DDPPlugin", "TorchDDPOptions", "TorchDDPPlugin"]
@@ -107,7 +108,7 @@ def _replicated_states(psi: float, precision: TrainPrecision) -> StateBytes:
 
 
 @dataclass(frozen=True)
-class TorchDDPOptions(PluginConfig):
+class TorchDDPOptions(PluginConfig, LossScaleOptions):
     """torch ``DistributedDataParallel``'s own options, plus ``max_norm``
     (clipping by the global norm before each step, 0 for none)."""
 
@@ -121,23 +122,13 @@ class TorchDDPOptions(PluginConfig):
     static_graph: bool = False
     max_norm: float = 0.0
     check_reduction: bool = False
-    initial_scale: float = 2.0**16
-    min_scale: float = 1.0
-    max_scale: float = 2.0**32
-    growth_factor: float = 2.0
-    backoff_factor: float = 0.5
-    growth_interval: int = 1000
-    hysteresis: int = 2
 
     def model_states(self, psi: float, dp: int, precision: TrainPrecision) -> StateBytes:
         return _replicated_states(psi, precision)
 
-    def build(self) -> TorchDDPPlugin:
-        return TorchDDPPlugin(**self.as_dict())
-
 
 @dataclass(frozen=True)
-class DDPOptions(PluginConfig):
+class DDPOptions(PluginConfig, LossScaleOptions):
     """pc-comm ``DistributedDataParallel``'s options, plus ``max_norm``."""
 
     name: ClassVar[str] = "ddp"
@@ -147,19 +138,9 @@ class DDPOptions(PluginConfig):
     find_unused_parameters: bool = False
     broadcast_buffers: bool = True
     max_norm: float = 0.0
-    initial_scale: float = 2.0**16
-    min_scale: float = 1.0
-    max_scale: float = 2.0**32
-    growth_factor: float = 2.0
-    backoff_factor: float = 0.5
-    growth_interval: int = 1000
-    hysteresis: int = 2
 
     def model_states(self, psi: float, dp: int, precision: TrainPrecision) -> StateBytes:
         return _replicated_states(psi, precision)
-
-    def build(self) -> DDPPlugin:
-        return DDPPlugin(**self.as_dict())
 
 
 class _DataParallel(Plugin, SupportsNoSync):
@@ -191,7 +172,7 @@ class _DataParallel(Plugin, SupportsNoSync):
             wrapped.forward = partial(_autocast_forward, wrapped.forward, kind, precision.dtype)
         policy = None
         if optimizer is not None and precision is TrainPrecision.FP16:
-            policy = AmpStep(loss_scale_config(self.options), device())
+            policy = AmpStep(self.options.loss_scale(), device())
         if optimizer is not None and self.options.max_norm > 0:
             optimizer.register_step_pre_hook(clip_hook(self.options.max_norm, clip_replicated))
         if criterion is not None and precision is not TrainPrecision.FP32:
@@ -243,42 +224,12 @@ class TorchDDPPlugin(_DataParallel):
     """torch's ``DistributedDataParallel``; the options are its own
     (:class:`TorchDDPOptions`)."""
 
-    def __init__(
-        self,
-        broadcast_buffers: bool = True,
-        bucket_cap_mb: int = 25,
-        find_unused_parameters: bool = False,
-        gradient_as_bucket_view: bool = False,
-        static_graph: bool = False,
-        max_norm: float = 0.0,
-        initial_scale: float = 2.0**16,
-        min_scale: float = 1.0,
-        max_scale: float = 2.0**32,
-        growth_factor: float = 2.0,
-        backoff_factor: float = 0.5,
-        growth_interval: int = 1000,
-        hysteresis: int = 2,
-        check_reduction: bool = False,
-    ) -> None:
-        super().__init__(
-            TorchDDPOptions(
-                broadcast_buffers=broadcast_buffers,
-                bucket_cap_mb=bucket_cap_mb,
-                find_unused_parameters=find_unused_parameters,
-                gradient_as_bucket_view=gradient_as_bucket_view,
-                static_graph=static_graph,
-                max_norm=max_norm,
-                initial_scale=initial_scale,
-                min_scale=min_scale,
-                max_scale=max_scale,
-                growth_factor=growth_factor,
-                backoff_factor=backoff_factor,
-                growth_interval=growth_interval,
-                hysteresis=hysteresis,
-                check_reduction=check_reduction,
-            )
-        )
-        loss_scale_config(self.options)  # a bad loss scale is refused here, not at boost
+    OPTIONS = TorchDDPOptions
+
+    def __init__(self, *args: Any, **fields: Any) -> None:
+        """The fields of :class:`TorchDDPOptions` as keywords (or the options
+        object) [Note: options declared once]."""
+        super().__init__(self.options_of(args, fields))
 
     def _wrap(self, model: nn.Module) -> nn.Module:
         o = self.options
@@ -301,36 +252,12 @@ class DDPPlugin(_DataParallel):
     reduced through host shared memory within a node, bucketed and
     overlapped with backward (:class:`DDPOptions`)."""
 
-    def __init__(
-        self,
-        bucket_cap_mb: float = 25.0,
-        find_unused_parameters: bool = False,
-        broadcast_buffers: bool = True,
-        max_norm: float = 0.0,
-        initial_scale: float = 2.0**16,
-        min_scale: float = 1.0,
-        max_scale: float = 2.0**32,
-        growth_factor: float = 2.0,
-        backoff_factor: float = 0.5,
-        growth_interval: int = 1000,
-        hysteresis: int = 2,
-    ) -> None:
-        super().__init__(
-            DDPOptions(
-                bucket_cap_mb=bucket_cap_mb,
-                find_unused_parameters=find_unused_parameters,
-                broadcast_buffers=broadcast_buffers,
-                max_norm=max_norm,
-                initial_scale=initial_scale,
-                min_scale=min_scale,
-                max_scale=max_scale,
-                growth_factor=growth_factor,
-                backoff_factor=backoff_factor,
-                growth_interval=growth_interval,
-                hysteresis=hysteresis,
-            )
-        )
-        loss_scale_config(self.options)  # a bad loss scale is refused here, not at boost
+    OPTIONS = DDPOptions
+
+    def __init__(self, *args: Any, **fields: Any) -> None:
+        """The fields of :class:`DDPOptions` as keywords (or the options
+        object) [Note: options declared once]."""
+        super().__init__(self.options_of(args, fields))
 
     def _wrap(self, model: nn.Module) -> nn.Module:
         from pc_comm import DistributedDataParallel

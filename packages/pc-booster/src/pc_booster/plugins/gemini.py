@@ -15,11 +15,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
-from pc_booster.plugin import (
-    Boosted,
+from pc_booster.canonical import (
     CanonicalOptimizerState,
-    Plugin,
-    SupportsNoSync,
     canonical_to_torch,
     names_by_id,
     optimizer_names,
@@ -27,14 +24,14 @@ from pc_booster.plugin import (
     torch_groups,
     torch_to_canonical,
 )
+from pc_booster.clipping import clip_at_next_step, refuse_error_if_nonfinite
+from pc_booster.plugin import Boosted, Plugin, SupportsNoSync
 from pc_booster.plugins.common import (
     cast_floating_inputs,
-    clip_at_next_step,
     device,
-    loss_scale_config,
-    refuse_error_if_nonfinite,
     require_initialized,
 )
+from pc_booster.plugins.optimizations import apply_optimizations
 from pc_booster.plugins.sharded import (
     GROUPS,
     SCALER,
@@ -44,7 +41,14 @@ from pc_booster.plugins.sharded import (
     restore_scalars,
     zero_model_state,
 )
-from pc_booster.rules import PluginConfig, Rule, RunSetting, StateBytes, TrainPrecision
+from pc_booster.rules import (
+    LossScaleOptions,
+    PluginConfig,
+    Rule,
+    RunSetting,
+    StateBytes,
+    TrainPrecision,
+)
 
 __all__ = ["GeminiOptions", "GeminiPlugin"]
 
@@ -92,7 +96,7 @@ def _in_backward_accumulation(options: GeminiOptions, setting: RunSetting) -> st
 
 
 @dataclass(frozen=True)
-class GeminiOptions(PluginConfig):
+class GeminiOptions(PluginConfig, LossScaleOptions):
     """``placement_policy`` ``"static"`` (``offload_param_frac`` of the
     chunks on the host) or ``"auto"`` (within ``device_budget_bytes``);
     chunk size searched in ``search_range_m`` MiB from ``min_chunk_size_m``
@@ -138,13 +142,6 @@ class GeminiOptions(PluginConfig):
     min_chunk_size_m: float = 32.0
     max_norm: float = 0.0
     prefetch: bool = True
-    initial_scale: float = 2.0**16
-    growth_interval: int = 1000
-    hysteresis: int = 2
-    min_scale: float = 1.0
-    max_scale: float = 2.0**32
-    growth_factor: float = 2.0
-    backoff_factor: float = 0.5
     step_in_backward: bool = False
     force_outputs_fp32: bool = False
     verbose: bool = False
@@ -181,9 +178,6 @@ class GeminiOptions(PluginConfig):
             states.parameters, states.gradients, states.masters, states.optimizer, host
         )
 
-    def build(self) -> GeminiPlugin:
-        return GeminiPlugin(**self.as_dict())
-
 
 def _chunk_search(model: nn.Module, o: GeminiOptions) -> tuple[int, int]:
     """The chunk-size search's bounds, in elements: the options' (32 M
@@ -213,61 +207,15 @@ class GeminiPlugin(Plugin, SupportsNoSync):
 
     takes_precision = True
 
-    def __init__(
-        self,
-        placement_policy: str = "static",
-        *,
-        offload_param_frac: float = 0.0,
-        device_budget_bytes: int | None = None,
-        chunk_size: int | None = None,
-        search_range_m: float = 32.0,
-        min_chunk_size_m: float = 32.0,
-        max_norm: float = 0.0,
-        prefetch: bool = True,
-        initial_scale: float = 2.0**16,
-        growth_interval: int = 1000,
-        hysteresis: int = 2,
-        min_scale: float = 1.0,
-        max_scale: float = 2.0**32,
-        growth_factor: float = 2.0,
-        backoff_factor: float = 0.5,
-        precision: str | None = None,
-        step_in_backward: bool = False,
-        force_outputs_fp32: bool = False,
-        verbose: bool = False,
-        enable_flash_attention: bool = False,
-        enable_fused_normalization: bool = False,
-        pin_memory: bool = False,
-        hidden_dim: int | None = None,
-    ) -> None:
-        super().__init__(
-            GeminiOptions(
-                placement_policy=placement_policy,
-                offload_param_frac=offload_param_frac,
-                device_budget_bytes=device_budget_bytes,
-                chunk_size=chunk_size,
-                search_range_m=search_range_m,
-                min_chunk_size_m=min_chunk_size_m,
-                max_norm=max_norm,
-                prefetch=prefetch,
-                initial_scale=initial_scale,
-                growth_interval=growth_interval,
-                hysteresis=hysteresis,
-                min_scale=min_scale,
-                max_scale=max_scale,
-                growth_factor=growth_factor,
-                backoff_factor=backoff_factor,
-                step_in_backward=step_in_backward,
-                force_outputs_fp32=force_outputs_fp32,
-                verbose=verbose,
-                enable_flash_attention=enable_flash_attention,
-                enable_fused_normalization=enable_fused_normalization,
-                pin_memory=pin_memory,
-                hidden_dim=hidden_dim,
-            )
-        )
+    OPTIONS = GeminiOptions
+    POSITIONAL = ("placement_policy",)
+
+    def __init__(self, *args: Any, precision: str | None = None, **fields: Any) -> None:
+        """``GeminiPlugin(placement_policy="static", ...)``: the fields of
+        :class:`GeminiOptions` (or the options object), and ``precision=``
+        [Note: options declared once]."""
+        super().__init__(self.options_of(args, fields))
         self.set_precision(precision)
-        loss_scale_config(self.options)  # a bad loss scale is refused here, not at boost
 
     def configure(
         self,
@@ -293,8 +241,6 @@ class GeminiPlugin(Plugin, SupportsNoSync):
             for param in model.parameters():
                 if not param.requires_grad and param.is_floating_point():
                     param.data = param.data.to(dtype)
-        from pc_booster.plugins.hybrid import apply_optimizations
-
         apply_optimizations(model, o)
         search_range, min_chunk_size = _chunk_search(model, o)
         wrapped = GeminiDDP(
@@ -318,7 +264,7 @@ class GeminiPlugin(Plugin, SupportsNoSync):
         zero = None  # boosted without an optimizer: inference (forward, state, saves)
         if optimizer is not None:
             inner = rebuild_optimizer(optimizer, names, trainable, skip_missing=True)
-            scale = loss_scale_config(o)
+            scale = o.loss_scale()
             zero = GeminiOptimizer(inner, wrapped, max_norm=o.max_norm, loss_scale=scale)
         if precision is not TrainPrecision.FP32:
             # The chunks compute in the run's dtype: so do the floating inputs

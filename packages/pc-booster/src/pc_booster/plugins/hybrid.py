@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from functools import cached_property, partial
+from functools import cached_property
 from typing import Any, ClassVar
 
 import torch
@@ -18,29 +18,19 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
-from pc_booster.plugin import (
-    Boosted,
-    CanonicalOptimizerState,
-    Plugin,
-    SupportsNoSync,
-    SupportsPipeline,
-    names_by_id,
-    rebuild_optimizer,
-)
+from pc_booster.canonical import CanonicalOptimizerState, names_by_id, rebuild_optimizer
+from pc_booster.clipping import clip_at_next_step, clip_hook, refuse_error_if_nonfinite
+from pc_booster.plugin import Boosted, Plugin, SupportsNoSync, SupportsPipeline
 from pc_booster.plugins import hybrid_pipeline, hybrid_state
 from pc_booster.plugins.common import (
     autocast_forward,
     broadcast_module,
     cast_floating,
     cast_floating_inputs,
-    clip_at_next_step,
-    clip_hook,
     device,
     has_lazy,
-    loss_scale_config,
     materialize_lazy,
     materializer,
-    refuse_error_if_nonfinite,
     require_initialized,
     values_a_cast_rounds,
 )
@@ -52,6 +42,7 @@ from pc_booster.plugins.low_level_zero import (
     zero_sharded_optimizer_state,
     zero_states,
 )
+from pc_booster.plugins.optimizations import apply_optimizations
 from pc_booster.plugins.sharded import (
     GROUPS,
     Share,
@@ -59,11 +50,18 @@ from pc_booster.plugins.sharded import (
     own_optimizer_state,
     whole_state,
 )
-from pc_booster.rules import PluginConfig, Rule, RunSetting, StateBytes, TrainPrecision
+from pc_booster.rules import (
+    LossScaleOptions,
+    PluginConfig,
+    Rule,
+    RunSetting,
+    StateBytes,
+    TrainPrecision,
+)
 from pc_booster.step_policies import AmpStep
 from pc_chunk import is_lazy
 
-__all__ = ["HybridParallelOptions", "HybridParallelPlugin", "apply_optimizations"]
+__all__ = ["HybridParallelOptions", "HybridParallelPlugin"]
 
 PP_STYLES = ("1f1b", "interleaved", "zbv")
 
@@ -292,7 +290,7 @@ def _refused_extras(o: HybridParallelOptions, setting: RunSetting) -> str | None
 
 
 @dataclass(frozen=True)
-class HybridParallelOptions(PluginConfig):
+class HybridParallelOptions(PluginConfig, LossScaleOptions):
     """``tp_size`` x ``pp_size`` ranks per model replica, the rest data
     parallel; ``zero_stage`` 0 (pc-comm DDP), 1 or 2 (ZeRO over the
     data-parallel ranks); ``num_microbatches`` per pipeline step (default
@@ -376,13 +374,6 @@ class HybridParallelOptions(PluginConfig):
     pp_style: str = "1f1b"
     enable_sequence_parallelism: bool = False
     max_norm: float = 0.0
-    initial_scale: float = 2.0**16
-    growth_interval: int = 1000
-    hysteresis: int = 2
-    min_scale: float = 1.0
-    max_scale: float = 2.0**32
-    growth_factor: float = 2.0
-    backoff_factor: float = 0.5
     pp_timeout: float = 300.0
     # Transformer blocks per pipeline stage (None: an even split); the first
     # stage also holds the embedding, the last the head.
@@ -436,9 +427,6 @@ class HybridParallelOptions(PluginConfig):
             psi, dp, precision, self.zero_stage, offload=False, pipeline=self.pp_size > 1
         )
 
-    def build(self) -> HybridParallelPlugin:
-        return HybridParallelPlugin(**self.as_dict())
-
 
 class HybridParallelPlugin(Plugin, SupportsNoSync, SupportsPipeline):
     """Tensor parallelism (pc-tensor's ``shard_model``, optionally with
@@ -451,99 +439,38 @@ class HybridParallelPlugin(Plugin, SupportsNoSync, SupportsPipeline):
 
     takes_precision = True
 
+    OPTIONS = HybridParallelOptions
+    POSITIONAL = ("tp_size", "pp_size")
+
     def __init__(
         self,
-        tp_size: int = 1,
-        pp_size: int = 1,
-        *,
-        zero_stage: int = 0,
-        num_microbatches: int | None = None,
-        pp_style: str = "1f1b",
-        enable_sequence_parallelism: bool = False,
-        max_norm: float = 0.0,
-        initial_scale: float = 2.0**16,
-        growth_interval: int = 1000,
-        hysteresis: int = 2,
-        min_scale: float = 1.0,
-        max_scale: float = 2.0**32,
-        growth_factor: float = 2.0,
-        backoff_factor: float = 0.5,
+        *args: Any,
         precision: str | None = None,
-        pp_timeout: float = 300.0,
         layout: ParallelLayout | None = None,
-        microbatch_size: int | None = None,
-        num_model_chunks: int | None = None,
-        sequence_parallelism_mode: str | None = None,
-        sp_size: int | None = None,
-        enable_flash_attention: bool = False,
-        enable_fused_normalization: bool = False,
-        overlap_communication: bool = True,
-        parallel_output: bool = True,
-        zero_bucket_size_in_m: float = 12.0,
-        cpu_offload: bool = False,
-        ddp_bucket_cap_mb: float = 25.0,
-        find_unused_parameters: bool = False,
-        gradient_as_bucket_view: bool = False,
-        num_layers_per_stage: Sequence[int] | None = None,
-        broadcast_buffers: bool = True,
+        **fields: Any,
     ) -> None:
-        super().__init__(
-            HybridParallelOptions(
-                tp_size=tp_size,
-                pp_size=pp_size,
-                zero_stage=zero_stage,
-                num_microbatches=num_microbatches,
-                pp_style=pp_style,
-                enable_sequence_parallelism=enable_sequence_parallelism,
-                max_norm=max_norm,
-                initial_scale=initial_scale,
-                growth_interval=growth_interval,
-                hysteresis=hysteresis,
-                min_scale=min_scale,
-                max_scale=max_scale,
-                growth_factor=growth_factor,
-                backoff_factor=backoff_factor,
-                pp_timeout=pp_timeout,
-                microbatch_size=microbatch_size,
-                num_model_chunks=num_model_chunks,
-                sequence_parallelism_mode=sequence_parallelism_mode,
-                sp_size=sp_size,
-                enable_flash_attention=enable_flash_attention,
-                enable_fused_normalization=enable_fused_normalization,
-                overlap_communication=overlap_communication,
-                parallel_output=parallel_output,
-                zero_bucket_size_in_m=zero_bucket_size_in_m,
-                cpu_offload=cpu_offload,
-                ddp_bucket_cap_mb=ddp_bucket_cap_mb,
-                find_unused_parameters=find_unused_parameters,
-                gradient_as_bucket_view=gradient_as_bucket_view,
-                num_layers_per_stage=(
-                    tuple(num_layers_per_stage) if num_layers_per_stage is not None else None
-                ),
-                broadcast_buffers=broadcast_buffers,
-            )
-        )
+        """``HybridParallelPlugin(tp_size=2, pp_size=2, ...)``: the fields of
+        :class:`HybridParallelOptions` (or the options object), ``precision=``
+        and ``layout=``, process groups already made for these sizes
+        [Note: options declared once]."""
+        if fields.get("num_layers_per_stage") is not None:
+            fields["num_layers_per_stage"] = tuple(fields["num_layers_per_stage"])
+        super().__init__(self.options_of(args, fields))
         self.set_precision(precision)
-        loss_scale_config(self.options)  # a bad loss scale is refused here, not at boost
-        if layout is not None and (layout.tp_size, layout.pp_size) != (tp_size, pp_size):
+        o = self.options
+        if layout is not None and (layout.tp_size, layout.pp_size) != (o.tp_size, o.pp_size):
             raise ValueError(
                 f"HybridParallelPlugin: layout has tp {layout.tp_size} x pp {layout.pp_size}, the "
-                f"plugin tp_size {tp_size} x pp_size {pp_size}; pass a layout of the same sizes."
+                f"plugin tp_size {o.tp_size} x pp_size {o.pp_size}; pass a layout of the same "
+                "sizes."
             )
         # The process groups: built once, on first use (every rank then).
         self._layout = layout
-        # Set by configure: the pipeline stage that trains each parameter
-        # (by name), and the tied weights' gradient-summing groups.
-        self.stage_of: dict[str, int] = {}
-        # Set by configure under pipelines: the parameters this rank's
-        # stage holds (a tied weight's copy too), by name.
-        self.stage_params: frozenset[str] | None = None
-        self.tied: list[tuple[nn.Parameter, dist.ProcessGroup]] = []
-        self.loss_kind = "causal"
-        self.loss_config: Any = None  # the model's config, for classification losses
+        # Set by configure: this rank's pipeline stage.
+        self.stage = hybrid_pipeline.PipelineStage()
         # zero_stage=0: each boosted optimizer's clipping across the tp and
-        # pp groups, by id (clip_grad_by_norm calls it).
-        self.clippers: dict[int, Callable[[Sequence[torch.Tensor], float], float]] = {}
+        # pp groups (clip_grad_by_norm calls it).
+        self.clippers: dict[Optimizer, Callable[[Sequence[torch.Tensor], float], float]] = {}
 
     # The layout's sizes and groups, by the names training scripts read.
     @property
@@ -680,7 +607,7 @@ class HybridParallelPlugin(Plugin, SupportsNoSync, SupportsPipeline):
                     # The overflow check spans the model-parallel ranks,
                     # which hold different pieces of the gradients.
                     step_policy = AmpStep(
-                        loss_scale_config(self.options), device(), groups=self.norm_groups()
+                        self.options.loss_scale(), device(), groups=self.norm_groups()
                     )
         if self.tp_size > 1 and not self.options.parallel_output:
             model.register_forward_hook(_full_logits)
@@ -700,7 +627,7 @@ class HybridParallelPlugin(Plugin, SupportsNoSync, SupportsPipeline):
         if self.tp_size > 1 and not self._tp_counts(param):
             return False
         if self.pp_size > 1 and name is not None:
-            return self.stage_of.get(name, layout.coord.pp) == layout.coord.pp
+            return self.stage.stage_of.get(name, layout.coord.pp) == layout.coord.pp
         return True
 
     @cached_property
@@ -733,7 +660,7 @@ class HybridParallelPlugin(Plugin, SupportsNoSync, SupportsPipeline):
             model_parallel_groups=self.norm_groups(),
             counts_toward_norm=lambda p: self.counts_toward_norm(p, by_id.get(id(p))),
             clip_grad_norm=o.max_norm,
-            loss_scale=loss_scale_config(o),
+            loss_scale=o.loss_scale(),
             overlap_communication=o.overlap_communication,
             cpu_offload=o.cpu_offload,
             reduce_bucket_size=int(o.zero_bucket_size_in_m * 2**20),
@@ -766,7 +693,7 @@ class HybridParallelPlugin(Plugin, SupportsNoSync, SupportsPipeline):
             )
             return norm
 
-        self.clippers[id(optimizer)] = clip
+        self.clippers[optimizer] = clip
         if self.options.max_norm > 0:
             optimizer.register_step_pre_hook(clip_hook(self.options.max_norm, clip))
 
@@ -778,7 +705,7 @@ class HybridParallelPlugin(Plugin, SupportsNoSync, SupportsPipeline):
             clip_at_next_step(optimizer, "clip_grad_norm", max_norm)
             return
         params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-        self.clippers[id(optimizer)](params, max_norm)
+        self.clippers[optimizer](params, max_norm)
 
     # -- steps -------------------------------------------------------------------------
 
@@ -823,9 +750,13 @@ class HybridParallelPlugin(Plugin, SupportsNoSync, SupportsPipeline):
         its tensor-parallel shards placed in the full tensors."""
         names = None
         if self.pp_size > 1:
-            assert self.stage_params is not None, "configure sets stage_params under pipelines"
+            assert self.stage.stage_params is not None, (
+                "configure sets stage_params under pipelines"
+            )
             me = self.layout.coord.pp
-            params = {n for n in self.stage_params if loading or self.stage_of.get(n) == me}
+            params = {
+                n for n in self.stage.stage_params if loading or self.stage.stage_of.get(n) == me
+            }
             buffers = {n for n, b in module.named_buffers() if not (b.is_meta or is_lazy(b))}
             names = frozenset(params | buffers)
         if self.tp_size == 1:
@@ -906,35 +837,6 @@ class HybridParallelPlugin(Plugin, SupportsNoSync, SupportsPipeline):
 # - zero_bucket_size_in_m, cpu_offload: the ZeRO optimizer's bucket size
 #   and host offload; ddp_bucket_cap_mb, find_unused_parameters,
 #   gradient_as_bucket_view: pc-comm DDP's (zero_stage=0).
-
-
-def apply_optimizations(model: nn.Module, options: Any) -> None:
-    """``enable_flash_attention`` / ``enable_fused_normalization`` /
-    ``enable_all_optimization`` of a plugin's ``options`` on ``model``, in
-    place."""
-    if options.flash_attention():
-        setter = getattr(model, "set_attn_implementation", None)
-        if setter is None:
-            raise ValueError(
-                f"enable_flash_attention: {type(model).__name__} is not a transformers model "
-                "whose attention pc can switch to scaled_dot_product_attention."
-            )
-        setter("sdpa")
-    if options.fused_normalization():
-        for module in model.modules():
-            if type(module).__name__.endswith("RMSNorm") and not isinstance(module, nn.RMSNorm):
-                eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
-                if eps is None or getattr(module, "weight", None) is None:
-                    continue
-                module.forward = partial(_fused_rms_norm, module, float(eps))
-
-
-def _fused_rms_norm(module: nn.Module, eps: float, hidden: torch.Tensor) -> torch.Tensor:
-    """transformers' RMS norm (in fp32, scaled by the weight in the input's
-    dtype) through torch's fused kernel."""
-    normed = torch.nn.functional.rms_norm(hidden.float(), (hidden.shape[-1],), eps=eps)
-    weight: torch.Tensor = module.weight  # type: ignore[assignment]
-    return weight * normed.to(hidden.dtype)
 
 
 def _full_logits(module: nn.Module, args: Any, output: Any) -> Any:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
@@ -16,15 +17,15 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
+from pc_booster.canonical import rebuild_optimizer
 from pc_booster.pipeline import SequenceShare, feed_inputs, pipeline_layers
-from pc_booster.plugin import Boosted, rebuild_optimizer
+from pc_booster.plugin import Boosted
 from pc_booster.plugins.common import (
     autocast_forward,
     broadcast_module,
     cast_floating,
     device,
     has_lazy,
-    loss_scale_config,
     materialize_lazy,
     materializer,
     values_a_cast_rounds,
@@ -36,7 +37,24 @@ from pc_booster.step_policies import AmpStep
 if TYPE_CHECKING:
     from pc_booster.plugins.hybrid import HybridParallelPlugin
 
-__all__ = ["StageOutput", "configure_pipeline", "execute_pipeline"]
+__all__ = ["PipelineStage", "StageOutput", "configure_pipeline", "execute_pipeline"]
+
+
+@dataclass
+class PipelineStage:
+    """What :func:`configure_pipeline` learns about this rank's stage, for
+    the step and the state functions (:mod:`.hybrid_state`)."""
+
+    #: the loss the last stage computes: causal, sequence, pooled or token
+    loss_kind: str = "causal"
+    #: the model's config, for classification losses
+    loss_config: Any = None
+    #: parameter name -> the stage holding it (every alias of a tied weight)
+    stage_of: dict[str, int] = field(default_factory=dict)
+    #: the names of this rank's parameters; None until configured
+    stage_params: frozenset[str] | None = None
+    #: weights tied across stages, each with the group that sums its gradient
+    tied: list[tuple[nn.Parameter, dist.ProcessGroup]] = field(default_factory=list)
 
 
 class StageOutput:
@@ -91,8 +109,8 @@ def _stage_layout(plugin: HybridParallelPlugin, model: nn.Module) -> tuple[Any, 
         mode = plugin.options.sequence_parallelism_mode
         assert mode is not None
         sequence_attention(model, plugin.layout.sp_group, mode)
-    layers, plugin.loss_kind = pipeline_layers(model, share)
-    plugin.loss_config = getattr(model, "config", None)
+    layers, plugin.stage.loss_kind = pipeline_layers(model, share)
+    plugin.stage.loss_config = getattr(model, "config", None)
     o = plugin.options
     stages = o.pp_size * o.chunks_per_rank()
     blocks = len(layers) - 2
@@ -167,16 +185,16 @@ def configure_pipeline(
                 if rank not in holders.setdefault(id(param), []):
                     holders[id(param)].append(rank)
     by_name = dict(model.named_parameters())
-    plugin.stage_of = {  # every alias of a tied weight too (BERT's decoder bias)
+    plugin.stage.stage_of = {  # every alias of a tied weight too (BERT's decoder bias)
         n: holders[id(p)][0]
         for n, p in model.named_parameters(remove_duplicate=False)
         if id(p) in holders
     }
     own = {n: p for n, p in by_name.items() if pp_rank in holders.get(id(p), [])}
-    plugin.stage_params = frozenset(own)
-    plugin.tied = _tie_groups(plugin, holders, by_name)
+    plugin.stage.stage_params = frozenset(own)
+    plugin.stage.tied = _tie_groups(plugin, holders, by_name)
     with torch.no_grad():  # a tied weight starts from the stage that trains it
-        for param, group in plugin.tied:
+        for param, group in plugin.stage.tied:
             dist.broadcast(param.data, dist.get_global_rank(group, 0), group=group)
 
     if not o.zero_stage and dist.get_world_size(layout.dp_group) > 1:
@@ -214,7 +232,7 @@ def configure_pipeline(
             plugin.clip_own_optimizer(optimizer, own_names)
     step_policy = None
     if optimizer is not None and amp and precision is TrainPrecision.FP16:
-        step_policy = AmpStep(loss_scale_config(o), device(), groups=plugin.norm_groups())
+        step_policy = AmpStep(o.loss_scale(), device(), groups=plugin.norm_groups())
     return Boosted(
         pipe, optimizer, criterion, dataloader, lr_scheduler, module=model,
         step_policy=step_policy,
@@ -246,7 +264,7 @@ def _tie_groups(
 def pooled(plugin: HybridParallelPlugin, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Sequence classification: each row's logits at its last token that is
     not padding, as transformers' models pool them."""
-    config = plugin.loss_config
+    config = plugin.stage.loss_config
     pad = getattr(config.get_text_config(), "pad_token_id", None) if config is not None else None
     rows = torch.arange(logits.shape[0], device=logits.device)
     if pad is None:
@@ -263,18 +281,20 @@ def lm_loss(
     parallel under tensor parallelism; sequence classification on the
     pooled logits, token classification per position, as transformers
     computes them (regression, single- or multi-label by the config)."""
-    if plugin.loss_kind in ("sequence", "pooled", "token"):
+    if plugin.stage.loss_kind in ("sequence", "pooled", "token"):
         from transformers.loss.loss_utils import (
             ForSequenceClassificationLoss,
             ForTokenClassification,
         )
 
-        if plugin.loss_kind in ("sequence", "pooled"):
-            loss: torch.Tensor = ForSequenceClassificationLoss(labels, logits, plugin.loss_config)
+        if plugin.stage.loss_kind in ("sequence", "pooled"):
+            loss: torch.Tensor = ForSequenceClassificationLoss(
+                labels, logits, plugin.stage.loss_config
+            )
         else:
-            loss = ForTokenClassification(logits, labels, plugin.loss_config)
+            loss = ForTokenClassification(logits, labels, plugin.stage.loss_config)
         return loss
-    if plugin.loss_kind == "causal" and plugin.sp_size > 1:
+    if plugin.stage.loss_kind == "causal" and plugin.sp_size > 1:
         from pc_tensor import sequence_lm_loss
 
         group = plugin.layout.sp_group
@@ -286,7 +306,7 @@ def lm_loss(
             zigzag=plugin.options.sequence_parallelism_mode == "ring_attn",
             grad_scale=float(plugin.sp_size),
         )
-    if plugin.loss_kind == "causal":
+    if plugin.stage.loss_kind == "causal":
         logits, labels = logits[:, :-1], labels[:, 1:]
     flat, target = logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)
     if plugin.tp_size > 1:
@@ -356,7 +376,7 @@ def execute_pipeline(
     def loss_fn(logits: torch.Tensor, *parts: torch.Tensor) -> torch.Tensor:
         micro = dict(zip(keys, parts, strict=True))
         labels = micro["labels"] if "labels" in micro else micro[main]
-        if plugin.loss_kind == "sequence":
+        if plugin.stage.loss_kind == "sequence":
             logits = pooled(plugin, logits, micro[main])
         out = StageOutput(logits, lambda: lm_loss(plugin, logits, labels))
         loss = user(out, micro)
@@ -372,7 +392,7 @@ def execute_pipeline(
             labels=tuple(inputs[k] for k in keys),
             return_outputs=return_outputs,
         )
-    for param, group in plugin.tied:
+    for param, group in plugin.stage.tied:
         if plugin.zero_stage == 1:
             grad = optimizer.accumulated_grad(param)
         else:
@@ -408,7 +428,7 @@ def _evaluate(
         if logits is not None:
             batch = {k: inputs[k] for k in keys}
             labels = batch["labels"] if "labels" in batch else batch[main]
-            if plugin.loss_kind == "sequence":
+            if plugin.stage.loss_kind == "sequence":
                 logits = pooled(plugin, logits, batch[main])
             final = logits
             out = StageOutput(final, lambda: lm_loss(plugin, final, labels))

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pc_booster.plugin import CanonicalOptimizerState, names_by_id
+from pc_booster.canonical import CanonicalOptimizerState, names_by_id
 from pc_booster.plugins.common import (
     device,
     load_cast,
@@ -42,7 +42,7 @@ def model_state_dict(plugin: HybridParallelPlugin, model: nn.Module) -> dict[str
     if plugin.pp_size > 1:  # each weight from the stage that trains it
         group = plugin.layout.pp_group
         for key in sorted(state):
-            owner = plugin.stage_of.get(key, 0)
+            owner = plugin.stage.stage_of.get(key, 0)
             value = state[key].to(device())
             dist.broadcast(value, dist.get_global_rank(group, owner), group=group)
             state[key] = value.cpu()

@@ -15,26 +15,22 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
-from pc_booster.plugin import (
-    Boosted,
+from pc_booster.canonical import (
     CanonicalOptimizerState,
-    Plugin,
-    SupportsNoSync,
     canonical_to_torch,
     names_by_id,
     torch_to_canonical,
 )
+from pc_booster.clipping import clip_at_next_step, refuse_error_if_nonfinite
+from pc_booster.plugin import Boosted, Plugin, SupportsNoSync
 from pc_booster.plugins.common import (
     broadcast_module,
     cast_floating,
     cast_floating_inputs,
-    clip_at_next_step,
     clone_state,
     device,
     load_cast,
-    loss_scale_config,
     materialize_lazy,
-    refuse_error_if_nonfinite,
     require_initialized,
     values_a_cast_rounds,
 )
@@ -49,7 +45,14 @@ from pc_booster.plugins.sharded import (
     restore_scalars,
     zero_model_state,
 )
-from pc_booster.rules import PluginConfig, Rule, RunSetting, StateBytes, TrainPrecision
+from pc_booster.rules import (
+    LossScaleOptions,
+    PluginConfig,
+    Rule,
+    RunSetting,
+    StateBytes,
+    TrainPrecision,
+)
 from pc_zero import ShardedOptimizer
 
 __all__ = [
@@ -92,7 +95,7 @@ def zero_states(
 
 
 @dataclass(frozen=True)
-class LowLevelZeroOptions(PluginConfig):
+class LowLevelZeroOptions(PluginConfig, LossScaleOptions):
     """ZeRO over the data-parallel ranks.
 
     - ``stage``: 1 shards optimizer states, 2 gradients too.
@@ -112,13 +115,6 @@ class LowLevelZeroOptions(PluginConfig):
     reduce_bucket_size_in_m: float = 1.0
     overlap_communication: bool = True
     max_norm: float = 0.0
-    initial_scale: float = 2.0**16
-    growth_interval: int = 1000
-    hysteresis: int = 2
-    min_scale: float = 1.0
-    max_scale: float = 2.0**32
-    growth_factor: float = 2.0
-    backoff_factor: float = 0.5
     verbose: bool = False
     # Floating inputs cast to the compute dtype (an fp32 batch into an fp16 model).
     cast_inputs: bool = True
@@ -128,9 +124,6 @@ class LowLevelZeroOptions(PluginConfig):
 
     def model_states(self, psi: float, dp: int, precision: TrainPrecision) -> StateBytes:
         return zero_states(psi, dp, precision, self.stage, offload=self.cpu_offload, pipeline=False)
-
-    def build(self) -> LowLevelZeroPlugin:
-        return LowLevelZeroPlugin(**self.as_dict())
 
 
 # -- ZeRO-1/2 state: the fp32 masters are the parameters' true values --------------
@@ -302,45 +295,15 @@ class LowLevelZeroPlugin(Plugin, SupportsNoSync):
 
     takes_precision = True
 
-    def __init__(
-        self,
-        stage: int = 1,
-        *,
-        cpu_offload: bool = False,
-        reduce_bucket_size_in_m: float = 1.0,
-        overlap_communication: bool = True,
-        max_norm: float = 0.0,
-        initial_scale: float = 2.0**16,
-        growth_interval: int = 1000,
-        hysteresis: int = 2,
-        min_scale: float = 1.0,
-        max_scale: float = 2.0**32,
-        growth_factor: float = 2.0,
-        backoff_factor: float = 0.5,
-        precision: str | None = None,
-        verbose: bool = False,
-        cast_inputs: bool = True,
-    ) -> None:
-        super().__init__(
-            LowLevelZeroOptions(
-                stage=stage,
-                cpu_offload=cpu_offload,
-                reduce_bucket_size_in_m=reduce_bucket_size_in_m,
-                overlap_communication=overlap_communication,
-                max_norm=max_norm,
-                initial_scale=initial_scale,
-                growth_interval=growth_interval,
-                hysteresis=hysteresis,
-                min_scale=min_scale,
-                max_scale=max_scale,
-                growth_factor=growth_factor,
-                backoff_factor=backoff_factor,
-                verbose=verbose,
-                cast_inputs=cast_inputs,
-            )
-        )
+    OPTIONS = LowLevelZeroOptions
+    POSITIONAL = ("stage",)
+
+    def __init__(self, *args: Any, precision: str | None = None, **fields: Any) -> None:
+        """``LowLevelZeroPlugin(stage=2, ...)``: the fields of
+        :class:`LowLevelZeroOptions` (or the options object), and
+        ``precision=`` [Note: options declared once]."""
+        super().__init__(self.options_of(args, fields))
         self.set_precision(precision)
-        loss_scale_config(self.options)  # a bad loss scale is refused here, not at boost
 
     @property
     def stage(self) -> int:
@@ -373,7 +336,7 @@ class LowLevelZeroPlugin(Plugin, SupportsNoSync):
             reduce_bucket_size=int(o.reduce_bucket_size_in_m * 1024 * 1024),
             overlap_communication=o.overlap_communication,
             clip_grad_norm=o.max_norm,
-            loss_scale=loss_scale_config(o),
+            loss_scale=o.loss_scale(),
         )
         masters_from_built(model, zero, built)
         if o.cast_inputs and precision is not TrainPrecision.FP32:

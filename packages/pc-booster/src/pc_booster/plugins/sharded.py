@@ -34,7 +34,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from pc_booster.plugin import CanonicalOptimizerState, canonical_to_torch
+from pc_booster.canonical import CanonicalOptimizerState, canonical_to_torch
 from pc_tensor import ShardSpec, full_shape, place_local_box
 from pc_zero import Pieces, flat_range_boxes
 

@@ -14,23 +14,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
-from pc_booster.plugin import (
-    Boosted,
-    CanonicalOptimizerState,
-    Plugin,
-    SupportsNoSync,
-    names_by_id,
-    rebuild_optimizer,
-    without,
-)
+from pc_booster.canonical import CanonicalOptimizerState, names_by_id, rebuild_optimizer, without
+from pc_booster.clipping import clip_hook, clip_replicated
+from pc_booster.plugin import Boosted, Plugin, SupportsNoSync
 from pc_booster.plugins.common import (
     broadcast_module,
     cast_floating,
-    clip_hook,
-    clip_replicated,
     device,
     has_lazy,
-    loss_scale_config,
     materialize_lazy,
     require_initialized,
 )
@@ -39,7 +30,14 @@ from pc_booster.plugins.sharded import (
     own_optimizer_state,
     whole_state,
 )
-from pc_booster.rules import PluginConfig, Rule, RunSetting, StateBytes, TrainPrecision
+from pc_booster.rules import (
+    LossScaleOptions,
+    PluginConfig,
+    Rule,
+    RunSetting,
+    StateBytes,
+    TrainPrecision,
+)
 from pc_booster.step_policies import AmpStep
 
 __all__ = ["TorchFSDPOptions", "TorchFSDPPlugin"]
@@ -124,7 +122,7 @@ def _reduce_dtype(o: TorchFSDPOptions, setting: RunSetting) -> str | None:
 
 
 @dataclass(frozen=True)
-class TorchFSDPOptions(PluginConfig):
+class TorchFSDPOptions(PluginConfig, LossScaleOptions):
     """``reshard_after_forward`` is FSDP2's; ``wrap_classes``: the module
     classes each sharded as a unit (default: a ``transformers`` model's
     ``_no_split_modules``); ``max_norm``: clipping by the global norm."""
@@ -158,22 +156,12 @@ class TorchFSDPOptions(PluginConfig):
     param_init_fn: Any = None
     ignored_modules: Any = None
     sync_module_states: bool = False
-    # fp16's dynamic loss scale [Note: fp16 under FSDP2].
-    initial_scale: float = 2.0**16
-    min_scale: float = 1.0
-    max_scale: float = 2.0**32
-    growth_factor: float = 2.0
-    backoff_factor: float = 0.5
-    growth_interval: int = 1000
-    hysteresis: int = 2
+    # and fp16's dynamic loss scale (LossScaleOptions) [Note: fp16 under FSDP2]
 
     def model_states(self, psi: float, dp: int, precision: TrainPrecision) -> StateBytes:
         # fp32 shards of parameters, gradients and moments; the compute
         # dtype exists only while a unit is gathered.
         return StateBytes(4 * psi / dp, 4 * psi / dp, 0.0, 8 * psi / dp)
-
-    def build(self) -> TorchFSDPPlugin:
-        return TorchFSDPPlugin(**self.as_dict())
 
 
 # [Note: meta-device models under FSDP2]
@@ -239,32 +227,17 @@ class TorchFSDPPlugin(Plugin, SupportsNoSync):
     options: TorchFSDPOptions
     initialises_meta = True
 
+    OPTIONS = TorchFSDPOptions
+    POSITIONAL = ("reshard_after_forward", "wrap_classes", "max_norm")
+
     def __init__(
-        self,
-        reshard_after_forward: bool = True,
-        wrap_classes: tuple[type[nn.Module], ...] | None = None,
-        max_norm: float = 0.0,
-        *,
-        process_group: Any = None,
-        sharding_strategy: Any = None,
-        cpu_offload: Any = None,
-        auto_wrap_policy: Any = None,
-        backward_prefetch: Any = None,
-        mixed_precision: Any = None,
-        ignored_modules: Any = None,
-        param_init_fn: Any = None,
-        sync_module_states: bool = False,
-        param_dtype: torch.dtype | None = None,
-        reduce_dtype: torch.dtype | None = None,
-        buffer_dtype: torch.dtype | None = None,
-        initial_scale: float = 2.0**16,
-        min_scale: float = 1.0,
-        max_scale: float = 2.0**32,
-        growth_factor: float = 2.0,
-        backoff_factor: float = 0.5,
-        growth_interval: int = 1000,
-        hysteresis: int = 2,
+        self, *args: Any, process_group: Any = None, mixed_precision: Any = None, **fields: Any
     ) -> None:
+        """The fields of :class:`TorchFSDPOptions` (or the options object)
+        [Note: options declared once]; FSDP1's objects are read for what
+        they say: ``cpu_offload=CPUOffload(...)``, the enums' names,
+        ``mixed_precision=MixedPrecision(...)`` as the three dtypes, and
+        ``process_group`` (every rank, or refused)."""
         if process_group is not None and (
             not torch.distributed.is_initialized()
             or torch.distributed.get_world_size(process_group) != torch.distributed.get_world_size()
@@ -273,47 +246,23 @@ class TorchFSDPPlugin(Plugin, SupportsNoSync):
                 "TorchFSDPPlugin: process_group must be None or span every rank; pc's FSDP2 "
                 "shards over all of them (run separate jobs for separate groups)."
             )
-        if mixed_precision is not None and (param_dtype, reduce_dtype, buffer_dtype) != (
-            None,
-            None,
-            None,
-        ):
-            raise ValueError(
-                "TorchFSDPPlugin: mixed_precision and param_dtype / reduce_dtype / buffer_dtype "
-                "say the same thing; give one."
-            )
+        dtypes = ("param_dtype", "reduce_dtype", "buffer_dtype")
         if mixed_precision is not None:
-            param_dtype = getattr(mixed_precision, "param_dtype", None)
-            reduce_dtype = getattr(mixed_precision, "reduce_dtype", None)
-            buffer_dtype = getattr(mixed_precision, "buffer_dtype", None)
-        precision = param_dtype
-        super().__init__(
-            TorchFSDPOptions(
-                reshard_after_forward=reshard_after_forward,
-                wrap_classes=wrap_classes,
-                max_norm=max_norm,
-                sharding_strategy=_enum_name(sharding_strategy),
-                cpu_offload=bool(getattr(cpu_offload, "offload_params", cpu_offload)),
-                auto_wrap_policy=auto_wrap_policy,
-                backward_prefetch=_enum_name(backward_prefetch),
-                param_dtype=param_dtype,
-                reduce_dtype=reduce_dtype,
-                buffer_dtype=buffer_dtype,
-                param_init_fn=param_init_fn,
-                ignored_modules=ignored_modules,
-                sync_module_states=sync_module_states,
-                initial_scale=initial_scale,
-                min_scale=min_scale,
-                max_scale=max_scale,
-                growth_factor=growth_factor,
-                backoff_factor=backoff_factor,
-                growth_interval=growth_interval,
-                hysteresis=hysteresis,
-            )
-        )
-        loss_scale_config(self.options)  # a bad loss scale is refused here, not at boost
-        if precision is not None:
-            self.set_precision(TrainPrecision.parse(precision).value)
+            if any(fields.get(name) is not None for name in dtypes):
+                raise ValueError(
+                    "TorchFSDPPlugin: mixed_precision and param_dtype / reduce_dtype / "
+                    "buffer_dtype say the same thing; give one."
+                )
+            fields.update({name: getattr(mixed_precision, name, None) for name in dtypes})
+        for name in ("sharding_strategy", "backward_prefetch"):
+            if name in fields:
+                fields[name] = _enum_name(fields[name])
+        if "cpu_offload" in fields:
+            offload = fields["cpu_offload"]
+            fields["cpu_offload"] = bool(getattr(offload, "offload_params", offload))
+        super().__init__(self.options_of(args, fields))
+        if self.options.param_dtype is not None:
+            self.set_precision(TrainPrecision.parse(self.options.param_dtype).value)
 
     def _units(self, model: nn.Module) -> list[nn.Module]:
         """The modules sharded as units, innermost first. A parameter tied
@@ -396,7 +345,7 @@ class TorchFSDPPlugin(Plugin, SupportsNoSync):
                 # a loss scale whose overflow check spans every rank's shard.
                 world = dist.group.WORLD
                 assert world is not None
-                step_policy = AmpStep(loss_scale_config(o), device(), groups=(world,))
+                step_policy = AmpStep(o.loss_scale(), device(), groups=(world,))
         return Boosted(
             model, optimizer, criterion, dataloader, lr_scheduler, module=model,
             step_policy=step_policy,

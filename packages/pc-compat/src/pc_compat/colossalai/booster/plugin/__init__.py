@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 from torch import nn
 
 from pc_booster import ParallelLayout
-from pc_booster import plugin as _core
+import pc_booster as _core
 from pc_booster.plugin import Plugin
 from pc_booster.rules import TrainPrecision
 from pc_compat.colossalai.booster.plugin._gemini import (

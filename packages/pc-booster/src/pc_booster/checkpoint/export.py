@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from pc_booster.checksum import crc_hex, metadata_entry
+from pc_booster.checkpoint.checksum import crc_hex, metadata_entry
 from pc_zero import Pieces, PiecesLoadPlanner, PiecesSavePlanner
 
 __all__ = [
@@ -122,7 +122,7 @@ def _header(
     entries: Sequence[tuple[str, torch.Size, torch.dtype]], sums: dict[str, str] | None = None
 ) -> bytes:
     """The header of a safetensors file of ``entries``, with each tensor's
-    checksum (``pc_booster.checksum``; zeros until known: the header has the
+    checksum (``pc_booster.checkpoint.checksum``; zeros until known: the header has the
     same length either way, so it is rewritten in place once the data is)."""
     crcs = {name: (sums or {}).get(name, "0" * 8) for name, _, _ in entries}
     table: dict[str, Any] = {"__metadata__": {"format": "pt", **metadata_entry(crcs)}}
@@ -198,7 +198,7 @@ def shard_names(directory: Path, count: int) -> list[str]:
     """``count`` file names in transformers' pattern, fresh ones (a token in
     the name) where the plain names are taken: an export never overwrites a
     file the current index names, so killed midway it leaves that index
-    whole [Note: sharded saves in ``pc_booster.booster``]."""
+    whole [Note: sharded saves in ``pc_booster.checkpoint.files``]."""
     import uuid
 
     def names(prefix: str) -> list[str]:
