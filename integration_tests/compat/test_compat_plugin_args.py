@@ -14,7 +14,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 
 from pc_booster import HybridParallelPlugin
 from pc_booster.plugin import Plugin
-from pc_booster.plugins.hybrid import _fused_rms_norm
+from pc_booster.plugins.optimizations import _fused_rms_norm
 from pc_booster.rules import TrainPrecision
 from pc_comm.testing import run_subtests
 from pc_compat.colossalai.booster import Booster

@@ -1,6 +1,6 @@
 """Pipelines for transformers families without a base_model_pp_plan, cut
 from their module tree [Note: a cut inferred from the module tree in
-pc_booster.pipeline]: OPT's causal LM (its blocks under model.decoder, the
+pc_booster.pipeline.cut]: OPT's causal LM (its blocks under model.decoder, the
 final norm registered before them, the LM head tied to the embedding),
 BERT's token classifier, BERT's sequence classifier (its own pooler,
 [Note: classifiers that pool their own way]), GPT-2's (the generic head,

@@ -78,21 +78,7 @@ class CheckpointIO:
         if not shard:
             # [Note: single-file arguments]: size_per_shard and use_async
             # have no effect on one file, which is written before this returns.
-            if not gather_dtensor:
-                raise ValueError(
-                    "gather_dtensor=False with shard=False: the single-file form holds full "
-                    "tensors; shard=True writes each rank's share without gathering."
-                )
-            if files.is_file_name(out):
-                self._save_file(model, out, use_safetensors)
-            elif use_safetensors is False:
-                raise ValueError(
-                    f"{out} names a directory, which pc writes as model.safetensors (what "
-                    "from_pretrained reads); use_safetensors=False asks for a torch.save file: "
-                    "give a file name ending in .pt or .bin."
-                )
-            else:
-                self._save_full(model, out)
+            self._save_whole(model, out, gather_dtensor, use_safetensors)
             return files.done() if use_async else None
         if use_safetensors:
             if use_async:
@@ -115,6 +101,26 @@ class CheckpointIO:
         return self.saves.write(
             state, out, tidy, use_async, "model", changing, files.file_count(state, size_per_shard)
         )
+
+    def _save_whole(
+        self, model: nn.Module, out: Path, gather_dtensor: bool, use_safetensors: bool | None
+    ) -> None:
+        """``shard=False``: one file, or a directory with model.safetensors."""
+        if not gather_dtensor:
+            raise ValueError(
+                "gather_dtensor=False with shard=False: the single-file form holds full "
+                "tensors; shard=True writes each rank's share without gathering."
+            )
+        if files.is_file_name(out):
+            self._save_file(model, out, use_safetensors)
+        elif use_safetensors is False:
+            raise ValueError(
+                f"{out} names a directory, which pc writes as model.safetensors (what "
+                "from_pretrained reads); use_safetensors=False asks for a torch.save file: "
+                "give a file name ending in .pt or .bin."
+            )
+        else:
+            self._save_full(model, out)
 
     def _save_file(self, model: nn.Module, out: Path, use_safetensors: bool | None) -> None:
         """The whole model in one file that rank 0 writes (every rank gathers it)."""

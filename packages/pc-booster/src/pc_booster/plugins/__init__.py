@@ -11,7 +11,8 @@
 
 from pc_booster.plugins.ddp import DDPOptions, DDPPlugin, TorchDDPOptions, TorchDDPPlugin
 from pc_booster.plugins.gemini import GeminiOptions, GeminiPlugin
-from pc_booster.plugins.hybrid import HybridParallelOptions, HybridParallelPlugin
+from pc_booster.plugins.hybrid import HybridParallelPlugin
+from pc_booster.plugins.hybrid_options import HybridParallelOptions
 from pc_booster.plugins.layout import ParallelLayout
 from pc_booster.plugins.low_level_zero import LowLevelZeroOptions, LowLevelZeroPlugin
 from pc_booster.plugins.torch_fsdp import TorchFSDPOptions, TorchFSDPPlugin

@@ -137,24 +137,11 @@ def configure_pipeline(
     """Build this rank's stage(s) and the pipeline over them. Only this
     stage's layers are materialised (all of them under tensor parallelism,
     which shards the whole model first)."""
-    from pc_comm import DistributedDataParallel
-    from pc_pipeline import Interleaved1F1B, PipeDream, ZeroBubble, partition
-    from pc_tensor import shard_model
+    from pc_pipeline import partition
 
     layout, o = plugin.layout, plugin.options
     if o.tp_size > 1:
-        # Tensor parallelism shards the whole model (replacing its layers),
-        # and the stages are cut after: a lazily built model is materialised
-        # layer by layer as each is split (every rank replays the same
-        # values), an eager one broadcast first.
-        if has_lazy(model):
-            materialize = materializer(device())
-            shard_model(model, layout.tp_group, sequence_parallel=False, materialize=materialize)
-            model.to(device())
-        else:
-            model.to(device())
-            broadcast_module(model)
-            shard_model(model, layout.tp_group, sequence_parallel=False)
+        _shard_tensor_parallel(plugin, model)
     sequence, balance = _stage_layout(plugin, model)
     pp_rank, pp = layout.coord.pp, o.pp_size
 
@@ -163,64 +150,9 @@ def configure_pipeline(
         return list(part) if isinstance(part, list) else [part]
 
     mine = stage_modules(pp_rank)
-    if o.tp_size == 1:  # only this stage's layers are materialised and placed
-        materialize_lazy(mine, device())
-        for module in mine:
-            module.to(device())
-            # The ranks of this stage start from its first data-parallel rank's values.
-            broadcast_module(module, layout.dp_group)
-    built = values_a_cast_rounds(mine, precision.dtype) if o.zero_stage else {}
-    amp = not o.zero_stage and precision is not TrainPrecision.FP32
-    for module in mine:
-        if amp:  # [Note: mixed precision without ZeRO] in hybrid.py, stage by stage
-            cast_floating(module, torch.float32)
-            autocast_forward(module, precision.dtype)
-        else:
-            cast_floating(module, precision.dtype)
-
-    holders: dict[int, list[int]] = {}  # parameter id -> pp ranks holding it
-    for rank in range(pp):
-        for module in stage_modules(rank):
-            for param in module.parameters():
-                if rank not in holders.setdefault(id(param), []):
-                    holders[id(param)].append(rank)
-    by_name = dict(model.named_parameters())
-    plugin.stage.stage_of = {  # every alias of a tied weight too (BERT's decoder bias)
-        n: holders[id(p)][0]
-        for n, p in model.named_parameters(remove_duplicate=False)
-        if id(p) in holders
-    }
-    own = {n: p for n, p in by_name.items() if pp_rank in holders.get(id(p), [])}
-    plugin.stage.stage_params = frozenset(own)
-    plugin.stage.tied = _tie_groups(plugin, holders, by_name)
-    with torch.no_grad():  # a tied weight starts from the stage that trains it
-        for param, group in plugin.stage.tied:
-            dist.broadcast(param.data, dist.get_global_rank(group, 0), group=group)
-
-    if not o.zero_stage and dist.get_world_size(layout.dp_group) > 1:
-        # Buffers are synchronised once, above: re-broadcasting them every
-        # micro-batch would overwrite tensors earlier micro-batches'
-        # graphs still hold (BERT's token_type_ids).
-        mine = [
-            DistributedDataParallel(
-                m,
-                process_group=layout.dp_group,
-                broadcast_buffers=False,
-                bucket_cap_mb=plugin.options.ddp_bucket_cap_mb,
-                find_unused_parameters=plugin.options.find_unused_parameters,
-                gradient_as_bucket_view=plugin.options.gradient_as_bucket_view,
-            )
-            for m in mine
-        ]
-    chunks, wait = o.microbatches(), o.pp_timeout
-    if o.pp_style == "interleaved":
-        pipe: nn.Module = Interleaved1F1B(
-            mine, chunks, layout.pp_group, timeout=wait, scale_grads=True
-        )
-    elif o.pp_style == "zbv":
-        pipe = ZeroBubble(mine[0], chunks, layout.pp_group, timeout=wait, scale_grads=True)
-    else:
-        pipe = PipeDream(mine[0], chunks, layout.pp_group, timeout=wait, scale_grads=True)
+    built, amp = _place_stage(plugin, mine, precision)
+    own = _record_stages(plugin, model, [stage_modules(rank) for rank in range(pp)])
+    pipe = _schedule(plugin, mine)
     if optimizer is not None:
         optimizer = rebuild_optimizer(optimizer, names, own, skip_missing=True)
         own_names = {id(p): n for n, p in own.items()}
@@ -237,6 +169,108 @@ def configure_pipeline(
         pipe, optimizer, criterion, dataloader, lr_scheduler, module=model,
         step_policy=step_policy,
     )  # fmt: skip
+
+
+def _shard_tensor_parallel(plugin: HybridParallelPlugin, model: nn.Module) -> None:
+    """Tensor parallelism shards the whole model (replacing its layers), and
+    the stages are cut after: a lazily built model is materialised layer by
+    layer as each is split (every rank replays the same values), an eager
+    one broadcast first."""
+    from pc_tensor import shard_model
+
+    group = plugin.layout.tp_group
+    if has_lazy(model):
+        materialize = materializer(device())
+        shard_model(model, group, sequence_parallel=False, materialize=materialize)
+        model.to(device())
+    else:
+        model.to(device())
+        broadcast_module(model)
+        shard_model(model, group, sequence_parallel=False)
+
+
+def _place_stage(
+    plugin: HybridParallelPlugin, mine: list[nn.Module], precision: TrainPrecision
+) -> tuple[dict[int, torch.Tensor], bool]:
+    """This stage's layers on the device, from its first data-parallel
+    rank's values, in the compute dtype (or fp32 under autocast without
+    ZeRO); returns the values as built (ZeRO's masters) and whether
+    autocast runs the stage."""
+    o = plugin.options
+    if o.tp_size == 1:  # only this stage's layers are materialised and placed
+        materialize_lazy(mine, device())
+        for module in mine:
+            module.to(device())
+            # The ranks of this stage start from its first data-parallel rank's values.
+            broadcast_module(module, plugin.layout.dp_group)
+    built = values_a_cast_rounds(mine, precision.dtype) if o.zero_stage else {}
+    amp = not o.zero_stage and precision is not TrainPrecision.FP32
+    for module in mine:
+        if amp:  # [Note: mixed precision without ZeRO] in hybrid.py, stage by stage
+            cast_floating(module, torch.float32)
+            autocast_forward(module, precision.dtype)
+        else:
+            cast_floating(module, precision.dtype)
+    return built, amp
+
+
+def _record_stages(
+    plugin: HybridParallelPlugin, model: nn.Module, stages: list[list[nn.Module]]
+) -> dict[str, nn.Parameter]:
+    """Which stage holds each parameter (``plugin.stage``), the groups that
+    sum a weight tied across stages (each starting from the stage that
+    trains it); returns this stage's parameters by name."""
+    holders: dict[int, list[int]] = {}  # parameter id -> pp ranks holding it
+    for rank, modules in enumerate(stages):
+        for module in modules:
+            for param in module.parameters():
+                if rank not in holders.setdefault(id(param), []):
+                    holders[id(param)].append(rank)
+    by_name = dict(model.named_parameters())
+    stage = plugin.stage
+    stage.stage_of = {  # every alias of a tied weight too (BERT's decoder bias)
+        n: holders[id(p)][0]
+        for n, p in model.named_parameters(remove_duplicate=False)
+        if id(p) in holders
+    }
+    pp_rank = plugin.layout.coord.pp
+    own = {n: p for n, p in by_name.items() if pp_rank in holders.get(id(p), [])}
+    stage.stage_params = frozenset(own)
+    stage.tied = _tie_groups(plugin, holders, by_name)
+    with torch.no_grad():  # a tied weight starts from the stage that trains it
+        for param, group in stage.tied:
+            dist.broadcast(param.data, dist.get_global_rank(group, 0), group=group)
+    return own
+
+
+def _schedule(plugin: HybridParallelPlugin, mine: list[nn.Module]) -> nn.Module:
+    """The schedule over this rank's stage(s), each in DDP over the
+    data-parallel ranks without ZeRO."""
+    from pc_comm import DistributedDataParallel
+    from pc_pipeline import Interleaved1F1B, PipeDream, ZeroBubble
+
+    layout, o = plugin.layout, plugin.options
+    if not o.zero_stage and dist.get_world_size(layout.dp_group) > 1:
+        # Buffers are synchronised once, at placement: re-broadcasting them
+        # every micro-batch would overwrite tensors earlier micro-batches'
+        # graphs still hold (BERT's token_type_ids).
+        mine = [
+            DistributedDataParallel(
+                m,
+                process_group=layout.dp_group,
+                broadcast_buffers=False,
+                bucket_cap_mb=o.ddp_bucket_cap_mb,
+                find_unused_parameters=o.find_unused_parameters,
+                gradient_as_bucket_view=o.gradient_as_bucket_view,
+            )
+            for m in mine
+        ]
+    chunks, wait = o.microbatches(), o.pp_timeout
+    if o.pp_style == "interleaved":
+        return Interleaved1F1B(mine, chunks, layout.pp_group, timeout=wait, scale_grads=True)
+    if o.pp_style == "zbv":
+        return ZeroBubble(mine[0], chunks, layout.pp_group, timeout=wait, scale_grads=True)
+    return PipeDream(mine[0], chunks, layout.pp_group, timeout=wait, scale_grads=True)
 
 
 def _tie_groups(
@@ -343,25 +377,8 @@ def execute_pipeline(
     whole batch, ``outputs`` ``{"logits": ...}`` on the last stage."""
     if plugin.pp_size == 1:
         raise ValueError("execute_pipeline needs pp_size > 1; call the model directly.")
-    batch = next(data_iter)
-    main = str(getattr(plugin.boosted(model).module, "main_input_name", "input_ids"))
-    inputs = batch if isinstance(batch, dict) else {main: batch}
-    if main not in inputs:
-        raise ValueError(
-            f"execute_pipeline feeds the first stage {main!r}; the batch has "
-            f"{sorted(inputs)}. Pass a dict with {main} (and labels), or a tensor of them."
-        )
-    feed_inputs(model, inputs[main])
+    inputs, main = _batch_inputs(plugin, model, next(data_iter))
     keys = [k for k, v in inputs.items() if isinstance(v, torch.Tensor)]
-    size = plugin.options.microbatch_size
-    if size is not None:  # microbatch_size: the count follows the batch
-        rows = inputs[main].shape[0]
-        if rows % size:
-            raise ValueError(
-                f"execute_pipeline: the batch's {rows} rows do not split into micro-batches of "
-                f"microbatch_size={size}; pass a batch whose size is a multiple of it."
-            )
-        model.set_chunks(rows // size)  # type: ignore[operator]
     user: Callable[[Any, dict[str, Any]], torch.Tensor] = (
         criterion if criterion is not None else lambda outputs, _: outputs.loss
     )
@@ -392,14 +409,7 @@ def execute_pipeline(
             labels=tuple(inputs[k] for k in keys),
             return_outputs=return_outputs,
         )
-    for param, group in plugin.stage.tied:
-        if plugin.zero_stage == 1:
-            grad = optimizer.accumulated_grad(param)
-        else:
-            if param.grad is None:
-                param.grad = torch.zeros_like(param)
-            grad = param.grad
-        dist.all_reduce(grad, group=group)
+    _sum_tied_gradients(plugin, optimizer)
     loss = (
         losses.detach().float().mean() / scale
         if losses is not None
@@ -409,6 +419,44 @@ def execute_pipeline(
     last = dist.get_global_rank(layout.pp_group, plugin.pp_size - 1)
     dist.broadcast(loss, last, group=layout.pp_group)
     return {"loss": loss if return_loss else None, "outputs": outputs}
+
+
+def _batch_inputs(
+    plugin: HybridParallelPlugin, model: nn.Module, batch: Any
+) -> tuple[dict[str, Any], str]:
+    """The batch as a dict holding the model's main input (fed to the first
+    stage), and that input's name; the micro-batch count set from
+    ``microbatch_size`` when given."""
+    main = str(getattr(plugin.boosted(model).module, "main_input_name", "input_ids"))
+    inputs = batch if isinstance(batch, dict) else {main: batch}
+    if main not in inputs:
+        raise ValueError(
+            f"execute_pipeline feeds the first stage {main!r}; the batch has "
+            f"{sorted(inputs)}. Pass a dict with {main} (and labels), or a tensor of them."
+        )
+    feed_inputs(model, inputs[main])
+    size = plugin.options.microbatch_size
+    if size is not None:  # microbatch_size: the count follows the batch
+        rows = inputs[main].shape[0]
+        if rows % size:
+            raise ValueError(
+                f"execute_pipeline: the batch's {rows} rows do not split into micro-batches of "
+                f"microbatch_size={size}; pass a batch whose size is a multiple of it."
+            )
+        model.set_chunks(rows // size)  # type: ignore[operator]
+    return inputs, main
+
+
+def _sum_tied_gradients(plugin: HybridParallelPlugin, optimizer: Any) -> None:
+    """A weight tied across stages gets the sum of every holder's gradient."""
+    for param, group in plugin.stage.tied:
+        if plugin.zero_stage == 1:
+            grad = optimizer.accumulated_grad(param)
+        else:
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+            grad = param.grad
+        dist.all_reduce(grad, group=group)
 
 
 def _evaluate(
