@@ -29,28 +29,23 @@ from pc_tensor.layers import (
 from pc_tensor.plans import has_plan, plan_policy, policy_for
 from pc_tensor.policies import POLICIES, Policy
 from pc_tensor.ring import ring_model
+from pc_tensor.sequence import (
+    sequence_group,
+    sequence_lm_loss,
+    sequence_positions,
+    sync_sequence_grads,
+)
+from pc_tensor.sequence_modes import sequence_attention
 from pc_tensor.shard import (
     ShardInfo,
-    ShardSpec,
-    full_shape,
     full_state_dict,
     gather_logits,
     load_full_state_dict,
-    place_local_box,
     shard_info,
     shard_model,
-    shard_tensor,
-    unshard_tensor,
 )
-from pc_tensor.ulysses import (
-    heads_to_sequence,
-    sequence_attention,
-    sequence_lm_loss,
-    sequence_positions,
-    sequence_to_heads,
-    sync_sequence_grads,
-    ulysses_model,
-)
+from pc_tensor.specs import ShardSpec, full_shape, place_local_box, shard_tensor, unshard_tensor
+from pc_tensor.ulysses import heads_to_sequence, sequence_to_heads, ulysses_model
 
 __version__ = "0.1.0"
 
@@ -80,6 +75,7 @@ __all__ = [
     "reduce_scatter_sequence",
     "ring_model",
     "sequence_attention",
+    "sequence_group",
     "sequence_lm_loss",
     "sequence_positions",
     "sequence_to_heads",

@@ -39,6 +39,7 @@ head counts must divide by the tensor-parallel size.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from torch import nn
@@ -118,43 +119,77 @@ def _get(root: Any, path: str) -> Any:
     return root
 
 
-def plan_policy(model: nn.Module) -> Policy:
-    """The :class:`Policy` that ``model``'s ``config.base_model_tp_plan``
-    describes (see the module docstring). Raises ``ValueError`` naming the
-    key and the reason for a plan pc cannot follow (mixture-of-experts
-    blocks, styles it does not implement)."""
-    config: Any = getattr(model, "config", None)
-    plan = _plan(config)
-    kind = getattr(config, "model_type", None)
-    name = type(model).__name__
+def _refuse_plan(plan: Mapping[str, str] | None, kind: Any, label: str) -> Mapping[str, str]:
+    """``plan``, where pc follows it as a whole: errors for no plan, a
+    family pc refuses, mixture-of-experts blocks."""
     if plan is None:
         raise ValueError(
-            f"{name} (model_type={kind!r}) has no tensor-parallel plan in its config "
+            f"{label} has no tensor-parallel plan in its config "
             "(config.base_model_tp_plan) and no pc policy: describe it with pc_tensor.Policy."
         )
     if kind in _DIFFERS:
-        raise ValueError(f"{name} (model_type={kind!r}): {_DIFFERS[kind]}.")
+        raise ValueError(f"{label}: {_DIFFERS[kind]}.")
     for key, style in plan.items():
         if style.startswith("moe") or ".experts" in f".{key}" or key.endswith("experts"):
             block = key.split(".experts")[0] if ".experts" in key else key
             raise ValueError(
-                f"{name} (model_type={kind!r}) has mixture-of-experts blocks "
+                f"{label} has mixture-of-experts blocks "
                 f"({block!r}: {key!r} is {style!r} in its tensor-parallel plan); pc has no "
                 "expert parallelism yet, so tensor parallelism refuses it. Train it with "
                 "data parallelism, ZeRO or a pipeline (pp_size) instead."
             )
-    base: nn.Module = getattr(model, "base_model", model)
-    embedding = _path_of(base, _ask(base, "get_input_embeddings"))
-    blocks: str | None = None
-    column: dict[str, int] = {}
-    row: list[str] = []
-    gather_output: list[str] = []
-    split_input: list[str] = []
-    grad_sum: list[str] = []
+    return plan
+
+
+@dataclass
+class _Blocks:
+    """What a plan says about its block list: the list's path, and the
+    layers inside a block (paths relative to it) by what is done to them."""
+
+    path: str | None = None
+    column: dict[str, int] = field(default_factory=dict)
+    row: list[str] = field(default_factory=list)
+    gather_output: list[str] = field(default_factory=list)
+    split_input: list[str] = field(default_factory=list)
+    grad_sum: list[str] = field(default_factory=list)
+
+    def add(self, key: str, style: str, label: str) -> None:
+        """The plan's ``key`` (``<blocks>.*.<inner>``) sharded as ``style``."""
+        prefix, _, inner = key.partition(".*.")
+        if "*" in inner:
+            raise ValueError(
+                f"{label}: plan key {key!r} nests a second list inside a "
+                "block, which pc does not implement."
+            )
+        if self.path is not None and prefix != self.path:
+            raise ValueError(
+                f"{label}: its plan names two block lists, {self.path!r} and "
+                f"{prefix!r}; pc shards one."
+            )
+        self.path = prefix
+        if style in ("colwise", "colwise_gather_output"):
+            self.column[inner] = 1
+            if style == "colwise_gather_output":
+                self.gather_output.append(inner)
+        elif style in ("rowwise", "rowwise_split_input"):
+            self.row.append(inner)
+            if style == "rowwise_split_input":
+                self.split_input.append(inner)
+        elif style == "replicated_with_grad_allreduce":
+            self.grad_sum.append(inner)
+        elif style != "replicate":
+            raise ValueError(f"{label}: plan style {style!r} (key {key!r}) is not one pc knows.")
+
+
+def _read_plan(plan: Mapping[str, str], embedding: str | None, label: str) -> _Blocks:
+    """The plan's keys read: inside the block list, what each layer's style
+    asks; outside it, only the token embedding and what stays replicated.
+    Refused with the reason where pc cannot follow them."""
+    blocks = _Blocks()
     for key, style in plan.items():
         if style in _REFUSED:
             raise ValueError(
-                f"{name} (model_type={kind!r}): its tensor-parallel plan shards {key!r} as "
+                f"{label}: its tensor-parallel plan shards {key!r} as "
                 f"{style!r} ({_REFUSED[style]}), which pc does not implement yet."
             )
         if ".*." not in key:
@@ -163,82 +198,67 @@ def plan_policy(model: nn.Module) -> Policy:
             if style in ("replicate", "replicated_with_grad_allreduce"):
                 continue
             raise ValueError(
-                f"{name} (model_type={kind!r}): its tensor-parallel plan shards {key!r} "
+                f"{label}: its tensor-parallel plan shards {key!r} "
                 f"({style!r}) outside the block list, which pc does not implement."
             )
-        prefix, _, inner = key.partition(".*.")
-        if "*" in inner:
-            raise ValueError(
-                f"{name} (model_type={kind!r}): plan key {key!r} nests a second list inside a "
-                "block, which pc does not implement."
-            )
-        if blocks is not None and prefix != blocks:
-            raise ValueError(
-                f"{name} (model_type={kind!r}): its plan names two block lists, {blocks!r} and "
-                f"{prefix!r}; pc shards one."
-            )
-        blocks = prefix
-        if style in ("colwise", "colwise_gather_output"):
-            column[inner] = 1
-            if style == "colwise_gather_output":
-                gather_output.append(inner)
-        elif style in ("rowwise", "rowwise_split_input"):
-            row.append(inner)
-            if style == "rowwise_split_input":
-                split_input.append(inner)
-        elif style == "replicated_with_grad_allreduce":
-            grad_sum.append(inner)
-        elif style == "replicate":
-            continue
-        else:
-            raise ValueError(
-                f"{name} (model_type={kind!r}): plan style {style!r} (key {key!r}) is not one "
-                "pc knows."
-            )
-    if blocks is None:
+        blocks.add(key, style, label)
+    return blocks
+
+
+def _check_blocks(
+    base: nn.Module, plan: Mapping[str, str], blocks: _Blocks, embedding: str | None, label: str
+) -> str:
+    """The block list's path, where the plan splits something inside blocks
+    that all hold what it names, and the model has a token embedding."""
+    if blocks.path is None:
         raise ValueError(
-            f"{name} (model_type={kind!r}): its tensor-parallel plan splits only "
+            f"{label}: its tensor-parallel plan splits only "
             f"{', '.join(plan)}, nothing inside its blocks, so tensor parallelism would save "
             "nothing; train it with data parallelism, ZeRO or a pipeline."
         )
     if embedding is None:
         raise ValueError(
-            f"{name} (model_type={kind!r}): pc finds no token embedding "
-            "(get_input_embeddings) to split by vocabulary."
+            f"{label}: pc finds no token embedding (get_input_embeddings) to split by vocabulary."
         )
     missing = [
-        f"{blocks}.{i}.{path}"
-        for i, block in enumerate(_get(base, blocks))
-        for path in (*column, *row, *grad_sum)
+        f"{blocks.path}.{i}.{path}"
+        for i, block in enumerate(_get(base, blocks.path))
+        for path in (*blocks.column, *blocks.row, *blocks.grad_sum)
         if _get(block, path) is None
     ]
     if missing:
         raise ValueError(
-            f"{name} (model_type={kind!r}): its blocks differ in kind (hybrid attention), and "
+            f"{label}: its blocks differ in kind (hybrid attention), and "
             f"{missing[0]} named by its tensor-parallel plan does not exist; pc shards blocks "
             "of one kind."
         )
-    # Inside a module whose column layers keep their outputs split (an MLP,
-    # an attention module), what else holds parameters works on this rank's
-    # features or heads (a learned activation, a per-head norm): its
-    # gradient is partial, as for the plan's replicated_with_grad_allreduce.
-    gathered = set(gather_output)
+    return blocks.path
+
+
+def _add_partial_grads(base: nn.Module, where: str, blocks: _Blocks) -> None:
+    """Inside a module whose column layers keep their outputs split (an MLP,
+    an attention module), what else holds parameters works on this rank's
+    features or heads (a learned activation, a per-head norm): its
+    gradient is partial, as for the plan's replicated_with_grad_allreduce."""
+    column, row, grad_sum = blocks.column, blocks.row, blocks.grad_sum
+    gathered = set(blocks.gather_output)
     for parent in {path.rpartition(".")[0] for path in column if path not in gathered}:
         if not parent:
             continue
-        for block in _get(base, blocks):
+        for block in _get(base, where):
             module = _get(block, parent)
             for child, sub in module.named_modules():
-                path = f"{parent}.{child}" if child else parent
-                if path in column or path in row or path in grad_sum or not child:
+                inner = f"{parent}.{child}" if child else parent
+                if inner in column or inner in row or inner in grad_sum or not child:
                     continue
                 if any(True for _ in sub.parameters(recurse=False)):
-                    grad_sum.append(path)
+                    grad_sum.append(inner)
             break
-    # Under sequence parallelism the input of the modules holding column
-    # layers is gathered once on entry (attention reads the sequence whole).
-    parents = {path.rpartition(".")[0] for path in column}
-    heads: dict[str, tuple[str, ...]] = {}
+
+
+def _output_layer(model: nn.Module, name: str) -> tuple[dict[str, str], Any]:
+    """The vocabulary projection of a ``...ForCausalLM`` or
+    ``...ForMaskedLM`` model (class name -> path) and the loss it takes."""
     lm_heads: dict[str, str] = {}
     loss: Any = "causal"
     if name.endswith(("ForCausalLM", "ForMaskedLM")):
@@ -247,20 +267,43 @@ def plan_policy(model: nn.Module) -> Policy:
         if head_path is not None and type(output) is nn.Linear:
             lm_heads[name] = head_path
             loss = "causal" if name.endswith("ForCausalLM") else "masked"
+    return lm_heads, loss
+
+
+def plan_policy(model: nn.Module) -> Policy:
+    """The :class:`Policy` that ``model``'s ``config.base_model_tp_plan``
+    describes (see the module docstring). Raises ``ValueError`` naming the
+    key and the reason for a plan pc cannot follow (mixture-of-experts
+    blocks, styles it does not implement)."""
+    config: Any = getattr(model, "config", None)
+    kind = getattr(config, "model_type", None)
+    name = type(model).__name__
+    label = f"{name} (model_type={kind!r})"
+    plan = _refuse_plan(_plan(config), kind, label)
+    base: nn.Module = getattr(model, "base_model", model)
+    embedding = _path_of(base, _ask(base, "get_input_embeddings"))
+    blocks = _read_plan(plan, embedding, label)
+    path = _check_blocks(base, plan, blocks, embedding, label)
+    assert embedding is not None  # _check_blocks refuses a model without one
+    _add_partial_grads(base, path, blocks)
+    # Under sequence parallelism the input of the modules holding column
+    # layers is gathered once on entry (attention reads the sequence whole).
+    parents = {inner.rpartition(".")[0] for inner in blocks.column}
+    lm_heads, loss = _output_layer(model, name)
     return Policy(
         name=f"{kind} (transformers plan)",
-        blocks=blocks,
+        blocks=path,
         embedding=embedding,
-        column=column,
-        row=tuple(row),
-        heads=heads,
+        column=blocks.column,
+        row=tuple(blocks.row),
+        heads={},
         head_counts=tuple(c for c in _HEAD_COUNTS if isinstance(_field(config, c), int)),
         gather_at=tuple(sorted(p for p in parents if p)),
         lm_heads=lm_heads,
         loss=loss,
-        gather_output=tuple(gather_output),
-        split_input=tuple(split_input),
-        grad_sum=tuple(grad_sum),
+        gather_output=tuple(blocks.gather_output),
+        split_input=tuple(blocks.split_input),
+        grad_sum=tuple(blocks.grad_sum),
     )
 
 

@@ -37,15 +37,16 @@ padding masks, a sequence that does not split into ``2 * sp`` blocks.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from pc_tensor.ulysses import _group_of, _prepare, _refuse_unsupported
+from pc_tensor.sequence import group_for_attention, prepare, prepared_group, refuse_unsupported
 
-__all__ = ["RING_ATTENTION", "ring_model"]
+__all__ = ["RING_ATTENTION", "prepare_links", "ring_attention", "ring_model"]
 
 RING_ATTENTION = "pc_ring"
 
@@ -101,6 +102,11 @@ class _Links:
             ]
         )
         return got, list(requests)
+
+
+# Every module of a model prepared for ring attention -> its ring's links
+# (pc-tensor's record, as pc_tensor.sequence keeps the groups).
+_LINKS: weakref.WeakKeyDictionary[nn.Module, _Links] = weakref.WeakKeyDictionary()
 
 
 def _fused(q: torch.Tensor) -> bool:
@@ -288,7 +294,7 @@ class _RingAttention(torch.autograd.Function):
         return torch.cat(dq, dim=2).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
-def _attention(
+def ring_attention(
     module: nn.Module,
     query: torch.Tensor,
     key: torch.Tensor,
@@ -301,15 +307,15 @@ def _attention(
     is_causal: bool | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    group = _group_of(module, "ring attention", "ring_model")
+    group = group_for_attention(module, "ring attention", "ring_model")
     world = dist.get_world_size(group)
     total = query.shape[2] * world
-    _refuse_unsupported(
+    refuse_unsupported(
         "ring attention", type(module).__name__, total, dropout, sliding_window, softcap
     )
     causal = bool(getattr(module, "is_causal", True)) if is_causal is None else is_causal
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    links: _Links = module.__dict__["_pc_ring_links"]  # made with the group (prepare_links)
+    links = _LINKS[module]  # made with the group (prepare_links)
     out: torch.Tensor = _RingAttention.apply(query, key, value, links, scale, causal)  # type: ignore[no-untyped-call, unused-ignore]
     return out.transpose(1, 2).contiguous(), None
 
@@ -321,15 +327,14 @@ def ring_model(
     place (see the module docstring); after tensor parallelism, if any.
     Returns the model. ``grad_scale`` as for
     :func:`~pc_tensor.ulysses_model`."""
-    _prepare(model, group, grad_scale, (RING_ATTENTION, _attention), True, "ring attention")
+    prepare(model, group, grad_scale, (RING_ATTENTION, ring_attention), True, "ring attention")
     return prepare_links(model)
 
 
 def prepare_links(model: nn.Module) -> nn.Module:
     """The ring's links for ``model``'s sequence-parallel group, made now
     (a collective over the group) and shared by its modules."""
-    group = model.__dict__["_pc_ulysses"]
-    links = _Links(group)
+    links = _Links(prepared_group(model))
     for module in model.modules():
-        module.__dict__["_pc_ring_links"] = links
+        _LINKS[module] = links
     return model

@@ -25,6 +25,7 @@ gradient.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -34,43 +35,28 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pc_tensor.comm import gather_from_tp, gather_sequence, split_to_tp
-from pc_tensor.layers import (
-    ColumnParallelLinear,
-    RowParallelLinear,
-    VocabParallelEmbedding,
-    vocab_parallel_cross_entropy,
+from pc_tensor.comm import gather_from_tp, gather_sequence
+from pc_tensor.hooks import (
+    VocabParallelLossForward,
+    gather_output,
+    input_hook,
+    split_sequence,
+    sum_over_group,
 )
+from pc_tensor.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from pc_tensor.policies import Policy
+from pc_tensor.specs import ShardSpec, shard_tensor, unshard_tensor
 
 M = TypeVar("M", bound=nn.Module)
 
 __all__ = [
     "ShardInfo",
-    "ShardSpec",
-    "full_shape",
     "full_state_dict",
     "gather_logits",
     "load_full_state_dict",
-    "place_local_box",
     "shard_info",
     "shard_model",
-    "shard_tensor",
-    "unshard_tensor",
 ]
-
-
-@dataclass(frozen=True)
-class ShardSpec:
-    """How one parameter was split: along ``dim`` of its sharded layout, as
-    ``parts`` fused blocks each split separately, the full tensor cut back to
-    ``size`` along ``dim`` (vocabulary padding) and transposed back to the
-    original layout where the original was a ``Conv1D``."""
-
-    dim: int
-    parts: int = 1
-    size: int | None = None
-    transpose: bool = False
 
 
 @dataclass(frozen=True)
@@ -86,6 +72,11 @@ class ShardInfo:
     sharded: tuple[str, ...]  # names of the parameters split across the group
     replicated_in_blocks: tuple[str, ...]  # whole on every rank, inside the blocks
     specs: dict[str, ShardSpec]  # state-dict key -> how it was split
+
+
+# pc-tensor's record of the models shard_model sharded (read through
+# shard_info): weak references, nothing written on the user's model.
+_SHARDED: weakref.WeakKeyDictionary[nn.Module, ShardInfo] = weakref.WeakKeyDictionary()
 
 
 def _get(root: nn.Module, path: str) -> Any:
@@ -145,142 +136,10 @@ def _check_whole_heads(
         )
 
 
-def _hidden_arg(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[torch.Tensor | None, bool]:
-    """The hidden states a block or module was called with, and whether they
-    came as a keyword."""
-    if args and isinstance(args[0], torch.Tensor):
-        return args[0], False
-    value = kwargs.get("hidden_states")
-    return (value, True) if isinstance(value, torch.Tensor) else (None, False)
-
-
-def _replace_hidden(
-    args: tuple[Any, ...], kwargs: dict[str, Any], keyword: bool, value: torch.Tensor
-) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    if keyword:
-        kwargs = {**kwargs, "hidden_states": value}
-        return args, kwargs
-    return (value, *args[1:]), kwargs
-
-
-def _input_hook(
-    transform: Any,
-) -> Any:
-    def hook(
-        module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        hidden, keyword = _hidden_arg(args, kwargs)
-        if hidden is None:
-            raise TypeError(
-                f"sequence parallelism: {type(module).__name__} was called without a "
-                "hidden_states tensor as its first argument or keyword."
-            )
-        return _replace_hidden(args, kwargs, keyword, transform(hidden))
-
-    return hook
-
-
-def _split_sequence(group: dist.ProcessGroup, hidden: torch.Tensor) -> torch.Tensor:
-    world = dist.get_world_size(group)
-    if hidden.dim() < 2 or hidden.shape[1] % world:
-        raise ValueError(
-            f"sequence parallelism splits the sequence (dim 1) over {world} ranks, but the "
-            f"hidden states have shape {tuple(hidden.shape)}; pad the sequence length to a "
-            f"multiple of {world} (or shard with sequence_parallel=False)."
-        )
-    return split_to_tp(hidden, group, dim=1)
-
-
-def _gather_output(group: dist.ProcessGroup, module: nn.Module, args: Any, output: Any) -> Any:
-    if isinstance(output, torch.Tensor):
-        return gather_from_tp(output, group, dim=1)
-    if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
-        return (gather_from_tp(output[0], group, dim=1), *output[1:])
-    raise TypeError(
-        f"sequence parallelism: the last block ({type(module).__name__}) returned "
-        f"{type(output).__name__}; expected a tensor or a tuple starting with one."
-    )
-
-
-def _sum_over_group(group: dist.ProcessGroup, grad: torch.Tensor) -> torch.Tensor:
-    grad = grad.clone()
-    dist.all_reduce(grad, group=group)
-    return grad
-
-
-class _VocabParallelLossForward:
-    """Replaces the forward of a model whose LM head is vocabulary-sharded:
-    the labels are kept from the original forward (which would compute the
-    loss over the full vocabulary it no longer has, some inline, some
-    through ``loss_function``), and the loss is computed here from the
-    sharded logits, as ``transformers`` defines it: next-token (labels
-    shifted by one) for causal models, position-wise for masked ones;
-    ``-100`` ignored; ``num_items_in_batch`` and ``shift_labels`` honoured."""
-
-    def __init__(self, forward: Any, group: dist.ProcessGroup, causal: bool) -> None:
-        self.forward, self.group, self.causal = forward, group, causal
-
-    def __call__(self, *args: Any, labels: torch.Tensor | None = None, **kwargs: Any) -> Any:
-        num_items = kwargs.pop("num_items_in_batch", None)
-        shift_labels = kwargs.pop("shift_labels", None)
-        out = self.forward(*args, **kwargs)
-        if shift_labels is not None:
-            target = shift_labels
-        elif labels is None:
-            return out
-        elif self.causal:
-            target = nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
-        else:
-            target = labels
-        logits = out["logits"] if isinstance(out, dict) else out[0]
-        loss = vocab_parallel_cross_entropy(
-            logits.float().reshape(-1, logits.shape[-1]),
-            target.to(logits.device).reshape(-1),
-            self.group,
-            num_items=num_items,
-        )
-        if isinstance(out, tuple):
-            return (loss, *out)
-        return type(out)(loss=loss, **{k: v for k, v in out.items() if k != "loss"})
-
-
-def shard_model(
-    model: M,
-    tp_group: dist.ProcessGroup | None = None,
-    policy: Policy | None = None,
-    *,
-    sequence_parallel: bool = False,
-    pad_vocab: bool = True,
-    materialize: Callable[[nn.Module], None] | None = None,
-) -> M:
-    """Shard ``model`` over ``tp_group`` (default: the world) in place and
-    return it. Every rank of the group must call it with the same model
-    (same weights: build it from the same seed, or load the same
-    checkpoint). ``policy`` defaults to the family's transformers plan, else
-    pc's policy for its ``config.model_type``, else one inferred from its
-    module tree (:func:`~pc_tensor.infer_plan`); ``pad_vocab=False`` turns a
-    vocabulary tp does not divide into an error instead of padding.
-
-    ``materialize``: for a model built without memory (lazily), called on
-    each layer right before its weights are split, and on the whole model
-    at the end for what is left (norms, biases, position embeddings); each
-    split layer's full weights are dropped at once, so the whole model
-    never exists on a rank (pc-booster passes pc-chunk's materialisation)."""
-    if not dist.is_initialized():
-        raise RuntimeError(
-            "shard_model needs torch.distributed initialised (torchrun, or "
-            "dist.init_process_group) and a tensor-parallel group."
-        )
-    group = tp_group if tp_group is not None else dist.group.WORLD
-    assert group is not None
-    if getattr(model, "_pc_tensor", None) is not None:
-        raise ValueError("this model is already sharded (shard_model was called on it before).")
+def _check_fits(model: nn.Module, policy: Policy, tp: int) -> None:
+    """The config's head counts divide by ``tp``, and the policy's own
+    check passes."""
     config = getattr(model, "config", None)
-    if policy is None:
-        from pc_tensor.inferred import policy_or_inferred
-
-        policy = policy_or_inferred(model)
-    tp = dist.get_world_size(group)
     for name in policy.head_counts:
         count = getattr(config, name, None)
         if isinstance(count, int) and count % tp:
@@ -293,6 +152,11 @@ def shard_model(
     if policy.check is not None and (problem := policy.check(config)) is not None:
         raise ValueError(problem)
 
+
+def _locate(model: nn.Module, policy: Policy) -> tuple[nn.Module, list[nn.Module], Any]:
+    """The base model, its blocks and its token embedding (None where the
+    policy names none), as ``policy`` names them; errors where they do not
+    fit the model."""
     base: nn.Module = getattr(model, "base_model", model)
     try:
         blocks = list(_get(base, policy.blocks))
@@ -324,17 +188,45 @@ def shard_model(
             f"policy {policy.name!r} splits {type(model).__name__}'s output layer by "
             "vocabulary but names no token embedding (policy.embedding is empty); name it."
         )
+    return base, blocks, embedding
 
-    specs: dict[int, ShardSpec] = {}  # id of a new sharded parameter -> its split
-    replaced: set[int] = set()  # ids of the original parameters now sharded away
-    # Holds the originals alive until the end: a freed one's id may be reused.
-    originals: list[nn.Module] = []
-    sharded: set[int] = set()  # ids of the new sharded parameters
-    for block in blocks:
+
+class _Sharding:
+    """One :func:`shard_model` call: what it shards with, and what it did so
+    far, by parameter identity."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        group: dist.ProcessGroup,
+        policy: Policy,
+        sequence_parallel: bool,
+        materialize: Callable[[nn.Module], None] | None,
+    ) -> None:
+        self.model, self.group, self.policy = model, group, policy
+        self.tp = dist.get_world_size(group)
+        self.sequence_parallel, self.materialize = sequence_parallel, materialize
+        self.specs: dict[int, ShardSpec] = {}  # id of a new sharded parameter -> its split
+        self.replaced: set[int] = set()  # ids of the original parameters now sharded away
+        # Holds the originals alive until the end: a freed one's id may be reused.
+        self.originals: list[nn.Module] = []
+        self.sharded: set[int] = set()  # ids of the new sharded parameters
+        self.retie: dict[int, nn.Parameter] = {}  # an original's id -> the parameter it becomes
+        self.vocab = self.padded = 0
+
+    def block(self, block: nn.Module) -> None:
+        """One block's projections split, its attention modules set to this
+        rank's heads."""
+        self.columns(block)
+        self.rows(block)
+        self.heads(block)
+
+    def columns(self, block: nn.Module) -> None:
+        policy, sequence_parallel = self.policy, self.sequence_parallel
         gathered = [prefix + "." for prefix in policy.gather_at]
         for path, parts in policy.column.items():
             old = _get(block, path)
-            _check_whole_heads(block, path, old, parts, tp, policy.name)
+            _check_whole_heads(block, path, old, parts, self.tp, policy.name)
             inside = sequence_parallel and any(path.startswith(p) for p in gathered)
             options: dict[str, Any] = {
                 "parts": parts,
@@ -343,34 +235,40 @@ def shard_model(
                 "sequence_dim": 0 if path in policy.flat_tokens else 1,
                 "gather_output": path in policy.gather_output,
             }
-            if materialize is not None:
-                materialize(old)
-            new = _shard_layer(ColumnParallelLinear, old, group, options)
-            _drop_split(old, materialize)
-            replaced.update(id(p) for p in old.parameters())
-            originals.append(old)
-            sharded.update(id(p) for p in new.parameters())
+            if self.materialize is not None:
+                self.materialize(old)
+            new = _shard_layer(ColumnParallelLinear, old, self.group, options)
+            _drop_split(old, self.materialize)
+            self.replaced.update(id(p) for p in old.parameters())
+            self.originals.append(old)
+            self.sharded.update(id(p) for p in new.parameters())
             conv = _is_conv1d(old)
-            specs[id(new.weight)] = ShardSpec(0, parts, transpose=conv)
+            self.specs[id(new.weight)] = ShardSpec(0, parts, transpose=conv)
             if new.bias is not None:
-                specs[id(new.bias)] = ShardSpec(0, parts)
+                self.specs[id(new.bias)] = ShardSpec(0, parts)
             _set(block, path, new)
+
+    def rows(self, block: nn.Module) -> None:
+        policy = self.policy
         for path in policy.row:
             old = _get(block, path)
             row_options: dict[str, Any] = {
-                "sequence_parallel": sequence_parallel,
+                "sequence_parallel": self.sequence_parallel,
                 "sequence_dim": 0 if path in policy.flat_tokens else 1,
                 "input_is_parallel": path not in policy.split_input,
             }
-            if materialize is not None:
-                materialize(old)
-            row = _shard_layer(RowParallelLinear, old, group, row_options)
-            _drop_split(old, materialize)
-            replaced.update(id(p) for p in old.parameters())
-            originals.append(old)
-            sharded.add(id(row.weight))
-            specs[id(row.weight)] = ShardSpec(1, transpose=_is_conv1d(old))
+            if self.materialize is not None:
+                self.materialize(old)
+            row = _shard_layer(RowParallelLinear, old, self.group, row_options)
+            _drop_split(old, self.materialize)
+            self.replaced.update(id(p) for p in old.parameters())
+            self.originals.append(old)
+            self.sharded.add(id(row.weight))
+            self.specs[id(row.weight)] = ShardSpec(1, transpose=_is_conv1d(old))
             _set(block, path, row)
+
+    def heads(self, block: nn.Module) -> None:
+        policy, tp = self.policy, self.tp
         for path, attributes in policy.heads.items():
             attention = _get(block, path)
             for attribute in attributes:
@@ -382,129 +280,212 @@ def shard_model(
                     )
                 setattr(attention, attribute, value // tp)
             if policy.prepare_attention is not None:
-                policy.prepare_attention(attention, group)
+                policy.prepare_attention(attention, self.group)
 
-    vocab = padded = 0
-    new_embedding: VocabParallelEmbedding | None = None
-    if embedding is not None:
-        vocab = embedding.num_embeddings
-        padded = -(-vocab // tp) * tp if pad_vocab else vocab
-        if materialize is not None:
-            materialize(embedding)
-        new_embedding = VocabParallelEmbedding.from_embedding(embedding, group, padded_size=padded)
-        replaced.add(id(embedding.weight))
-        originals.append(embedding)
-        sharded.add(id(new_embedding.weight))
-        specs[id(new_embedding.weight)] = ShardSpec(0, size=vocab)
-        _set(base, policy.embedding, new_embedding)
+    def embedding(
+        self, base: nn.Module, embedding: nn.Embedding | None, pad_vocab: bool
+    ) -> VocabParallelEmbedding | None:
+        """The token embedding split by vocabulary (padded to a multiple of
+        tp unless ``pad_vocab`` is false); None where there is none."""
+        if embedding is None:
+            return None
+        tp = self.tp
+        self.vocab = vocab = embedding.num_embeddings
+        self.padded = padded = -(-vocab // tp) * tp if pad_vocab else vocab
+        if self.materialize is not None:
+            self.materialize(embedding)
+        new = VocabParallelEmbedding.from_embedding(embedding, self.group, padded_size=padded)
+        self.replaced.add(id(embedding.weight))
+        self.originals.append(embedding)
+        self.sharded.add(id(new.weight))
+        self.specs[id(new.weight)] = ShardSpec(0, size=vocab)
+        _set(base, self.policy.embedding, new)
+        return new
 
-    retie: dict[int, nn.Parameter] = {}
-    head_path = policy.lm_heads.get(type(model).__name__)
-    if head_path is not None:
+    def lm_head(
+        self, embedding: nn.Embedding | None, new_embedding: VocabParallelEmbedding | None
+    ) -> None:
+        """The policy's output layer for this model class split by
+        vocabulary, tied to the embedding where it was, and the model's
+        loss computed from the split logits."""
+        model, policy, vocab, padded = self.model, self.policy, self.vocab, self.padded
+        head_path = policy.lm_heads.get(type(model).__name__)
+        if head_path is None:
+            return
         head = _get(model, head_path)
-        if materialize is not None:
-            materialize(head)
+        if self.materialize is not None:
+            self.materialize(head)
         weight = head.weight.detach()
         bias = head.bias.detach() if head.bias is not None else None
         if padded != vocab:
             weight = torch.cat([weight, weight.new_zeros(padded - vocab, weight.shape[1])])
             bias = torch.cat([bias, bias.new_zeros(padded - vocab)]) if bias is not None else None
         new_head = ColumnParallelLinear(
-            weight, bias, group, valid_out_features=vocab if padded != vocab else None
+            weight, bias, self.group, valid_out_features=vocab if padded != vocab else None
         )
         if embedding is not None and head.weight is embedding.weight:
             assert new_embedding is not None
             new_head.weight = new_embedding.weight
-        replaced.update(id(p) for p in head.parameters())
-        originals.append(head)
-        sharded.update(id(p) for p in new_head.parameters())
-        specs.update({id(p): ShardSpec(0, size=vocab) for p in new_head.parameters()})
+        self.replaced.update(id(p) for p in head.parameters())
+        self.originals.append(head)
+        self.sharded.update(id(p) for p in new_head.parameters())
+        self.specs.update({id(p): ShardSpec(0, size=vocab) for p in new_head.parameters()})
         if head.bias is not None and new_head.bias is not None:
-            retie[id(head.bias)] = new_head.bias  # BERT's predictions.bias is decoder.bias
+            self.retie[id(head.bias)] = new_head.bias  # BERT's predictions.bias is decoder.bias
         _set(model, head_path, new_head)
-        model.forward = _VocabParallelLossForward(
-            model.forward, group, causal=policy.loss == "causal"
+        model.forward = VocabParallelLossForward(
+            model.forward, self.group, causal=policy.loss == "causal"
         )
 
-    # A parameter elsewhere still tied to one that was sharded away (an
-    # output layer this policy does not know) would silently train a copy.
-    for module_name, module in model.named_modules():
-        for name, param in list(module._parameters.items()):
-            if param is None or id(param) not in replaced:
-                continue
-            if id(param) in retie:
-                module._parameters[name] = retie[id(param)]
-                continue
-            raise ValueError(
-                f"{type(model).__name__}.{module_name}.{name} is tied to a parameter that "
-                f"tensor parallelism shards, and policy {policy.name!r} does not shard it. "
-                f"Classes whose output layer it shards: {', '.join(policy.lm_heads)}; "
-                "other heads must not share the embedding or the block projections."
-            )
+    def check_ties(self) -> None:
+        """A parameter elsewhere still tied to one that was sharded away (an
+        output layer this policy does not know) would silently train a
+        copy: retied where known, refused otherwise."""
+        model, policy = self.model, self.policy
+        for module_name, module in model.named_modules():
+            for name, param in list(module._parameters.items()):
+                if param is None or id(param) not in self.replaced:
+                    continue
+                if id(param) in self.retie:
+                    module._parameters[name] = self.retie[id(param)]
+                    continue
+                raise ValueError(
+                    f"{type(model).__name__}.{module_name}.{name} is tied to a parameter that "
+                    f"tensor parallelism shards, and policy {policy.name!r} does not shard it. "
+                    f"Classes whose output layer it shards: {', '.join(policy.lm_heads)}; "
+                    "other heads must not share the embedding or the block projections."
+                )
 
+    def mark_sharded(self) -> None:
+        for param in self.model.parameters():
+            if id(param) in self.sharded:
+                # Megatron's marker, read by pc_zero's gradient clipping: this
+                # parameter's norm sums over the tensor-parallel group.
+                param.tensor_model_parallel = True  # type: ignore[attr-defined]
+
+    def hook_sequence(self, blocks: list[nn.Module]) -> None:
+        """Sequence parallelism's hooks: the sequence split on entry to the
+        first block, gathered after the last and on entry to the modules
+        that read it whole."""
+        group = self.group
+        blocks[0].register_forward_pre_hook(
+            input_hook(partial(split_sequence, group)), with_kwargs=True
+        )
+        blocks[-1].register_forward_hook(partial(gather_output, group))
+        for block in blocks:
+            for path in self.policy.gather_at:
+                _get(block, path).register_forward_pre_hook(
+                    input_hook(partial(gather_sequence, group=group)), with_kwargs=True
+                )
+
+    def hook_partial_grads(self, blocks: list[nn.Module], names: dict[int, str]) -> list[str]:
+        """Hooks summing over the group the gradients that are partial on
+        each rank; returns those parameters' names."""
+        policy = self.policy
+        replicated: list[str] = []
+        for block in blocks:
+            # Whose gradient is partial on each rank, so summed over the group:
+            # under sequence parallelism, the parameters that see this rank's
+            # slice of the sequence (outside the gathered modules, and the row
+            # layers' biases, added after the reduce-scatter); always, the
+            # policy's grad_sum modules (norms over this rank's heads). Inside a
+            # gathered module the rest see the whole sequence and whole features.
+            partial_grad: set[int] = set()
+            for path in policy.grad_sum:
+                partial_grad.update(id(p) for p in _get(block, path).parameters())
+            if self.sequence_parallel:
+                whole = {id(p) for path in policy.gather_at for p in _get(block, path).parameters()}
+                for path in policy.row:
+                    bias = getattr(_get(block, path), "bias", None)
+                    if bias is not None:
+                        whole.discard(id(bias))
+                partial_grad.update(id(p) for p in block.parameters() if id(p) not in whole)
+            for param in block.parameters():
+                if (
+                    id(param) in partial_grad
+                    and id(param) not in self.sharded
+                    and param.requires_grad
+                ):
+                    param.register_hook(partial(sum_over_group, self.group))  # type: ignore[no-untyped-call]
+                    replicated.append(names[id(param)])
+        return replicated
+
+    def info(self, names: dict[int, str], replicated: list[str]) -> ShardInfo:
+        return ShardInfo(
+            policy=self.policy.name,
+            group=self.group,
+            tp_size=self.tp,
+            sequence_parallel=self.sequence_parallel,
+            vocab_size=self.vocab,
+            padded_vocab_size=self.padded,
+            sharded=tuple(n for p_id, n in names.items() if p_id in self.sharded),
+            replicated_in_blocks=tuple(replicated),
+            specs={
+                key: self.specs[id(value)]
+                for key, value in self.model.state_dict(keep_vars=True).items()
+                if id(value) in self.specs
+            },
+        )
+
+
+def shard_model(
+    model: M,
+    tp_group: dist.ProcessGroup | None = None,
+    policy: Policy | None = None,
+    *,
+    sequence_parallel: bool = False,
+    pad_vocab: bool = True,
+    materialize: Callable[[nn.Module], None] | None = None,
+) -> M:
+    """Shard ``model`` over ``tp_group`` (default: the world) in place and
+    return it. Every rank of the group must call it with the same model
+    (same weights: build it from the same seed, or load the same
+    checkpoint). ``policy`` defaults to the family's transformers plan, else
+    pc's policy for its ``config.model_type``, else one inferred from its
+    module tree (:func:`~pc_tensor.infer_plan`); ``pad_vocab=False`` turns a
+    vocabulary tp does not divide into an error instead of padding.
+
+    ``materialize``: for a model built without memory (lazily), called on
+    each layer right before its weights are split, and on the whole model
+    at the end for what is left (norms, biases, position embeddings); each
+    split layer's full weights are dropped at once, so the whole model
+    never exists on a rank (pc-booster passes pc-chunk's materialisation)."""
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "shard_model needs torch.distributed initialised (torchrun, or "
+            "dist.init_process_group) and a tensor-parallel group."
+        )
+    group = tp_group if tp_group is not None else dist.group.WORLD
+    assert group is not None
+    if model in _SHARDED:
+        raise ValueError("this model is already sharded (shard_model was called on it before).")
+    if policy is None:
+        from pc_tensor.inferred import policy_or_inferred
+
+        policy = policy_or_inferred(model)
+    _check_fits(model, policy, dist.get_world_size(group))
+    base, blocks, embedding = _locate(model, policy)
+    job = _Sharding(model, group, policy, sequence_parallel, materialize)
+    for block in blocks:
+        job.block(block)
+    new_embedding = job.embedding(base, embedding, pad_vocab)
+    job.lm_head(embedding, new_embedding)
+    job.check_ties()
     if materialize is not None:  # what no layer split: norms, biases, position embeddings
         materialize(model)
     names = {id(p): n for n, p in model.named_parameters()}
-    for param in model.parameters():
-        if id(param) in sharded:
-            # Megatron's marker, read by pc_zero's gradient clipping: this
-            # parameter's norm sums over the tensor-parallel group.
-            param.tensor_model_parallel = True  # type: ignore[attr-defined]
-    replicated: list[str] = []
+    job.mark_sharded()
     if sequence_parallel:
-        blocks[0].register_forward_pre_hook(
-            _input_hook(partial(_split_sequence, group)), with_kwargs=True
-        )
-        blocks[-1].register_forward_hook(partial(_gather_output, group))
-        for block in blocks:
-            for path in policy.gather_at:
-                _get(block, path).register_forward_pre_hook(
-                    _input_hook(partial(gather_sequence, group=group)), with_kwargs=True
-                )
-    for block in blocks:
-        # Whose gradient is partial on each rank, so summed over the group:
-        # under sequence parallelism, the parameters that see this rank's
-        # slice of the sequence (outside the gathered modules, and the row
-        # layers' biases, added after the reduce-scatter); always, the
-        # policy's grad_sum modules (norms over this rank's heads). Inside a
-        # gathered module the rest see the whole sequence and whole features.
-        partial_grad: set[int] = set()
-        for path in policy.grad_sum:
-            partial_grad.update(id(p) for p in _get(block, path).parameters())
-        if sequence_parallel:
-            whole = {id(p) for path in policy.gather_at for p in _get(block, path).parameters()}
-            for path in policy.row:
-                bias = getattr(_get(block, path), "bias", None)
-                if bias is not None:
-                    whole.discard(id(bias))
-            partial_grad.update(id(p) for p in block.parameters() if id(p) not in whole)
-        for param in block.parameters():
-            if id(param) in partial_grad and id(param) not in sharded and param.requires_grad:
-                param.register_hook(partial(_sum_over_group, group))
-                replicated.append(names[id(param)])
-    info = ShardInfo(
-        policy=policy.name,
-        group=group,
-        tp_size=tp,
-        sequence_parallel=sequence_parallel,
-        vocab_size=vocab,
-        padded_vocab_size=padded,
-        sharded=tuple(n for p_id, n in names.items() if p_id in sharded),
-        replicated_in_blocks=tuple(replicated),
-        specs={
-            key: specs[id(value)]
-            for key, value in model.state_dict(keep_vars=True).items()
-            if id(value) in specs
-        },
-    )
-    model.__dict__["_pc_tensor"] = info
+        job.hook_sequence(blocks)
+    replicated = job.hook_partial_grads(blocks, names)
+    _SHARDED[model] = job.info(names, replicated)
     return model
 
 
 def shard_info(model: nn.Module) -> ShardInfo:
     """What :func:`shard_model` did to ``model``."""
-    info = getattr(model, "_pc_tensor", None)
-    if not isinstance(info, ShardInfo):
+    info = _SHARDED.get(model)
+    if info is None:
         raise ValueError(f"{type(model).__name__} was not sharded with pc_tensor.shard_model.")
     return info
 
@@ -516,71 +497,6 @@ def gather_logits(logits: torch.Tensor, model: nn.Module) -> torch.Tensor:
     info = shard_info(model)
     full = gather_from_tp(logits, info.group, dim=-1)
     return full[..., : info.vocab_size]
-
-
-def unshard_tensor(tensor: torch.Tensor, spec: ShardSpec, group: dist.ProcessGroup) -> torch.Tensor:
-    """The full tensor, in the original layout, from every rank's ``tensor``
-    split as ``spec`` says (a collective over ``group``)."""
-    pieces = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(pieces, tensor.detach().contiguous(), group=group)
-    if spec.parts > 1:
-        blocks = [p.chunk(spec.parts, dim=spec.dim) for p in pieces]
-        full = torch.cat(
-            [torch.cat([b[k] for b in blocks], dim=spec.dim) for k in range(spec.parts)],
-            dim=spec.dim,
-        )
-    else:
-        full = torch.cat(pieces, dim=spec.dim)
-    if spec.size is not None:
-        full = full.narrow(spec.dim, 0, spec.size)
-    return full.t().contiguous() if spec.transpose else full
-
-
-def full_shape(spec: ShardSpec, local_shape: torch.Size, world: int) -> torch.Size:
-    """The full tensor's shape (original layout, padding dropped) of which
-    ``local_shape`` is one of ``world`` shards split as ``spec`` says."""
-    shape = list(local_shape)
-    shape[spec.dim] = spec.size if spec.size is not None else shape[spec.dim] * world
-    return torch.Size(reversed(shape) if spec.transpose else shape)
-
-
-def place_local_box(
-    spec: ShardSpec,
-    local_shape: torch.Size,
-    rank: int,
-    world: int,
-    offsets: tuple[int, ...],
-    sizes: tuple[int, ...],
-) -> list[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]:
-    """Where the box ``offsets`` / ``sizes`` of rank ``rank``'s shard (in
-    the shard's own layout) lies in the full tensor, as
-    :func:`unshard_tensor` assembles it: one ``(full offsets, local
-    offsets, local sizes)`` per contiguous part (a fused projection's
-    ``parts`` blocks land apart), padding rows dropped. The full box's
-    sizes are the local sizes, reversed where ``spec.transpose``; its
-    values are the local box's, transposed there. Index arithmetic only:
-    a sharded checkpoint writes each rank's pieces where they belong with
-    it, and reads them back from any other layout."""
-    dim = spec.dim
-    block = local_shape[dim] // spec.parts  # this rank's rows of one part
-    lo, hi = offsets[dim], offsets[dim] + sizes[dim]
-    out = []
-    for part in range(spec.parts):
-        start, stop = max(lo, part * block), min(hi, (part + 1) * block)
-        if start >= stop:
-            continue
-        where = part * block * world + rank * block + (start - part * block)
-        count = stop - start
-        if spec.size is not None:  # vocabulary padding past the real rows
-            count = min(count, spec.size - where)
-            if count <= 0:
-                continue
-        local_offsets, local_sizes, full_offsets = list(offsets), list(sizes), list(offsets)
-        local_offsets[dim], local_sizes[dim], full_offsets[dim] = start, count, where
-        if spec.transpose:
-            full_offsets.reverse()
-        out.append((tuple(full_offsets), tuple(local_offsets), tuple(local_sizes)))
-    return out
 
 
 def full_state_dict(model: nn.Module, *, grads: bool = False) -> dict[str, torch.Tensor]:
@@ -602,33 +518,6 @@ def full_state_dict(model: nn.Module, *, grads: bool = False) -> dict[str, torch
             else tensor.detach().clone()
         )
     return out
-
-
-def shard_tensor(
-    full: torch.Tensor, spec: ShardSpec, group: dist.ProcessGroup, local_shape: torch.Size
-) -> torch.Tensor:
-    """This rank's piece of ``full`` (original layout) split as ``spec``
-    says, shaped ``local_shape``: the inverse of :func:`unshard_tensor`."""
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    tensor = full.t() if spec.transpose else full
-    if spec.size is not None:  # padding rows up to the padded vocabulary
-        padded = local_shape[spec.dim] * world
-        extra = padded - tensor.shape[spec.dim]
-        if extra:
-            shape = list(tensor.shape)
-            shape[spec.dim] = extra
-            tensor = torch.cat([tensor, tensor.new_zeros(shape)], dim=spec.dim)
-    if spec.parts > 1:
-        pieces = [p.chunk(world, dim=spec.dim)[rank] for p in tensor.chunk(spec.parts, spec.dim)]
-        mine = torch.cat(pieces, dim=spec.dim)
-    else:
-        mine = tensor.chunk(world, dim=spec.dim)[rank]
-    if mine.shape != local_shape:
-        raise ValueError(
-            f"a full tensor of shape {tuple(full.shape)} does not shard to this rank's "
-            f"{tuple(local_shape)}: was it saved from another model?"
-        )
-    return mine.contiguous()
 
 
 def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> None:

@@ -13,7 +13,7 @@ the model's forward so that it takes the whole batch, keeps this rank's
 block of the sequence with its positions, and computes the loss of the
 whole sequence (next-token labels shifted before the split, divided by the
 tokens of the whole sequence, summed over the group). Gradients of the
-replicated parameters are partial sums per rank: :func:`sync_sequence_grads`
+replicated parameters are partial sums per rank: :func:`~pc_tensor.sync_sequence_grads`
 sums them over the group (under data parallelism, average over data-
 parallel ranks as usual after that).
 
@@ -37,14 +37,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from pc_tensor.sequence import group_for_attention, prepare, refuse_unsupported
+
 __all__ = [
     "ATTENTION",
     "heads_to_sequence",
-    "sequence_attention",
-    "sequence_lm_loss",
-    "sequence_positions",
     "sequence_to_heads",
-    "sync_sequence_grads",
+    "ulysses_attention",
     "ulysses_model",
 ]
 
@@ -111,23 +110,6 @@ def heads_to_sequence(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor
     return out
 
 
-class _SumOverGroup(torch.autograd.Function):
-    """Forward: the sum over the group (the whole sequence's loss on every
-    rank). Backward: each rank's own part, unchanged; the replicated
-    parameters' gradients are summed afterwards (sync_sequence_grads)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup, scale: float) -> torch.Tensor:
-        ctx.scale = scale
-        out = x.detach().clone()
-        dist.all_reduce(out, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return grad * ctx.scale if ctx.scale != 1.0 else grad, None, None
-
-
 def _kv_for_heads(x: torch.Tensor, heads: int, world: int, what: str) -> torch.Tensor:
     """Key/value heads made splittable over ``world`` next to ``heads``
     query heads: as they are when ``world`` divides them; each repeated
@@ -144,7 +126,7 @@ def _kv_for_heads(x: torch.Tensor, heads: int, world: int, what: str) -> torch.T
     )
 
 
-def _attention(
+def ulysses_attention(
     module: nn.Module,
     query: torch.Tensor,
     key: torch.Tensor,
@@ -157,10 +139,10 @@ def _attention(
     is_causal: bool | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    group = _group_of(module, "Ulysses attention", "ulysses_model")
+    group = group_for_attention(module, "Ulysses attention", "ulysses_model")
     world = dist.get_world_size(group)
     what = type(module).__name__
-    _refuse_unsupported(
+    refuse_unsupported(
         "Ulysses sequence parallelism", what, query.shape[2] * world, dropout, sliding_window,
         softcap,
     )  # fmt: skip
@@ -184,244 +166,6 @@ def _attention(
     return heads_to_sequence(out, group).transpose(1, 2).contiguous(), None
 
 
-# What both of pc's sequence-parallel attentions (Ulysses here, ring
-# attention in pc_tensor.ring) share: how a model is prepared for one, how
-# an attention call finds its group, and what either refuses.
-
-
-def _group_of(module: nn.Module, attention: str, maker: str) -> dist.ProcessGroup:
-    group: dist.ProcessGroup | None = getattr(module, "_pc_sequence_group", None)
-    if group is None:
-        raise RuntimeError(
-            f"{type(module).__name__} runs pc's {attention} but was not prepared by "
-            f"pc_tensor.{maker}."
-        )
-    return group
-
-
-def _refuse_unsupported(
-    label: str,
-    what: str,
-    total: int,
-    dropout: float,
-    sliding_window: int | None,
-    softcap: float | None,
-) -> None:
-    """What neither attention implements yet, refused with the numbers."""
-    if dropout:
-        raise ValueError(
-            f"{label}: {what} has attention dropout {dropout}; pc's attention for it runs "
-            "without it. Set the config's attention dropout to 0."
-        )
-    if sliding_window is not None and sliding_window < total:
-        raise ValueError(
-            f"{label}: {what} attends over a sliding window of {sliding_window} tokens, "
-            f"shorter than the sequence ({total}); sliding windows are not implemented yet."
-        )
-    if softcap:
-        raise ValueError(
-            f"{label}: {what} soft-caps its attention logits, which is not implemented yet."
-        )
-
-
-def _no_mask(*args: Any, **kwargs: Any) -> None:
-    """The mask pc's sequence-parallel attention is given: none (causality
-    is the attention's own; padding masks are refused at the forward)."""
-    return
-
-
-_registered: set[str] = set()
-
-
-def _register(name: str, attention: Any) -> None:
-    if name in _registered:
-        return
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
-
-    AttentionInterface.register(name, attention)
-    AttentionMaskInterface.register(name, _no_mask)
-    _registered.add(name)
-
-
-def _prepare(
-    model: nn.Module,
-    group: dist.ProcessGroup | None,
-    grad_scale: float,
-    attention: tuple[str, Any],
-    zigzag: bool,
-    label: str,
-) -> nn.Module:
-    """``model`` set to run the registered ``attention`` (name, function)
-    over ``group``, its forward wrapped to take the whole batch."""
-    group = _attend(model, group, attention)
-    causal = type(model).__name__.endswith("ForCausalLM")
-    model.forward = _SequenceForward(model.forward, group, causal, grad_scale, zigzag, label)
-    return model
-
-
-def _attend(
-    model: nn.Module, group: dist.ProcessGroup | None, attention: tuple[str, Any]
-) -> dist.ProcessGroup:
-    """``model``'s attention set to the registered ``attention`` over
-    ``group``; returns the group."""
-    name, function = attention
-    _register(name, function)
-    group = group if group is not None else dist.group.WORLD
-    assert group is not None
-    if getattr(model, "_pc_ulysses", None) is not None:
-        raise ValueError("this model already runs sequence parallelism (Ulysses or ring).")
-    for module in model.modules():
-        module.__dict__["_pc_sequence_group"] = group
-    setter: Any = getattr(model, "set_attn_implementation", None)
-    if callable(setter):
-        setter(name)
-    else:
-        config: Any = model.config
-        config._attn_implementation = name
-    model.__dict__["_pc_ulysses"] = group
-    return group
-
-
-def sequence_attention(model: nn.Module, group: dist.ProcessGroup, mode: str) -> nn.Module:
-    """Only the attention of :func:`ulysses_model` (``mode="all_to_all"``)
-    or :func:`~pc_tensor.ring_model` (``"ring_attn"``) over ``group``,
-    leaving the model's forward as it is: for callers that split the
-    sequence themselves (pipeline stages, with :func:`sequence_positions`
-    and :func:`sequence_lm_loss`). Returns the model."""
-    if mode == "all_to_all":
-        _attend(model, group, (ATTENTION, _attention))
-    elif mode == "ring_attn":
-        from pc_tensor.ring import RING_ATTENTION, prepare_links
-        from pc_tensor.ring import _attention as ring_attention
-
-        _attend(model, group, (RING_ATTENTION, ring_attention))
-        prepare_links(model)
-    else:
-        raise ValueError(f"mode must be 'all_to_all' or 'ring_attn', got {mode!r}.")
-    return model
-
-
-def sequence_positions(
-    total: int,
-    group: dist.ProcessGroup,
-    *,
-    zigzag: bool,
-    device: torch.device | None = None,
-    name: str = "sequence parallelism",
-) -> torch.Tensor:
-    """The positions of a ``total``-token sequence this rank of ``group``
-    holds: one contiguous block, or under ``zigzag`` (ring attention on a
-    causal model) blocks ``r`` and ``2 * world - 1 - r`` of ``2 * world``.
-    Raises ValueError when the sequence does not split so."""
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    parts = 2 * world if zigzag else world
-    if total % parts:
-        raise ValueError(
-            f"{name} over {world} ranks splits the sequence into {parts} equal "
-            f"blocks: {total} tokens do not divide by {parts}. Pad or cut the sequence to "
-            f"a multiple of {parts} (e.g. {total - total % parts} or "
-            f"{total + parts - total % parts})."
-        )
-    size = total // parts
-    blocks = [rank, parts - 1 - rank] if zigzag else [rank]
-    return torch.cat([torch.arange(b * size, (b + 1) * size, device=device) for b in blocks])
-
-
-def sequence_lm_loss(
-    logits: torch.Tensor,
-    labels: torch.Tensor,
-    group: dist.ProcessGroup,
-    *,
-    zigzag: bool,
-    grad_scale: float = 1.0,
-) -> torch.Tensor:
-    """The next-token loss of the whole sequence from this rank's share of
-    the logits (``[batch, share, vocab]``, the positions of
-    :func:`sequence_positions`) and the whole sequence's ``labels``
-    (``[batch, total]``, -100 ignored): the labels are shifted before the
-    split, the sum is divided by the whole sequence's targets, and the
-    result is summed over ``group`` (every rank gets the whole loss;
-    backward gives each rank its own part, times ``grad_scale``)."""
-    total = labels.shape[1]
-    mine = sequence_positions(total, group, zigzag=zigzag, device=labels.device)
-    shifted = nn.functional.pad(labels, (0, 1), value=-100)[:, 1:]
-    count = (shifted != -100).sum().clamp(min=1)
-    targets = shifted.index_select(1, mine).reshape(-1)
-    flat = logits.reshape(-1, logits.shape[-1]).float()
-    part = nn.functional.cross_entropy(flat, targets, ignore_index=-100, reduction="sum") / count
-    loss: torch.Tensor = _SumOverGroup.apply(part, group, grad_scale)  # type: ignore[no-untyped-call, unused-ignore]
-    return loss
-
-
-class _SequenceForward:
-    """The model's forward on the whole batch: this rank's share of the
-    sequence (one contiguous block; under ``zigzag``, blocks ``r`` and
-    ``2 * world - 1 - r`` of ``2 * world``, which balances causal
-    attention's work) with its positions; with ``labels``, the next-token
-    loss of the whole sequence (labels shifted before the split), summed
-    over the group, divided by the whole sequence's tokens."""
-
-    def __init__(
-        self,
-        forward: Any,
-        group: dist.ProcessGroup,
-        causal: bool,
-        grad_scale: float,
-        zigzag: bool = False,
-        name: str = "Ulysses sequence parallelism",
-    ) -> None:
-        self.forward, self.group, self.causal = forward, group, causal
-        self.grad_scale, self.zigzag, self.name = grad_scale, zigzag, name
-
-    def share(self, total: int, device: torch.device) -> torch.Tensor:
-        """The positions of the sequence this rank holds."""
-        return sequence_positions(
-            total, self.group, zigzag=self.zigzag, device=device, name=self.name
-        )
-
-    def __call__(
-        self,
-        input_ids: torch.Tensor | None = None,
-        labels: torch.Tensor | None = None,
-        position_ids: torch.Tensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        **kwargs: Any,
-    ) -> Any:
-        if input_ids is None:
-            raise ValueError(f"a model under {self.name} takes input_ids (the whole batch).")
-        if attention_mask is not None and not bool(attention_mask.bool().all()):
-            raise ValueError(
-                f"{self.name}: the batch has padding (an attention_mask with zeros), which "
-                "pc's sequence-parallel attention does not mask yet; pack the sequences or "
-                "pass batches without padding."
-            )
-        batch, total = input_ids.shape
-        mine = self.share(total, input_ids.device)
-        if position_ids is None:
-            position_ids = torch.arange(total, device=input_ids.device).expand(batch, -1)
-        local = {
-            "input_ids": input_ids.index_select(1, mine),
-            "position_ids": position_ids.index_select(1, mine),
-        }
-        if labels is None:
-            return self.forward(**local, **kwargs)
-        if not self.causal:
-            raise ValueError(
-                f"{self.name} computes the loss of causal language models; for another head, "
-                "call the model without labels and compute the loss from each rank's share "
-                "of the outputs."
-            )
-        shifted = nn.functional.pad(labels, (0, 1), value=-100)[:, 1:]
-        count = (shifted != -100).sum()
-        targets = shifted.index_select(1, mine.to(shifted.device)).contiguous()
-        out = self.forward(
-            **local, labels=targets, shift_labels=targets, num_items_in_batch=count, **kwargs
-        )
-        out["loss"] = _SumOverGroup.apply(out["loss"], self.group, self.grad_scale)  # type: ignore[no-untyped-call, unused-ignore]
-        return out
-
-
 def ulysses_model(
     model: nn.Module, group: dist.ProcessGroup | None = None, *, grad_scale: float = 1.0
 ) -> nn.Module:
@@ -431,15 +175,12 @@ def ulysses_model(
     gradients are multiplied by it, for a reduction that averages over the
     sequence-parallel ranks (DDP or ZeRO over data x sequence parallel
     ranks: pass the sequence-parallel size) instead of summing them
-    (:func:`sync_sequence_grads`)."""
-    return _prepare(
-        model, group, grad_scale, (ATTENTION, _attention), False, "Ulysses sequence parallelism"
+    (:func:`~pc_tensor.sync_sequence_grads`)."""
+    return prepare(
+        model,
+        group,
+        grad_scale,
+        (ATTENTION, ulysses_attention),
+        False,
+        "Ulysses sequence parallelism",
     )
-
-
-def sync_sequence_grads(model: nn.Module, group: dist.ProcessGroup | None = None) -> None:
-    """Sum every parameter's gradient over the sequence-parallel group: each
-    rank's is the part of its block of the sequence."""
-    for param in model.parameters():
-        if param.grad is not None:
-            dist.all_reduce(param.grad, group=group)

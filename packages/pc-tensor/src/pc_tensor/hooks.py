@@ -1,0 +1,124 @@
+"""What :func:`~pc_tensor.shard_model` runs around a model's own code:
+under sequence parallelism, the hooks that split the hidden states along
+the sequence before the first block, gather them after the last and before
+the modules that read the sequence whole; the gradient hook that sums a
+partial gradient over the group; and the forward that computes the loss
+from vocabulary-sharded logits."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pc_tensor.comm import gather_from_tp, split_to_tp
+from pc_tensor.layers import vocab_parallel_cross_entropy
+
+__all__ = [
+    "VocabParallelLossForward",
+    "gather_output",
+    "input_hook",
+    "split_sequence",
+    "sum_over_group",
+]
+
+
+def _hidden_arg(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[torch.Tensor | None, bool]:
+    """The hidden states a block or module was called with, and whether they
+    came as a keyword."""
+    if args and isinstance(args[0], torch.Tensor):
+        return args[0], False
+    value = kwargs.get("hidden_states")
+    return (value, True) if isinstance(value, torch.Tensor) else (None, False)
+
+
+def _replace_hidden(
+    args: tuple[Any, ...], kwargs: dict[str, Any], keyword: bool, value: torch.Tensor
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    if keyword:
+        kwargs = {**kwargs, "hidden_states": value}
+        return args, kwargs
+    return (value, *args[1:]), kwargs
+
+
+def input_hook(
+    transform: Any,
+) -> Any:
+    def hook(
+        module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        hidden, keyword = _hidden_arg(args, kwargs)
+        if hidden is None:
+            raise TypeError(
+                f"sequence parallelism: {type(module).__name__} was called without a "
+                "hidden_states tensor as its first argument or keyword."
+            )
+        return _replace_hidden(args, kwargs, keyword, transform(hidden))
+
+    return hook
+
+
+def split_sequence(group: dist.ProcessGroup, hidden: torch.Tensor) -> torch.Tensor:
+    world = dist.get_world_size(group)
+    if hidden.dim() < 2 or hidden.shape[1] % world:
+        raise ValueError(
+            f"sequence parallelism splits the sequence (dim 1) over {world} ranks, but the "
+            f"hidden states have shape {tuple(hidden.shape)}; pad the sequence length to a "
+            f"multiple of {world} (or shard with sequence_parallel=False)."
+        )
+    return split_to_tp(hidden, group, dim=1)
+
+
+def gather_output(group: dist.ProcessGroup, module: nn.Module, args: Any, output: Any) -> Any:
+    if isinstance(output, torch.Tensor):
+        return gather_from_tp(output, group, dim=1)
+    if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
+        return (gather_from_tp(output[0], group, dim=1), *output[1:])
+    raise TypeError(
+        f"sequence parallelism: the last block ({type(module).__name__}) returned "
+        f"{type(output).__name__}; expected a tensor or a tuple starting with one."
+    )
+
+
+def sum_over_group(group: dist.ProcessGroup, grad: torch.Tensor) -> torch.Tensor:
+    grad = grad.clone()
+    dist.all_reduce(grad, group=group)
+    return grad
+
+
+class VocabParallelLossForward:
+    """Replaces the forward of a model whose LM head is vocabulary-sharded:
+    the labels are kept from the original forward (which would compute the
+    loss over the full vocabulary it no longer has, some inline, some
+    through ``loss_function``), and the loss is computed here from the
+    sharded logits, as ``transformers`` defines it: next-token (labels
+    shifted by one) for causal models, position-wise for masked ones;
+    ``-100`` ignored; ``num_items_in_batch`` and ``shift_labels`` honoured."""
+
+    def __init__(self, forward: Any, group: dist.ProcessGroup, causal: bool) -> None:
+        self.forward, self.group, self.causal = forward, group, causal
+
+    def __call__(self, *args: Any, labels: torch.Tensor | None = None, **kwargs: Any) -> Any:
+        num_items = kwargs.pop("num_items_in_batch", None)
+        shift_labels = kwargs.pop("shift_labels", None)
+        out = self.forward(*args, **kwargs)
+        if shift_labels is not None:
+            target = shift_labels
+        elif labels is None:
+            return out
+        elif self.causal:
+            target = nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
+        else:
+            target = labels
+        logits = out["logits"] if isinstance(out, dict) else out[0]
+        loss = vocab_parallel_cross_entropy(
+            logits.float().reshape(-1, logits.shape[-1]),
+            target.to(logits.device).reshape(-1),
+            self.group,
+            num_items=num_items,
+        )
+        if isinstance(out, tuple):
+            return (loss, *out)
+        return type(out)(loss=loss, **{k: v for k, v in out.items() if k != "loss"})
