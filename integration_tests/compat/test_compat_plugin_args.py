@@ -355,7 +355,7 @@ def check_torch_ddp_amp() -> None:
         moved = any(not torch.equal(before[n], p) for n, p in model.named_parameters())
         assert moved
         if precision == "fp16":  # an overflowing step is skipped and the scale backs off
-            scaler = optimizer.policy.scaler
+            scaler = optimizer.policy.amp.scaler
             assert scaler.scale == 2.0**8
             booster.backward(model(input_ids=ids, labels=ids).loss * float("inf"), optimizer)
             before = {n: p.detach().clone() for n, p in model.named_parameters()}

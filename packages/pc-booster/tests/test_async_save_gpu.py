@@ -69,7 +69,7 @@ PLUGINS = {
 }
 
 
-def _boosted(make: object) -> tuple[Booster, torch.nn.Module, object]:
+def _boosted(make: object) -> tuple[Booster, torch.nn.Module, torch.optim.Optimizer]:
     plugin: Plugin = make()  # type: ignore[operator]
     booster = Booster(plugin=plugin)
     torch.manual_seed(0)
@@ -79,12 +79,14 @@ def _boosted(make: object) -> tuple[Booster, torch.nn.Module, object]:
     return booster, model, optimizer
 
 
-def _step(booster: Booster, model: torch.nn.Module, optimizer: object, seed: int) -> None:
+def _step(
+    booster: Booster, model: torch.nn.Module, optimizer: torch.optim.Optimizer, seed: int
+) -> None:
     ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(seed)).cuda()
     torch.cuda._sleep(_SPIN)  # type: ignore[no-untyped-call]
     booster.backward(model(input_ids=ids, labels=ids).loss, optimizer)
-    optimizer.step()  # type: ignore[attr-defined]
-    optimizer.zero_grad()  # type: ignore[attr-defined]
+    optimizer.step()
+    optimizer.zero_grad()
 
 
 @pytest.fixture

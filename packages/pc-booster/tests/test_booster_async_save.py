@@ -43,14 +43,16 @@ PLUGINS: dict[str, Callable[[], Plugin]] = {
 }
 
 
-def _step(booster: Booster, model: torch.nn.Module, optimizer: object, seed: int) -> None:
+def _step(
+    booster: Booster, model: torch.nn.Module, optimizer: torch.optim.Optimizer, seed: int
+) -> None:
     ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(seed))
     booster.backward(model(input_ids=ids, labels=ids).loss, optimizer)
-    optimizer.step()  # type: ignore[attr-defined]
-    optimizer.zero_grad()  # type: ignore[attr-defined]
+    optimizer.step()
+    optimizer.zero_grad()
 
 
-def _boosted(plugin: str, lr: float) -> tuple[Booster, torch.nn.Module, object]:
+def _boosted(plugin: str, lr: float) -> tuple[Booster, torch.nn.Module, torch.optim.Optimizer]:
     booster = Booster(plugin=PLUGINS[plugin]())
     torch.manual_seed(0)
     model = tiny_gpt2(vocab_size=64)

@@ -83,7 +83,7 @@ def test_ddp_options(options: dict[str, Any]) -> None:
 
 
 @FAST
-@given(_options(["stage", "reduce_bucket_size", "overlap_communication", "clip_grad_norm",
+@given(_options(["stage", "reduce_bucket_size", "overlap_communication", "max_norm",
                  "cpu_offload", "partition_grad"]))  # fmt: skip
 def test_low_level_zero_options(options: dict[str, Any]) -> None:
     def build() -> Any:

@@ -35,5 +35,5 @@ def test_defaults_are_accepted_in_fp32_and_when_nothing_is_known(
 def test_precision_parsing() -> None:
     assert TrainPrecision.parse(None) is TrainPrecision.FP32
     assert TrainPrecision.parse("bf16") is TrainPrecision.BF16
-    with pytest.raises(ValueError, match="precision must be one of"):
+    with pytest.raises(ValueError, match="precision must be 'fp16', 'bf16', 'fp32' or None"):
         TrainPrecision.parse("fp8")

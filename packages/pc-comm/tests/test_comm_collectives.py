@@ -7,6 +7,9 @@ inputs of all ranks, exactly as one process would.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -94,90 +97,130 @@ def make_comm(backend: str) -> Communicator:
     return _COMMS[backend]
 
 
+@dataclass(frozen=True)
+class _Case:
+    """One sub-case of :func:`check_collective` on this rank."""
+
+    comm: Communicator
+    rank: int
+    world: int
+    dtype: torch.dtype
+    size: int
+    async_op: bool
+
+    def input(self, rank: int, numel: int | None = None, salt: int = 0) -> torch.Tensor:
+        return rank_input(rank, self.size if numel is None else numel, self.dtype, salt=salt)
+
+
+def _check_all_reduce(c: _Case) -> None:
+    for op in REDUCTIONS:
+        tensor = c.input(c.rank)
+        c.comm.all_reduce(tensor, op, async_op=c.async_op).wait()
+        assert_matches(tensor, reference_reduce(_all_inputs(c.world, c.size, c.dtype), op))
+
+
+def _check_reduce_scatter(c: _Case) -> None:
+    size, rank = c.size, c.rank
+    for op in (ReduceOp.SUM, ReduceOp.AVG):
+        full = c.input(rank, c.world * size)
+        out = torch.empty(size, dtype=c.dtype)
+        c.comm.reduce_scatter(out, full, op, async_op=c.async_op).wait()
+        everyone = _all_inputs(c.world, c.world * size, c.dtype)
+        expected = reference_reduce(everyone, op)[rank * size : (rank + 1) * size]
+        assert_matches(out, expected)
+
+
+def _check_reduce_scatter_list(c: _Case) -> None:
+    # Uneven: slot i has size + i elements.
+    size, rank = c.size, c.rank
+    for op in (ReduceOp.SUM, ReduceOp.AVG):
+        slots = [c.input(rank, size + i, salt=i) for i in range(c.world)]
+        out = torch.empty(size + rank, dtype=c.dtype)
+        c.comm.reduce_scatter_list(out, slots, op, async_op=c.async_op).wait()
+        mine = torch.stack([c.input(r, size + rank, salt=rank) for r in range(c.world)])
+        assert_matches(out, reference_reduce(mine, op))
+
+
+def _check_all_gather(c: _Case) -> None:
+    out = torch.empty(c.world * c.size, dtype=c.dtype)
+    c.comm.all_gather(out, c.input(c.rank), async_op=c.async_op).wait()
+    assert_matches(out, _all_inputs(c.world, c.size, c.dtype).reshape(-1))
+
+
+def _check_all_gather_list(c: _Case) -> None:
+    # Uneven: rank r contributes size + r elements.
+    outs = [torch.empty(c.size + r, dtype=c.dtype) for r in range(c.world)]
+    c.comm.all_gather_list(outs, c.input(c.rank, c.size + c.rank), async_op=c.async_op).wait()
+    for r, out in enumerate(outs):
+        assert_matches(out, c.input(r, c.size + r))
+
+
+def _check_broadcast(c: _Case) -> None:
+    src = c.world - 1
+    tensor = c.input(c.rank)
+    c.comm.broadcast(tensor, src, async_op=c.async_op).wait()
+    assert_matches(tensor, c.input(src))
+
+
+def _check_send_recv(c: _Case) -> None:
+    # A ring through batch_p2p, then a plain pair between ranks 0 and 1.
+    rank, world = c.rank, c.world
+    nxt, prev = (rank + 1) % world, (rank - 1) % world
+    got = torch.empty(c.size, dtype=c.dtype)
+    handles = c.comm.batch_p2p(
+        [
+            P2POp(P2PKind.SEND, c.input(rank), nxt),
+            P2POp(P2PKind.RECV, got, prev),
+        ]
+    )
+    for handle in handles:
+        handle.wait()
+    assert_matches(got, c.input(prev))
+    if rank == 0:
+        c.comm.send(c.input(0, salt=5), 1, async_op=c.async_op).wait()
+    elif rank == 1:
+        got = torch.empty(c.size, dtype=c.dtype)
+        c.comm.recv(got, 0, async_op=c.async_op).wait()
+        assert_matches(got, c.input(0, salt=5))
+
+
+def _check_coalesced(c: _Case) -> None:
+    size, world = c.size, c.world
+    tensors = [c.input(c.rank, size + i, salt=i) for i in range(3)]
+    tensors.append(rank_input(c.rank, size, torch.float32, salt=9))  # a second dtype
+    handle = all_reduce_coalesced(c.comm, tensors, ReduceOp.AVG, async_op=c.async_op)
+    handle.wait()
+    assert handle.is_completed()
+    for i, tensor in enumerate(tensors[:3]):
+        everyone = torch.stack([c.input(r, size + i, salt=i) for r in range(world)])
+        assert_matches(tensor, reference_reduce(everyone, ReduceOp.AVG))
+    everyone = torch.stack([rank_input(r, size, torch.float32, salt=9) for r in range(world)])
+    assert_matches(tensors[3], reference_reduce(everyone, ReduceOp.AVG))
+
+
+_CHECKS: dict[str, Callable[[_Case], None]] = {
+    "all_reduce": _check_all_reduce,
+    "reduce_scatter": _check_reduce_scatter,
+    "reduce_scatter_list": _check_reduce_scatter_list,
+    "all_gather": _check_all_gather,
+    "all_gather_list": _check_all_gather_list,
+    "broadcast": _check_broadcast,
+    "send_recv": _check_send_recv,
+    "coalesced": _check_coalesced,
+}
+
+
 def check_collective(
     kind: str, dtype: torch.dtype, size: int, async_op: bool, backend: str = "torch"
 ) -> None:
     comm = make_comm(backend)
     rank, world = comm.rank, comm.world_size
     assert (rank, world) == (dist.get_rank(), dist.get_world_size())
-
-    if kind == "all_reduce":
-        for op in REDUCTIONS:
-            tensor = rank_input(rank, size, dtype)
-            comm.all_reduce(tensor, op, async_op=async_op).wait()
-            assert_matches(tensor, reference_reduce(_all_inputs(world, size, dtype), op))
-
-    elif kind == "reduce_scatter":
-        for op in (ReduceOp.SUM, ReduceOp.AVG):
-            full = rank_input(rank, world * size, dtype)
-            out = torch.empty(size, dtype=dtype)
-            comm.reduce_scatter(out, full, op, async_op=async_op).wait()
-            everyone = _all_inputs(world, world * size, dtype)
-            expected = reference_reduce(everyone, op)[rank * size : (rank + 1) * size]
-            assert_matches(out, expected)
-
-    elif kind == "reduce_scatter_list":
-        # Uneven: slot i has size + i elements.
-        for op in (ReduceOp.SUM, ReduceOp.AVG):
-            slots = [rank_input(rank, size + i, dtype, salt=i) for i in range(world)]
-            out = torch.empty(size + rank, dtype=dtype)
-            comm.reduce_scatter_list(out, slots, op, async_op=async_op).wait()
-            mine = torch.stack([rank_input(r, size + rank, dtype, salt=rank) for r in range(world)])
-            assert_matches(out, reference_reduce(mine, op))
-
-    elif kind == "all_gather":
-        out = torch.empty(world * size, dtype=dtype)
-        comm.all_gather(out, rank_input(rank, size, dtype), async_op=async_op).wait()
-        assert_matches(out, _all_inputs(world, size, dtype).reshape(-1))
-
-    elif kind == "all_gather_list":
-        # Uneven: rank r contributes size + r elements.
-        outs = [torch.empty(size + r, dtype=dtype) for r in range(world)]
-        comm.all_gather_list(outs, rank_input(rank, size + rank, dtype), async_op=async_op).wait()
-        for r, out in enumerate(outs):
-            assert_matches(out, rank_input(r, size + r, dtype))
-
-    elif kind == "broadcast":
-        src = world - 1
-        tensor = rank_input(rank, size, dtype)
-        comm.broadcast(tensor, src, async_op=async_op).wait()
-        assert_matches(tensor, rank_input(src, size, dtype))
-
-    elif kind == "send_recv" and backend.startswith(("torch", "hier")):
-        # A ring through batch_p2p, then a plain pair between ranks 0 and 1.
-        nxt, prev = (rank + 1) % world, (rank - 1) % world
-        got = torch.empty(size, dtype=dtype)
-        handles = comm.batch_p2p(
-            [
-                P2POp(P2PKind.SEND, rank_input(rank, size, dtype), nxt),
-                P2POp(P2PKind.RECV, got, prev),
-            ]
-        )
-        for handle in handles:
-            handle.wait()
-        assert_matches(got, rank_input(prev, size, dtype))
-        if rank == 0:
-            comm.send(rank_input(0, size, dtype, salt=5), 1, async_op=async_op).wait()
-        elif rank == 1:
-            got = torch.empty(size, dtype=dtype)
-            comm.recv(got, 0, async_op=async_op).wait()
-            assert_matches(got, rank_input(0, size, dtype, salt=5))
-
-    elif kind == "coalesced":
-        tensors = [rank_input(rank, size + i, dtype, salt=i) for i in range(3)]
-        tensors.append(rank_input(rank, size, torch.float32, salt=9))  # a second dtype
-        handle = all_reduce_coalesced(comm, tensors, ReduceOp.AVG, async_op=async_op)
-        handle.wait()
-        assert handle.is_completed()
-        for i, tensor in enumerate(tensors[:3]):
-            everyone = torch.stack([rank_input(r, size + i, dtype, salt=i) for r in range(world)])
-            assert_matches(tensor, reference_reduce(everyone, ReduceOp.AVG))
-        everyone = torch.stack([rank_input(r, size, torch.float32, salt=9) for r in range(world)])
-        assert_matches(tensors[3], reference_reduce(everyone, ReduceOp.AVG))
-
-    elif kind != "send_recv":
+    if kind not in _CHECKS:
         raise AssertionError(f"unknown kind {kind}")
-
+    # Point-to-point is checked where the communicator has it (torch, hier).
+    if kind != "send_recv" or backend.startswith(("torch", "hier")):
+        _CHECKS[kind](_Case(comm, rank, world, dtype, size, async_op))
     comm.barrier()
 
 

@@ -3,6 +3,9 @@ batch: losses and parameters equal at fp32 tolerance, step after step."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -70,6 +73,84 @@ def _comm(backend: str) -> Communicator:
     return _COMMS[backend]
 
 
+def _build(model_name: str) -> nn.Module:
+    torch.manual_seed(0)
+    if model_name == "gpt2":
+        return _gpt2()
+    return SmallCNN(with_unused=model_name == "cnn_unused")
+
+
+def _optimizers(
+    model_name: str, reference: nn.Module, ddp: nn.Module
+) -> tuple[torch.optim.Optimizer, torch.optim.Optimizer]:
+    """The reference's optimizer and the DDP replica's, the same kind."""
+    if model_name == "gpt2":
+        # GPT-2's key bias has a mathematically zero gradient (softmax ignores
+        # a shift), so it holds ~1e-12 of rounding noise whose sign depends on
+        # summation order; Adam would turn that noise into full-lr steps.
+        # SGD keeps the comparison about the reduction, not about noise.
+        return (
+            torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9),
+            torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9),
+        )
+    return (
+        torch.optim.AdamW(reference.parameters(), lr=1e-2),
+        torch.optim.AdamW(ddp.parameters(), lr=1e-2),
+    )
+
+
+def _loss_of(
+    model_name: str, model: nn.Module, step: int, micro: int, lo: int, hi: int
+) -> torch.Tensor:
+    """The loss of rows ``lo:hi`` of the global batch of ``(step, micro)``."""
+    if model_name == "gpt2":
+        gen = torch.Generator().manual_seed(1000 * step + micro)
+        ids = torch.randint(0, 97, (GLOBAL_BATCH, 16), generator=gen)[lo:hi]
+        out: torch.Tensor = model(input_ids=ids, labels=ids).loss
+        return out
+    x, y = _cnn_batch(10 * step + micro)
+    cnn_loss: torch.Tensor = nn.CrossEntropyLoss()(model(x[lo:hi]), y[lo:hi])
+    return cnn_loss
+
+
+def _accumulate(
+    model_name: str,
+    model: nn.Module,
+    step: int,
+    accumulate: int,
+    rows: tuple[int, int],
+    no_sync: Callable[[], AbstractContextManager[None]] | None = None,
+) -> torch.Tensor:
+    """Backward over ``accumulate`` micro-batches (all but the last under
+    ``no_sync`` when given); returns the summed loss."""
+    total = torch.zeros(())
+    for micro in range(accumulate):
+        loss = _loss_of(model_name, model, step, micro, *rows) / accumulate
+        if no_sync is not None and micro < accumulate - 1:
+            with no_sync():
+                _backward(loss)
+        else:
+            _backward(loss)
+        total += loss.detach()
+    return total
+
+
+def _assert_grads_match(ddp: DistributedDataParallel, reference: nn.Module) -> None:
+    for (name, p), q in zip(ddp.module.named_parameters(), reference.parameters(), strict=True):
+        if q.grad is not None:  # the averaged gradient itself, before any optimizer
+            assert p.grad is not None, name
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def _assert_params_match(
+    ddp: DistributedDataParallel, reference: nn.Module, model_name: str, step: int
+) -> None:
+    for (name, p), q in zip(ddp.module.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=f"{name} at step {step}")
+        if model_name == "cnn_unused" and name.startswith("unused"):
+            assert p.grad is None  # unused everywhere: left alone, as torch DDP does
+
+
 def check_ddp(
     model_name: str,
     backend: str,
@@ -81,14 +162,7 @@ def check_ddp(
     comm = _comm(backend)
     rank, world = comm.rank, comm.world_size
     shard = GLOBAL_BATCH // world
-
-    def build() -> nn.Module:
-        torch.manual_seed(0)
-        if model_name == "gpt2":
-            return _gpt2()
-        return SmallCNN(with_unused=model_name == "cnn_unused")
-
-    reference, local = build(), build()
+    reference, local = _build(model_name), _build(model_name)
     if rank == 1:  # DDP must start every replica from rank 0's weights
         with torch.no_grad():
             for p in local.parameters():
@@ -102,60 +176,20 @@ def check_ddp(
         find_unused_parameters=model_name == "cnn_unused",
         gradient_as_bucket_view=as_view,
     )
-    if model_name == "gpt2":
-        # GPT-2's key bias has a mathematically zero gradient (softmax ignores
-        # a shift), so it holds ~1e-12 of rounding noise whose sign depends on
-        # summation order; Adam would turn that noise into full-lr steps.
-        # SGD keeps the comparison about the reduction, not about noise.
-        ref_opt: torch.optim.Optimizer = torch.optim.SGD(
-            reference.parameters(), lr=0.1, momentum=0.9
-        )
-        opt: torch.optim.Optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
-    else:
-        ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
-        opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
-    loss_fn = nn.CrossEntropyLoss()
-
-    def loss_of(model: nn.Module, step: int, micro: int, lo: int, hi: int) -> torch.Tensor:
-        if model_name == "gpt2":
-            gen = torch.Generator().manual_seed(1000 * step + micro)
-            ids = torch.randint(0, 97, (GLOBAL_BATCH, 16), generator=gen)[lo:hi]
-            out: torch.Tensor = model(input_ids=ids, labels=ids).loss
-            return out
-        x, y = _cnn_batch(10 * step + micro)
-        cnn_loss: torch.Tensor = loss_fn(model(x[lo:hi]), y[lo:hi])
-        return cnn_loss
-
+    ref_opt, opt = _optimizers(model_name, reference, ddp)
     for step in range(STEPS):
         ref_opt.zero_grad()
-        ref_total = torch.zeros(())
-        for micro in range(accumulate):
-            ref_loss = loss_of(reference, step, micro, 0, GLOBAL_BATCH) / accumulate
-            _backward(ref_loss)
-            ref_total += ref_loss.detach()
+        ref_total = _accumulate(model_name, reference, step, accumulate, (0, GLOBAL_BATCH))
         ref_opt.step()
 
         opt.zero_grad(set_to_none=set_to_none)
-        total = torch.zeros(())
-        for micro in range(accumulate):
-            loss = loss_of(ddp, step, micro, rank * shard, (rank + 1) * shard) / accumulate
-            if micro < accumulate - 1:
-                with ddp.no_sync():
-                    _backward(loss)
-            else:
-                _backward(loss)
-            total += loss.detach()
-        for (name, p), q in zip(ddp.module.named_parameters(), reference.parameters(), strict=True):
-            if q.grad is not None:  # the averaged gradient itself, before any optimizer
-                assert p.grad is not None, name
-                torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
+        rows = (rank * shard, (rank + 1) * shard)
+        total = _accumulate(model_name, ddp, step, accumulate, rows, ddp.no_sync)
+        _assert_grads_match(ddp, reference)
         opt.step()
         comm.all_reduce(total, ReduceOp.AVG)
         torch.testing.assert_close(total, ref_total, rtol=1e-5, atol=1e-6)
-        for (name, p), q in zip(ddp.module.named_parameters(), reference.parameters(), strict=True):
-            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=f"{name} at step {step}")
-            if model_name == "cnn_unused" and name.startswith("unused"):
-                assert p.grad is None  # unused everywhere: left alone, as torch DDP does
+        _assert_params_match(ddp, reference, model_name, step)
     if backend == "torch":
         ddp.reducer.stop()
     assert dist.get_world_size() == world

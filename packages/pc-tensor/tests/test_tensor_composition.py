@@ -48,7 +48,7 @@ def check_zero_with_tensor_parallel(
         _adamw(model.parameters()),
         stage=stage,
         dp_process_group=groups.dp,
-        clip_grad_norm=clip,
+        max_norm=clip,
         tp_process_group=groups.tp,
     )
     ref_opt = _adamw(ref.parameters())

@@ -122,7 +122,7 @@ def _stage_optimizer(
             dp_process_group=dp,
             model_parallel_groups=[pp],
             counts_toward_norm=lambda p: p is not tied or rank == 0,
-            clip_grad_norm=CLIP,
+            max_norm=CLIP,
             loss_scale=loss_scale,
         )
     else:
@@ -133,7 +133,7 @@ def _stage_optimizer(
             adamw,
             dp_process_group=dp,
             tp_process_group=pp,
-            clip_grad_norm=CLIP,
+            max_norm=CLIP,
             loss_scale=loss_scale,
         )
     return opt, pp

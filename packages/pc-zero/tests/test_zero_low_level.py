@@ -81,7 +81,7 @@ def check_parity(
         _optimizer(optim, _groups(model, two_groups)),
         stage=stage,
         cpu_offload=offload,
-        clip_grad_norm=clip,
+        max_norm=clip,
         reduce_bucket_size=40,  # several buckets, some holding one parameter
     )
     clipped = 0

@@ -15,10 +15,12 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.optim import Optimizer
 
 from pc_booster.checkpoint import CheckpointIO
 from pc_booster.plugin import Plugin, Precision, SupportsNoSync, SupportsPipeline
 from pc_booster.rules import TrainPrecision
+from pc_booster.step_policies import GradientStep
 from pc_booster.wrappers import BoostedOptimizer, inner_optimizer
 
 __all__ = ["Booster"]
@@ -40,18 +42,20 @@ class Booster:
     def __init__(
         self, plugin: Plugin | None = None, mixed_precision: Precision | str = None
     ) -> None:
-        if mixed_precision not in (None, "fp32", "fp16", "bf16"):
-            raise ValueError(
-                f"mixed_precision must be 'fp16', 'bf16', 'fp32' or None, got {mixed_precision!r}."
-            )
+        # The precision asked for, parsed once here (None: the plugin's, else the model's).
+        self.precision = (
+            TrainPrecision.parse(mixed_precision, "mixed_precision")
+            if mixed_precision is not None
+            else None
+        )
         if plugin is None:
             from pc_booster.plugins import TorchDDPPlugin
 
             plugin = TorchDDPPlugin()
         if not isinstance(plugin, Plugin):
             raise TypeError(f"plugin must be a pc_booster Plugin, got {type(plugin).__name__}.")
-        if mixed_precision is not None:  # the plugin's rules, at construction
-            plugin.validate_later(precision=TrainPrecision.parse(mixed_precision))
+        if self.precision is not None:  # the plugin's rules, at construction
+            plugin.validate_later(precision=self.precision)
         self.plugin = plugin
         self.mixed_precision: Precision | str = mixed_precision
         # Checkpoints: pc_booster.checkpoint, which these methods call.
@@ -74,11 +78,13 @@ class Booster:
         if not isinstance(model, nn.Module):
             raise TypeError(f"boost() takes an nn.Module, got {type(model).__name__}.")
         boosted = self.plugin.boost(
-            model, optimizer, criterion, dataloader, lr_scheduler, self.mixed_precision
+            model, optimizer, criterion, dataloader, lr_scheduler, self.precision
         )
         wrapped = None
         if boosted.optimizer is not None:
-            wrapped = BoostedOptimizer(boosted.optimizer, self.plugin, boosted.step_policy)
+            # None: the plugin's optimizer scales and clips in its own step.
+            policy = boosted.step_policy or GradientStep(type(self.plugin).__name__)
+            wrapped = BoostedOptimizer(boosted.optimizer, self.plugin, policy)
         # A scheduler built over the user's optimizer keeps it where that is
         # the optimizer that steps (its step patch then counts every applied
         # step); over one a plugin rebuilt, it is re-pointed at the wrapper,
@@ -103,7 +109,7 @@ class Booster:
         the module, not a gathered copy)."""
         return self.plugin.boosted(model).module
 
-    def backward(self, loss: torch.Tensor, optimizer: Any) -> None:
+    def backward(self, loss: torch.Tensor, optimizer: Optimizer) -> None:
         """``loss.backward()`` as the plugin needs it (loss scaling)."""
         if isinstance(optimizer, BoostedOptimizer):
             optimizer.backward(loss)
@@ -111,7 +117,7 @@ class Booster:
             self.plugin.backward(loss, optimizer)
 
     def no_sync(
-        self, model: nn.Module | None = None, optimizer: Any = None
+        self, model: nn.Module | None = None, optimizer: Optimizer | None = None
     ) -> AbstractContextManager[None]:
         """Accumulate gradients without synchronising them."""
         if not isinstance(self.plugin, SupportsNoSync):
@@ -123,7 +129,7 @@ class Booster:
         data_iter: Iterator[Any],
         model: nn.Module,
         criterion: Any,
-        optimizer: Any = None,
+        optimizer: Optimizer | None = None,
         return_loss: bool = True,
         return_outputs: bool = False,
     ) -> dict[str, Any]:
@@ -163,8 +169,9 @@ class Booster:
         self.checkpoints.export_pretrained(model, directory, size_per_shard)
 
     def save_optimizer(
-        self, optimizer: Any, checkpoint: Path, shard: bool = False, gather_dtensor: bool = True,
-        prefix: str | None = None, size_per_shard: int | None = None, use_async: bool = False,
+        self, optimizer: Optimizer, checkpoint: Path, shard: bool = False,
+        gather_dtensor: bool = True, prefix: str | None = None, size_per_shard: int | None = None,
+        use_async: bool = False,
     ) -> Future[None] | None:  # fmt: skip
         """Write the optimizer's state; see :meth:`.CheckpointIO.save_optimizer`."""
         return self.checkpoints.save_optimizer(
@@ -172,7 +179,7 @@ class Booster:
         )
 
     def load_optimizer(
-        self, optimizer: Any, checkpoint: Path, low_cpu_mem_mode: bool = True,
+        self, optimizer: Optimizer, checkpoint: Path, low_cpu_mem_mode: bool = True,
         num_threads: int = 1,
     ) -> None:  # fmt: skip
         """Load an optimizer checkpoint; see :meth:`.CheckpointIO.load_optimizer`."""

@@ -15,7 +15,6 @@ at any world size load under any other:
 
 from __future__ import annotations
 
-import math
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
@@ -29,7 +28,6 @@ from torch.optim import Optimizer
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from pc_booster.canonical import CanonicalOptimizerState
-from pc_booster.clipping import clip_replicated
 from pc_booster.rules import (
     LossScaleOptions,
     RunSetting,
@@ -38,7 +36,8 @@ from pc_booster.rules import (
     options_signature,
     register_plugin,
 )
-from pc_booster.wrappers import StepPolicy, inner_optimizer
+from pc_booster.step_policies import GradientStep
+from pc_booster.wrappers import inner_optimizer
 
 if TYPE_CHECKING:
     from pc_booster.rules import PluginConfig
@@ -53,15 +52,16 @@ class Boosted:
     """What :meth:`Plugin.configure` returns and remembers per model."""
 
     model: nn.Module
-    optimizer: Any
+    optimizer: Optimizer | None
     criterion: Any
     dataloader: Any
     lr_scheduler: Any
     # The model as the user built it (unwrapped), for names and export.
     module: nn.Module
-    # How the returned optimizer steps (fp16 unscaling and skipping where
-    # the plugin's optimizer does not do it itself); None: the plain step.
-    step_policy: StepPolicy | None = None
+    # How the returned optimizer steps: scale, unscale, clip, skip or step
+    # [Note: one step policy]; None: an optimizer that does all of it in its
+    # own step (pc-zero's).
+    step_policy: GradientStep | None = None
 
 
 def _model_dtype(model: nn.Module) -> torch.dtype | None:
@@ -176,12 +176,7 @@ class Plugin(ABC):
         else the dtype the model was built in) [Note: precision default]."""
         if precision is None:
             return
-        if precision not in ("fp16", "bf16", "fp32"):
-            raise ValueError(
-                f"{type(self).__name__}: precision must be 'fp16', 'bf16' or 'fp32', got "
-                f"{precision!r}."
-            )
-        self.precision = TrainPrecision.parse(precision)
+        self.precision = TrainPrecision.parse(precision, f"{type(self).__name__}: precision")
         self.validate_later(precision=self.precision)
 
     def validate_later(self, **known: Any) -> None:
@@ -255,18 +250,19 @@ class Plugin(ABC):
         criterion: Any,
         dataloader: Any,
         lr_scheduler: Any,
-        precision: Precision | str,
+        precision: TrainPrecision | None,
     ) -> Boosted:
         """Check the rules against the model and precision, then wrap
-        [Note: model dtype]: the run trains in ``precision`` when given,
-        else in the dtype the model was built in."""
+        [Note: model dtype]: the run trains in ``precision`` (the Booster's
+        ``mixed_precision``) or the plugin's ``precision=`` when given, else
+        in the dtype the model was built in."""
         if not self.initialises_meta:
             _refuse_meta(model, type(self).__name__)
         dtype = _model_dtype(model)
-        asked = TrainPrecision.parse(precision) if precision is not None else None
+        asked = precision
         if asked is not None and self.precision is not None and asked is not self.precision:
             raise ValueError(
-                f"Booster(mixed_precision={precision!r}) and {type(self).__name__}(precision="
+                f"Booster(mixed_precision={asked.value!r}) and {type(self).__name__}(precision="
                 f"{self.precision.value!r}) disagree; give the precision once."
             )
         asked = asked or self.precision
@@ -307,7 +303,7 @@ class Plugin(ABC):
             )
         return found
 
-    def backward(self, loss: torch.Tensor, optimizer: Any) -> None:
+    def backward(self, loss: torch.Tensor, optimizer: Optimizer) -> None:
         """``loss.backward()``, through the plugin's optimizer when it
         scales losses itself (pc-zero's); ``optimizer`` is the one inside
         the :class:`~pc_booster.wrappers.BoostedOptimizer`."""
@@ -316,21 +312,6 @@ class Plugin(ABC):
             optimizer.backward(loss)
         else:
             loss.backward()  # type: ignore[no-untyped-call, unused-ignore]
-
-    def clip_grad_by_norm(
-        self, optimizer: Any, max_norm: float, error_if_nonfinite: bool = False
-    ) -> None:
-        """``optimizer.clip_grad_by_norm(max_norm)`` after backward, on
-        unscaled gradients (the step policy unscaled fp16 ones first): here
-        every rank holds whole gradients (after DDP's all-reduce) or FSDP2's
-        DTensor shards, whose norm torch reduces over the shards; plugins
-        that shard or scale gradients themselves override it."""
-        params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-        norm = clip_replicated(params, max_norm)
-        if error_if_nonfinite and not math.isfinite(norm):
-            raise RuntimeError(
-                f"clip_grad_by_norm: the gradients' total norm is {norm} (error_if_nonfinite=True)."
-            )
 
     def prepare_dataloader(
         self,
@@ -379,10 +360,12 @@ class Plugin(ABC):
     def load_model_state_dict(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None: ...
 
     @abstractmethod
-    def optimizer_state_dict(self, optimizer: Any) -> CanonicalOptimizerState: ...
+    def optimizer_state_dict(self, optimizer: Optimizer) -> CanonicalOptimizerState: ...
 
     @abstractmethod
-    def load_optimizer_state_dict(self, optimizer: Any, state: CanonicalOptimizerState) -> None: ...
+    def load_optimizer_state_dict(
+        self, optimizer: Optimizer, state: CanonicalOptimizerState
+    ) -> None: ...
 
     # -- sharded checkpoints [Note: sharded canonical state] ------------------------
 
@@ -401,7 +384,7 @@ class Plugin(ABC):
         return
 
     def sharded_optimizer_state(
-        self, optimizer: Any, saved: dict[str, dict[str, bool]] | None
+        self, optimizer: Optimizer, saved: dict[str, dict[str, bool]] | None
     ) -> dict[str, Any]:
         """This rank's share of the optimizer's canonical state, by DCP key.
         ``saved`` (loading): per parameter, the state keys the checkpoint
@@ -410,7 +393,7 @@ class Plugin(ABC):
             f"{type(self).__name__} does not save sharded checkpoints yet; use shard=False."
         )
 
-    def after_sharded_optimizer_load(self, optimizer: Any, state: dict[str, Any]) -> None:
+    def after_sharded_optimizer_load(self, optimizer: Optimizer, state: dict[str, Any]) -> None:
         """Install what a sharded load read that is not written in place
         (hyperparameters, scalars, the loss scale); by default nothing."""
         return
@@ -420,7 +403,9 @@ class SupportsNoSync(ABC):
     """Gradient accumulation without communication."""
 
     @abstractmethod
-    def no_sync(self, model: nn.Module, optimizer: Any) -> AbstractContextManager[None]: ...
+    def no_sync(
+        self, model: nn.Module, optimizer: Optimizer | None
+    ) -> AbstractContextManager[None]: ...
 
 
 class SupportsPipeline(ABC):
@@ -432,7 +417,7 @@ class SupportsPipeline(ABC):
         data_iter: Iterator[Any],
         model: nn.Module,
         criterion: Any,
-        optimizer: Any,
+        optimizer: Optimizer,
         return_loss: bool = True,
         return_outputs: bool = False,
     ) -> dict[str, Any]: ...

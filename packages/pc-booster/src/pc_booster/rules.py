@@ -58,8 +58,9 @@ class TrainPrecision(Enum):
         return 4 if self is TrainPrecision.FP32 else 2
 
     @staticmethod
-    def parse(value: object) -> TrainPrecision:
-        """``None`` / ``"fp32"`` / ``"bf16"`` / ``"fp16"`` or a torch dtype."""
+    def parse(value: object, what: str = "precision") -> TrainPrecision:
+        """``None`` / ``"fp32"`` / ``"bf16"`` / ``"fp16"`` or a torch dtype:
+        the one parser of a precision (``what``: the argument, for errors)."""
         if value is None:
             return TrainPrecision.FP32
         if isinstance(value, TrainPrecision):
@@ -73,9 +74,7 @@ class TrainPrecision(Enum):
                 return TrainPrecision(value)
             except ValueError:
                 pass
-        raise ValueError(
-            f"precision must be one of 'fp32', 'bf16', 'fp16' (or None for fp32), got {value!r}."
-        )
+        raise ValueError(f"{what} must be 'fp16', 'bf16', 'fp32' or None, got {value!r}.")
 
     @staticmethod
     def of_model(dtype: torch.dtype | None) -> TrainPrecision | None:

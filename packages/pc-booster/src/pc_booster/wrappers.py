@@ -7,9 +7,8 @@ pc-zero optimizer), which runs the plugin's gradient-step policy
 [Note: boosted optimizer]
 pc never changes the class of a user's object nor writes private state on
 it. Behaviour that belongs to a step (fp16 unscaling and overflow skipping)
-lives in a :class:`StepPolicy` held by the wrapper; behaviour that belongs
-to the optimizer's own step (clipping, which must see unscaled gradients)
-goes through torch's step pre-hooks of the inner optimizer. Objects the user
+and clipping live in the plugin's :class:`~pc_booster.step_policies.GradientStep`
+held by the wrapper [Note: one step policy]. Objects the user
 built before ``boost`` keep working: an LR scheduler built over the user's
 optimizer wraps that *instance's* ``step`` (torch's LRScheduler captures the
 class's function at construction, which is why a class swap broke fp16
@@ -30,49 +29,15 @@ from typing import Any, Protocol
 import torch
 from torch.optim import Optimizer
 
-__all__ = ["BoostedOptimizer", "PlainStep", "StepPolicy", "inner_optimizer"]
+from pc_booster.step_policies import GradientStep
 
-
-class StepPolicy(Protocol):
-    """How a plugin turns a loss into a step: the loss scale applied in
-    backward, unscaling (once per step), and the step itself (or a skip)."""
-
-    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """What backward runs on (the loss times the fp16 loss scale)."""
-        ...
-
-    def unscale(self, optimizer: Optimizer) -> bool:
-        """Bring this step's gradients to their true size, once; False
-        when they overflowed (the step will be skipped)."""
-        ...
-
-    def step(self, optimizer: Optimizer, closure: Any) -> tuple[bool, Any]:
-        """Run ``optimizer.step(closure)`` or skip it: (applied, result)."""
-        ...
+__all__ = ["BoostedOptimizer", "StepOwner", "inner_optimizer"]
 
 
 class StepOwner(Protocol):
     """What the wrapper asks of the plugin that boosted it."""
 
-    def backward(self, loss: torch.Tensor, optimizer: Any) -> None: ...
-
-    def clip_grad_by_norm(
-        self, optimizer: Any, max_norm: float, error_if_nonfinite: bool = False
-    ) -> None: ...
-
-
-class PlainStep:
-    """The step as it is: the plugin's optimizer scales and unscales itself
-    (pc-zero's), or nothing is scaled (fp32, bf16)."""
-
-    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        return loss
-
-    def unscale(self, optimizer: Optimizer) -> bool:
-        return True
-
-    def step(self, optimizer: Optimizer, closure: Any) -> tuple[bool, Any]:
-        return True, optimizer.step(closure)
+    def backward(self, loss: torch.Tensor, optimizer: Optimizer) -> None: ...
 
 
 class BoostedOptimizer(Optimizer):
@@ -82,18 +47,16 @@ class BoostedOptimizer(Optimizer):
     ``clip_grad_by_norm`` and ``unwrap`` are here. Any other attribute reads through to the inner
     optimizer (a pc-zero optimizer's ``memory()``, ``loss_scale``)."""
 
-    def __init__(
-        self, inner: Optimizer, plugin: StepOwner, policy: StepPolicy | None = None
-    ) -> None:
+    def __init__(self, inner: Optimizer, plugin: StepOwner, policy: GradientStep) -> None:
         # Optimizer.__init__ is not called: it would register the
         # parameters again in new param groups, and LR schedulers must
         # write the inner optimizer's. What it sets that the step hooks
         # use (torch's register_step_* methods write these) is set here.
         object.__setattr__(self, "inner", inner)
-        # The plugin that boosted it: backward and clipping are its.
+        # The plugin that boosted it: backward goes through it.
         self.plugin = plugin
-        # fp16 unscaling and overflow skipping, or the plain step.
-        self.policy: StepPolicy = policy if policy is not None else PlainStep()
+        # The step: scale, unscale, clip, skip or step [Note: one step policy].
+        self.policy = policy
         self._optimizer_step_pre_hooks: OrderedDict[int, Any] = OrderedDict()
         self._optimizer_step_post_hooks: OrderedDict[int, Any] = OrderedDict()
         self._optimizer_state_dict_pre_hooks: OrderedDict[int, Any] = OrderedDict()
@@ -225,10 +188,10 @@ class BoostedOptimizer(Optimizer):
                     "(error_if_nonfinite=True)."
                 )
             return
-        self.plugin.clip_grad_by_norm(self.inner, float(max_norm), error_if_nonfinite)
+        self.policy.clip(self.inner, float(max_norm), error_if_nonfinite)
 
 
-def inner_optimizer(optimizer: Any) -> Any:
+def inner_optimizer(optimizer: Optimizer | None) -> Any:
     """The plugin's optimizer behind what ``boost`` returned (or
     ``optimizer`` itself when it is not a :class:`BoostedOptimizer`)."""
     return optimizer.inner if isinstance(optimizer, BoostedOptimizer) else optimizer

@@ -262,31 +262,50 @@ class ChunkManager:
         self._hooked: dict[nn.Module, list[Chunk]] = {}  # module -> chunks its hooks drive
         self._init_driving()
         if units is not None:
-            self.order = [p for _, params in units for p in params if p.requires_grad]
-            self.chunk_size = 0
-            self._expected_chunks = sum(1 for _, ps in units if any(p.requires_grad for p in ps))
-            for unit, params in units:
-                mine = [p for p in params if p.requires_grad]
-                if not mine:
-                    continue
-                dtypes = {self._shard_dtype(p) for p in mine}
-                if len(dtypes) > 1:
-                    raise ValueError(
-                        f"a unit's parameters must share one dtype; {type(unit).__name__} has "
-                        f"{sorted(str(d) for d in dtypes)}. Cast the module first."
-                    )
-                numel = sum(p.numel() for p in mine)
-                chunk = self._new_chunk(-(-numel // world) * world, dtypes.pop())
-                for param in mine:
-                    self._init_param(param)
-                    chunk.append(param)
-                    self._where[param] = chunk
-                self._finish(chunk)
-                self._hooked[unit] = [chunk]
-            # [Note: tied weights reduce last]
-            self._shared: set[Chunk] = self._chunks_with_shared_parameters()
-            return
-        self.order = [p for p in execution_order(module, *example_inputs) if p.requires_grad]
+            self._pack_units(units, world)
+        else:
+            self._pack_in_order(
+                example_inputs, chunk_size, chunk_per_tensor, search_range, min_chunk_size, world
+            )
+        # Chunks holding a parameter that several modules use (a tied
+        # weight): reduced at the end of backward [Note: tied weights reduce
+        # last], however early their gradients seem complete.
+        self._shared: set[Chunk] = self._chunks_with_shared_parameters()
+
+    def _pack_units(
+        self, units: Sequence[tuple[nn.Module, Sequence[nn.Parameter]]], world: int
+    ) -> None:
+        """One chunk per unit, driven by the unit's hooks [Note: units]."""
+        self.order = [p for _, params in units for p in params if p.requires_grad]
+        self.chunk_size = 0
+        self._expected_chunks = sum(1 for _, ps in units if any(p.requires_grad for p in ps))
+        for unit, params in units:
+            mine = [p for p in params if p.requires_grad]
+            if not mine:
+                continue
+            dtypes = {self._shard_dtype(p) for p in mine}
+            if len(dtypes) > 1:
+                raise ValueError(
+                    f"a unit's parameters must share one dtype; {type(unit).__name__} has "
+                    f"{sorted(str(d) for d in dtypes)}. Cast the module first."
+                )
+            numel = sum(p.numel() for p in mine)
+            chunk = self._pack_chunk(-(-numel // world) * world, dtypes.pop(), mine)
+            self._hooked[unit] = [chunk]
+
+    def _pack_in_order(
+        self,
+        example_inputs: tuple[Any, ...],
+        chunk_size: int | None,
+        chunk_per_tensor: bool,
+        search_range: int,
+        min_chunk_size: int,
+        world: int,
+    ) -> None:
+        """Equal chunks (or one per tensor) packed in execution order, each
+        driven by the hooks of every module holding one of its parameters
+        [Note: execution order], [Note: oversized parameters]."""
+        self.order = [p for p in execution_order(self.module, *example_inputs) if p.requires_grad]
         if chunk_per_tensor and chunk_size is not None:
             raise ValueError(
                 f"chunk_per_tensor=True gives every parameter a chunk of its own size; "
@@ -307,23 +326,25 @@ class ChunkManager:
         # Static placement asks where chunk i of how many goes: the plan knows.
         self._expected_chunks = len(plan)
         for size, dtype, params in plan:
-            chunk = self._new_chunk(size, dtype)
-            for param in params:
-                self._init_param(param)
-                chunk.append(param)
-                self._where[param] = chunk
-            self._finish(chunk)
-        for mod in module.modules():
+            self._pack_chunk(size, dtype, params)
+        for mod in self.module.modules():
             found: dict[Chunk, None] = {}
             for param in mod.parameters(recurse=False):
                 if param in self._where:
                     found.setdefault(self._where[param], None)
             if found:
                 self._hooked[mod] = list(found)
-        # Chunks holding a parameter that several modules use (a tied
-        # weight): reduced at the end of backward [Note: tied weights reduce
-        # last], however early their gradients seem complete.
-        self._shared = self._chunks_with_shared_parameters()
+
+    def _pack_chunk(self, size: int, dtype: torch.dtype, params: list[nn.Parameter]) -> Chunk:
+        """A new chunk holding ``params`` (materialised as they are packed:
+        [Note: lazy parameters]), closed to its shard."""
+        chunk = self._new_chunk(size, dtype)
+        for param in params:
+            self._init_param(param)
+            chunk.append(param)
+            self._where[param] = chunk
+        self._finish(chunk)
+        return chunk
 
     @staticmethod
     def search_chunk_size(

@@ -10,7 +10,8 @@ from pc_zero.fsdp import (
     size_based_auto_wrap_policy,
     transformer_auto_wrap_policy,
 )
-from pc_zero.gemini import GeminiDDP, GeminiOptimizer, PlacementPolicy, searched_chunk_size
+from pc_zero.gemini import GeminiDDP, GeminiOptimizer, PlacementPolicy
+from pc_zero.gemini_search import searched_chunk_size
 from pc_zero.layout import Bucket, Slot, plan_buckets
 from pc_zero.loss_scale import (
     DynamicLossScaler,

@@ -43,20 +43,6 @@ undo the chunks already stepped; bf16 needs no scaler) and gradient
 accumulation (a second backward before ``step()`` raises before it
 touches a parameter).
 
-[Note: chunk search]
-Without ``chunk_size`` the size is searched ([Note: packing] in
-pc_chunk.search) from ``min_chunk_size`` (raised to the largest parameter,
-lowered to the whole model, so a model smaller than it is one chunk) up by
-``search_range``, over multiples of ``hidden_dim`` (the search step;
-rounded to a multiple of the world size so a chunk shards evenly) or,
-without it, of 64 x the world size. ``search_range_mb`` and
-``min_chunk_size_mb`` count units of 2**20 *elements* (their search counts
-elements, whatever the suffix says); pc's ``search_range`` and
-``min_chunk_size`` count elements; pass one spelling of each. Unlike
-the edge's default search, large parameters are not left out here
-(the compatibility edge's ``init_chunk_manager`` does leave them out).
-``chunk_per_tensor=True`` gives every parameter its own chunk.
-
 [Note: placement policies]
 ``"cuda"`` keeps every shard on the compute device
 (nothing offloaded), ``"cpu"`` every shard on the host, ``"auto"`` as many
@@ -112,11 +98,12 @@ from pc_chunk import (
     DeviceBudget,
     MemoryTracer,
     StaticPlacement,
-    search_chunk_size,
 )
 from pc_chunk.manager import execution_order
 from pc_comm import Communicator
 from pc_offload import CopyEngine, PinnedPool
+from pc_zero.clipping import ClipsInStep
+from pc_zero.gemini_search import ChunkOptions, searched_chunk_size
 from pc_zero.loss_scale import DynamicLossScaler, LossScaleConfig, unscale_clip_and_check
 from pc_zero.sharded import MixedPrecision, ShardedModule, prepare_module
 
@@ -146,53 +133,6 @@ class PlacementPolicy(Enum):
         return cls(value)
 
 
-# Chunk search sizes in "_mb" / "_m" count 2**20 elements.
-_MEGA = 1024 * 1024
-
-
-def _elements_from_mega(name: str, value: float) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-        raise ValueError(f"{name} must be a number >= 0 (units of 2**20 elements), got {value!r}.")
-    return round(value * _MEGA)
-
-
-def _one_of(
-    pc_name: str, pc_value: int | None, mb_name: str, mb_value: float | None, default: int
-) -> int:
-    """A search setting given in elements (pc) or in 2**20 elements
-    (``_mb``), not both."""
-    if pc_value is not None and mb_value is not None:
-        raise ValueError(
-            f"GeminiDDP: pass {pc_name} (elements) or {mb_name} (2**20 elements), not both."
-        )
-    if mb_value is not None:
-        return _elements_from_mega(mb_name, mb_value)
-    return pc_value if pc_value is not None else default
-
-
-def searched_chunk_size(
-    sizes: list[int],
-    world: int,
-    search_range: int,
-    min_chunk_size: int,
-    hidden_dim: int | None = None,
-) -> int:
-    """The chunk size GeminiDDP searches for [Note: chunk search], for
-    parameters of ``sizes`` elements in packing order."""
-    total = sum(sizes)
-    if hidden_dim is not None:
-        if isinstance(hidden_dim, bool) or not isinstance(hidden_dim, int) or hidden_dim < 1:
-            raise ValueError(f"hidden_dim must be a positive int or None, got {hidden_dim!r}.")
-        quantum = math.lcm(hidden_dim, world)
-    else:
-        quantum = 64 * world
-    # From min_chunk_size (never below the largest parameter, never above
-    # the whole model) up by search_range.
-    low = max(max(sizes), min(min_chunk_size, total))
-    low = -(-low // quantum) * quantum
-    return search_chunk_size(sizes, search_range, low, quantum).chunk_size
-
-
 class GeminiDDP(ShardedModule):
     """ZeRO-3 over chunks [Note: Gemini]. ``mixed_precision`` is the compute
     dtype (fp32 masters stay in the shards, whatever dtype the model was
@@ -200,7 +140,8 @@ class GeminiDDP(ShardedModule):
     :class:`GeminiOptimizer` for loss scaling. Build the optimizer after
     wrapping, over ``model.parameters()``. The chunk search takes
     ``search_range_mb`` / ``min_chunk_size_mb`` /
-    ``hidden_dim`` as well as pc's element counts [Note: chunk search];
+    ``hidden_dim`` as well as pc's element counts [Note: chunk search]
+    in pc_zero.gemini_search;
     ``pin_memory`` and the placement policies: [Note: placement policies]."""
 
     def __init__(
@@ -229,33 +170,11 @@ class GeminiDDP(ShardedModule):
         step_in_backward: bool = False,
     ) -> None:
         policy = PlacementPolicy.parse(placement_policy)
-        if not 0.0 <= offload_param_frac <= 1.0:
-            raise ValueError(f"offload_param_frac must be in [0, 1], got {offload_param_frac}.")
-        if offload_param_frac and policy is not PlacementPolicy.STATIC:
-            raise ValueError(
-                f"offload_param_frac={offload_param_frac} is the host fraction of "
-                f"placement_policy='static'; placement_policy={policy.value!r} decides the "
-                "host fraction itself. Pass placement_policy='static' to choose it."
-            )
-        for name, value in (("device_budget_bytes", device_budget_bytes),
-                            ("chunk_size", chunk_size)):  # fmt: skip
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                      or value < 1):  # fmt: skip
-                raise ValueError(f"{name} must be a positive int or None, got {value!r}.")
-        if chunk_per_tensor and chunk_size is not None:
-            raise ValueError(
-                f"GeminiDDP: chunk_per_tensor=True gives every parameter a chunk of its own; "
-                f"chunk_size={chunk_size} asks for one size. Pass one of them."
-            )
-        search_range = _one_of("search_range", search_range, "search_range_mb",
-                               search_range_mb, 32 * _MEGA)  # fmt: skip
-        min_chunk_size = _one_of("min_chunk_size", min_chunk_size, "min_chunk_size_mb",
-                                 min_chunk_size_mb, 32 * _MEGA)  # fmt: skip
-        if hidden_dim is not None and (chunk_size is not None or chunk_per_tensor):
-            raise ValueError(
-                f"GeminiDDP: hidden_dim={hidden_dim} is the step of the chunk-size search, "
-                "and the chunk size is given; drop one of them."
-            )
+        _check_placement_and_sizes(policy, offload_param_frac, device_budget_bytes, chunk_size)
+        chunks = ChunkOptions.checked(
+            chunk_size, chunk_per_tensor, search_range, min_chunk_size, search_range_mb,
+            min_chunk_size_mb, hidden_dim,
+        )  # fmt: skip
         comm, device, init_param = prepare_module(
             module, "GeminiDDP", comm, process_group, device, sync_module_states, mixed_precision
         )
@@ -263,17 +182,7 @@ class GeminiDDP(ShardedModule):
             device_budget_bytes = _free_device_bytes(device)
         world = comm.world_size
         order = [p for p in execution_order(module, *example_inputs) if p.requires_grad]
-        total = sum(p.numel() for p in order)
-        if chunk_size is not None and chunk_size > 2 * max(total, 1024):
-            raise ValueError(
-                f"chunk_size {chunk_size} is more than twice the whole model ({total} trainable "
-                f"elements): one chunk would be mostly padding. Use chunk_size <= {total} "
-                "(rounded up as you need), or None to search for the size with the least padding."
-            )
-        if chunk_size is None and not chunk_per_tensor:
-            sizes = [p.numel() for p in order]
-            chunk_size = searched_chunk_size(sizes, world, search_range, min_chunk_size,
-                                             hidden_dim)  # fmt: skip
+        chunk_size = chunks.size_for([p.numel() for p in order], world)
         # The largest chunk: a parameter above chunk_size gets one of its own
         # ([Note: oversized parameters] in pc_chunk.manager).
         largest = -(-max(p.numel() for p in order) // world) * world
@@ -287,14 +196,38 @@ class GeminiDDP(ShardedModule):
         elif policy is PlacementPolicy.AUTO:
             assert device_budget_bytes is not None
             non_model = _non_model_peak(module, example_inputs) if example_inputs else 0
+            total = sum(p.numel() for p in order)
             count = len(order) if chunk_size is None else max(1, math.ceil(total / chunk_size))
             offload_param_frac = _auto_offload_fraction(
                 count, widest, world, device_budget_bytes, non_model, mixed_precision,
                 step_in_backward,
             )  # fmt: skip
         self.offload_param_frac = offload_param_frac
+        manager = self._chunk_manager(
+            module, example_inputs, chunk_size, chunk_per_tensor, comm, device, mixed_precision,
+            prefetch, init_param, device_budget_bytes,
+        )  # fmt: skip
+        self._check_budget_gathers(widest, mixed_precision, device_budget_bytes)
+        mp = MixedPrecision(mixed_precision) if mixed_precision != torch.float32 else None
+        super().__init__(module, manager, comm, mp, step_in_backward=step_in_backward)
+
+    def _chunk_manager(
+        self,
+        module: nn.Module,
+        example_inputs: tuple[Any, ...],
+        chunk_size: int | None,
+        chunk_per_tensor: bool,
+        comm: Communicator,
+        device: torch.device,
+        compute_dtype: torch.dtype,
+        prefetch: bool,
+        init_param: Callable[[nn.Parameter], None],
+        device_budget_bytes: int | None,
+    ) -> ChunkManager:
+        """The module's chunks, their shards placed as this wrapper's
+        placement says [Note: placement policies]."""
         try:
-            manager = ChunkManager(
+            return ChunkManager(
                 module,
                 example_inputs=example_inputs,
                 chunk_size=chunk_size,
@@ -302,9 +235,9 @@ class GeminiDDP(ShardedModule):
                 comm=comm,
                 device=device,
                 budget=self.budget,
-                placement=StaticPlacement(1.0 - offload_param_frac),
-                engine=_copy_engine(device, pin_memory),
-                compute_dtype=mixed_precision,
+                placement=StaticPlacement(1.0 - self.offload_param_frac),
+                engine=_copy_engine(device, self.pin_memory),
+                compute_dtype=compute_dtype,
                 expose_shards=True,
                 prefetch=prefetch,
                 init_param=init_param,
@@ -312,22 +245,25 @@ class GeminiDDP(ShardedModule):
         except BudgetExceededError as error:  # the placement asked for cannot fit: a setting
             raise ValueError(
                 f"GeminiDDP: device_budget_bytes={device_budget_bytes} cannot hold the chunks "
-                f"placement_policy={policy.value!r} keeps on the device ({error})"
+                f"placement_policy={self.placement_policy.value!r} keeps on the device ({error})"
             ) from None
-        if self.budget is not None:
-            # Forward gathers a whole chunk in the compute dtype: a budget
-            # without room for one after the resident shards can never run.
-            gathered = widest * torch.empty((), dtype=mixed_precision).element_size()
-            if self.budget.available_bytes < gathered:
-                raise ValueError(
-                    f"GeminiDDP: device_budget_bytes={device_budget_bytes} leaves "
-                    f"{self.budget.available_bytes} bytes after the resident shards, but "
-                    f"gathering one chunk ({widest} elements) needs {gathered}. Raise the "
-                    "budget, keep more on the host (offload_param_frac, or placement 'auto'), "
-                    "or use a smaller chunk_size."
-                )
-        mp = MixedPrecision(mixed_precision) if mixed_precision != torch.float32 else None
-        super().__init__(module, manager, comm, mp, step_in_backward=step_in_backward)
+
+    def _check_budget_gathers(
+        self, widest: int, compute_dtype: torch.dtype, device_budget_bytes: int | None
+    ) -> None:
+        """Forward gathers a whole chunk in the compute dtype: a budget
+        without room for one after the resident shards can never run."""
+        if self.budget is None:
+            return
+        gathered = widest * torch.empty((), dtype=compute_dtype).element_size()
+        if self.budget.available_bytes < gathered:
+            raise ValueError(
+                f"GeminiDDP: device_budget_bytes={device_budget_bytes} leaves "
+                f"{self.budget.available_bytes} bytes after the resident shards, but "
+                f"gathering one chunk ({widest} elements) needs {gathered}. Raise the "
+                "budget, keep more on the host (offload_param_frac, or placement 'auto'), "
+                "or use a smaller chunk_size."
+            )
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         out = super().forward(*args, **kwargs)
@@ -340,6 +276,27 @@ class GeminiDDP(ShardedModule):
             return x
 
         return tree_map(upcast, out)
+
+
+def _check_placement_and_sizes(
+    policy: PlacementPolicy,
+    offload_param_frac: float,
+    device_budget_bytes: int | None,
+    chunk_size: int | None,
+) -> None:
+    if not 0.0 <= offload_param_frac <= 1.0:
+        raise ValueError(f"offload_param_frac must be in [0, 1], got {offload_param_frac}.")
+    if offload_param_frac and policy is not PlacementPolicy.STATIC:
+        raise ValueError(
+            f"offload_param_frac={offload_param_frac} is the host fraction of "
+            f"placement_policy='static'; placement_policy={policy.value!r} decides the "
+            "host fraction itself. Pass placement_policy='static' to choose it."
+        )
+    for name, value in (("device_budget_bytes", device_budget_bytes),
+                        ("chunk_size", chunk_size)):  # fmt: skip
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                  or value < 1):  # fmt: skip
+            raise ValueError(f"{name} must be a positive int or None, got {value!r}.")
 
 
 def _free_device_bytes(device: torch.device) -> int:
@@ -406,12 +363,14 @@ def _auto_offload_fraction(
     return 1.0 - min(chunks, fit) / chunks
 
 
-class GeminiOptimizer(Optimizer):
+class GeminiOptimizer(ClipsInStep, Optimizer):
     """Wraps a torch optimizer built over a :class:`GeminiDDP`'s parameters:
     loss scaling for fp16 (:class:`~pc_zero.LossScaleConfig`; in every
     precision with ``scale_every_precision`` [Note: loss scaling in every
     precision]), an overflow check across ranks that skips the step, and
-    global-norm clipping (``max_norm``), shared with ZeRO-1/2. Call
+    global-norm clipping (``max_norm``, settable; :meth:`clip_next_step`
+    clips one step: [Note: clipping inside the step] in pc_zero.clipping),
+    shared with ZeRO-1/2. Call
     ``optimizer.backward(loss)``. ``step()`` leaves the gradients cleared
     [Note: step clears the gradients].
     Under ``GeminiDDP(step_in_backward=True)`` it steps chunk by chunk inside
@@ -464,6 +423,18 @@ class GeminiOptimizer(Optimizer):
     @property
     def step_in_backward(self) -> bool:
         return self.module.step_in_backward
+
+    def clip_next_step(self, max_norm: float) -> None:
+        """Clip the next step only [Note: clipping inside the step] in
+        pc_zero.clipping; refused when stepping in backward, whose chunks
+        are stepped by the time backward returns."""
+        if self.step_in_backward:
+            raise ValueError(
+                "GeminiOptimizer.clip_next_step: with step_in_backward=True each chunk is "
+                "stepped by the time backward returns, so there is nothing left to clip; "
+                "clip with step_in_backward=False."
+            )
+        super().clip_next_step(max_norm)
 
     def _check_step_in_backward(self, fp16: bool) -> None:
         refused = []
@@ -540,16 +511,19 @@ class GeminiOptimizer(Optimizer):
         loss = closure() if closure is not None else None
         if self.step_in_backward:  # done in backward [Note: stepping in backward]
             self._stepped.clear()
+            self._step_clipped()
             return loss
         grads = [c.grad_shard for c in self.module.chunks if c.grad_shard is not None]
         device = self.module.manager.device
-        ok, _ = unscale_clip_and_check(grads, self.module.comm, self.scaler, self.max_norm, device)
+        max_norm = self._step_max_norm()
+        ok, _ = unscale_clip_and_check(grads, self.module.comm, self.scaler, max_norm, device)
         self.last_step_skipped = not ok
         if ok:
             self.inner.step()
             if self.scaler is not None:
                 self.scaler.update(False)
         self._clear_grads()
+        self._step_clipped()
         return loss
 
     def _clear_grads(self) -> None:

@@ -46,6 +46,7 @@ from torch.optim import Optimizer
 
 from pc_comm import Communicator, Handle, ReduceOp, SymmetricAllocator, default_communicator
 from pc_offload import CPUAdam, CPUAdamW
+from pc_zero.clipping import ClipsInStep
 from pc_zero.layout import Bucket, Slot, plan_buckets
 from pc_zero.loss_scale import (
     DynamicLossScaler,
@@ -67,7 +68,44 @@ _HOST = torch.device("cpu")
 _MAX_IN_FLIGHT = 8
 
 
-class LowLevelZeroOptimizer(Optimizer):
+def _checked_stage(
+    optimizer: Optimizer, stage: int, partition_grad: bool | None, max_norm: float
+) -> int:
+    """The ZeRO stage (``partition_grad``, when given, decides it), after
+    checking the constructor's arguments."""
+    if partition_grad is not None:
+        stage = 2 if partition_grad else 1
+    if stage not in (1, 2):
+        raise ValueError(
+            f"LowLevelZeroOptimizer: stage must be 1 or 2, got {stage}. "
+            "Stage 3 is pc_zero.FullyShardedDataParallel."
+        )
+    if not isinstance(optimizer, Optimizer):
+        raise TypeError(
+            f"LowLevelZeroOptimizer wraps a torch.optim.Optimizer, got {type(optimizer)}."
+        )
+    if max_norm < 0:
+        raise ValueError(f"max_norm must be >= 0 (0 disables), got {max_norm}.")
+    return stage
+
+
+def _one_dtype_and_device(params: list[torch.Tensor]) -> tuple[torch.dtype, torch.device]:
+    """The one dtype and device of the trainable ``params``."""
+    trainable = [p for p in params if p.requires_grad]
+    if not trainable:
+        raise ValueError("LowLevelZeroOptimizer: the optimizer has no parameter requiring grad.")
+    dtypes = {p.dtype for p in trainable}
+    devices = {p.device for p in trainable}
+    if len(dtypes) != 1 or len(devices) != 1:
+        raise ValueError(
+            "LowLevelZeroOptimizer: every trainable parameter must share one dtype and "
+            f"device, got dtypes {sorted(map(str, dtypes))} on {sorted(map(str, devices))}. "
+            "Convert the model (model.to(dtype)) before building the optimizer."
+        )
+    return dtypes.pop(), devices.pop()
+
+
+class LowLevelZeroOptimizer(ClipsInStep, Optimizer):
     """Wraps ``optimizer`` (built over the model's parameters) with ZeRO
     stage 1 or 2 [Note: a step].
 
@@ -75,7 +113,9 @@ class LowLevelZeroOptimizer(Optimizer):
     (``partition_grad=True`` is stage 2's older spelling).
     ``comm`` / ``dp_process_group``: the data-parallel ranks (default: every
     rank, through shared memory on one host). ``reduce_bucket_size``:
-    elements per bucket. ``clip_grad_norm``: max global norm, 0 for none.
+    elements per bucket. ``max_norm``: max global norm, 0 for none; settable, and
+    :meth:`clip_next_step` clips one step [Note: clipping inside the step]
+    in pc_zero.clipping.
     ``loss_scale``: the dynamic scale for fp16 parameters (on by default for
     fp16, unused otherwise). ``cpu_offload``: masters, optimizer states and
     the step on the host (Adam/AdamW step through pc-offload's fused CPU
@@ -107,7 +147,7 @@ class LowLevelZeroOptimizer(Optimizer):
         dp_process_group: dist.ProcessGroup | None = None,
         reduce_bucket_size: int = 1024 * 1024,
         overlap_communication: bool = True,
-        clip_grad_norm: float = 0.0,
+        max_norm: float = 0.0,
         loss_scale: LossScaleConfig | None = None,
         cpu_offload: bool = False,
         partition_grad: bool | None = None,
@@ -115,60 +155,23 @@ class LowLevelZeroOptimizer(Optimizer):
         model_parallel_groups: Sequence[dist.ProcessGroup] = (),
         counts_toward_norm: Callable[[torch.Tensor], bool] | None = None,
     ) -> None:
-        if partition_grad is not None:
-            stage = 2 if partition_grad else 1
-        if stage not in (1, 2):
-            raise ValueError(
-                f"LowLevelZeroOptimizer: stage must be 1 or 2, got {stage}. "
-                "Stage 3 is pc_zero.FullyShardedDataParallel."
-            )
-        if not isinstance(optimizer, Optimizer):
-            raise TypeError(
-                f"LowLevelZeroOptimizer wraps a torch.optim.Optimizer, got {type(optimizer)}."
-            )
-        if clip_grad_norm < 0:
-            raise ValueError(f"clip_grad_norm must be >= 0 (0 disables), got {clip_grad_norm}.")
-        self.stage = stage
+        self.stage = _checked_stage(optimizer, stage, partition_grad, max_norm)
         self.comm = comm if comm is not None else default_communicator(dp_process_group)
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
-        self.clip_grad_norm = float(clip_grad_norm)
+        self.max_norm = float(max_norm)
         self.overlap_communication = overlap_communication
         self.cpu_offload = cpu_offload
 
         # The original parameters in the optimizer's order (state-dict indices).
         self._params: list[torch.Tensor] = [p for g in optimizer.param_groups for p in g["params"]]
-        trainable = [p for p in self._params if p.requires_grad]
-        if not trainable:
-            raise ValueError(
-                "LowLevelZeroOptimizer: the optimizer has no parameter requiring grad."
-            )
-        dtypes = {p.dtype for p in trainable}
-        devices = {p.device for p in trainable}
-        if len(dtypes) != 1 or len(devices) != 1:
-            raise ValueError(
-                "LowLevelZeroOptimizer: every trainable parameter must share one dtype and "
-                f"device, got dtypes {sorted(map(str, dtypes))} on {sorted(map(str, devices))}. "
-                "Convert the model (model.to(dtype)) before building the optimizer."
-            )
-        self.dtype = dtypes.pop()
-        self.device = devices.pop()
+        self.dtype, self.device = _one_dtype_and_device(self._params)
         self.scaler = DynamicLossScaler(loss_scale) if self.dtype == torch.float16 else None
         self._master_device = _HOST if cpu_offload else self.device
         # fp32 masters are the working pieces themselves unless offloaded.
         self._alias_master = self.dtype == torch.float32 and not cpu_offload
 
         self._build_layout(optimizer, reduce_bucket_size)
-        self.tp_group = tp_process_group
-        # Every group the squared norm is summed over after the data-parallel
-        # ranks [Note: global norm across groups].
-        self._norm_groups = tuple(norm_groups(model_parallel_groups, tp_process_group))
-        if counts_toward_norm is None and tp_process_group is not None:
-            counts_toward_norm = counts_under_tensor_parallel(tp_process_group)
-        # Per bucket, the ranges of this rank's piece that count towards the
-        # global norm; None: all of them.
-        self._norm_ranges = (
-            self._plan_norm_ranges(counts_toward_norm) if counts_toward_norm is not None else None
-        )
+        self._init_norm(tp_process_group, model_parallel_groups, counts_toward_norm)
         self.inner = self._make_inner(optimizer)
         # Optimizer machinery (hooks, LR schedulers) works on this object;
         # param_groups and state are the inner optimizer's own.
@@ -176,28 +179,7 @@ class LowLevelZeroOptimizer(Optimizer):
         self.param_groups = self.inner.param_groups
         self.state = self.inner.state
         self.defaults = self.inner.defaults
-
-        # Backward bookkeeping.
-        self._no_sync = False
-        self._arrived: dict[int, int] = {}  # bucket id -> gradients arrived this backward
-        self._ready: set[int] = set()  # buckets complete, waiting their turn
-        self._next = 0  # next bucket (in order) to launch this backward
-        self._pending: list[tuple[Handle, Callable[[], None]]] = []
-        # Stage 1: the gradient buffer holds gradients no reduction has seen
-        # (set by no_sync, cleared by a synchronised backward). The same on
-        # every rank, since every rank makes the same calls.
-        self._need_reduce = True
-        # Stage 1: (bucket, slot offset) whose gradient the flat buffer holds.
-        self._accumulated: set[tuple[int, int]] = set()
-        self._has_grad: set[int] = set()  # stage 2: shard piece holds a gradient
-        self._staging: dict[int, torch.Tensor] = {}  # stage 2: this backward's buffers
-        self._filled: dict[int, set[int]] = {}  # their slots written so far
-        self._pool: dict[int, list[torch.Tensor]] = {}  # free staging buffers by size
-        self._callback_queued = False
-        self._hooks = [
-            p.register_post_accumulate_grad_hook(self._on_grad)  # type: ignore[no-untyped-call]
-            for p in self._where
-        ]
+        self._init_backward()
 
     # -- public view [Note: sharded optimizer interface] ------------------------------
 
@@ -237,6 +219,48 @@ class LowLevelZeroOptimizer(Optimizer):
         return self._norm_groups
 
     # -- construction -------------------------------------------------------------
+
+    def _init_norm(
+        self,
+        tp_process_group: dist.ProcessGroup | None,
+        model_parallel_groups: Sequence[dist.ProcessGroup],
+        counts_toward_norm: Callable[[torch.Tensor], bool] | None,
+    ) -> None:
+        """Who the global norm is summed over, and what counts here."""
+        self.tp_group = tp_process_group
+        # Every group the squared norm is summed over after the data-parallel
+        # ranks [Note: global norm across groups].
+        self._norm_groups = tuple(norm_groups(model_parallel_groups, tp_process_group))
+        if counts_toward_norm is None and tp_process_group is not None:
+            counts_toward_norm = counts_under_tensor_parallel(tp_process_group)
+        # Per bucket, the ranges of this rank's piece that count towards the
+        # global norm; None: all of them.
+        self._norm_ranges = (
+            self._plan_norm_ranges(counts_toward_norm) if counts_toward_norm is not None else None
+        )
+
+    def _init_backward(self) -> None:
+        """Backward bookkeeping, and the hooks that feed it."""
+        self._no_sync = False
+        self._arrived: dict[int, int] = {}  # bucket id -> gradients arrived this backward
+        self._ready: set[int] = set()  # buckets complete, waiting their turn
+        self._next = 0  # next bucket (in order) to launch this backward
+        self._pending: list[tuple[Handle, Callable[[], None]]] = []
+        # Stage 1: the gradient buffer holds gradients no reduction has seen
+        # (set by no_sync, cleared by a synchronised backward). The same on
+        # every rank, since every rank makes the same calls.
+        self._need_reduce = True
+        # Stage 1: (bucket, slot offset) whose gradient the flat buffer holds.
+        self._accumulated: set[tuple[int, int]] = set()
+        self._has_grad: set[int] = set()  # stage 2: shard piece holds a gradient
+        self._staging: dict[int, torch.Tensor] = {}  # stage 2: this backward's buffers
+        self._filled: dict[int, set[int]] = {}  # their slots written so far
+        self._pool: dict[int, list[torch.Tensor]] = {}  # free staging buffers by size
+        self._callback_queued = False
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(self._on_grad)  # type: ignore[no-untyped-call]
+            for p in self._where
+        ]
 
     def _build_layout(self, optimizer: Optimizer, bucket_numel: int) -> None:
         index = {id(p): i for i, p in enumerate(self._params)}
@@ -535,7 +559,7 @@ class LowLevelZeroOptimizer(Optimizer):
             grads,
             self.comm,
             self.scaler,
-            self.clip_grad_norm,
+            self._step_max_norm(),
             self.device,
             count_ranges=self._norm_ranges,
             model_parallel_groups=self._norm_groups,
@@ -575,6 +599,7 @@ class LowLevelZeroOptimizer(Optimizer):
     def _end_step(self) -> None:
         if self.stage == 1:
             self._grad_shards = [None] * len(self._grad_shards)
+        self._step_clipped()
 
     # -- accounting ------------------------------------------------------------------
 

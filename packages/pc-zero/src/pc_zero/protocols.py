@@ -71,8 +71,13 @@ class ShardedOptimizer(Protocol):
         ...
 
     @property
-    def clip_grad_norm(self) -> float:
-        """The max global gradient norm the step clips to; 0 for none."""
+    def max_norm(self) -> float:
+        """The max global gradient norm every step clips to; 0 for none."""
+        ...
+
+    def clip_next_step(self, max_norm: float) -> None:
+        """Clip the next step only to at most ``max_norm`` [Note: clipping
+        inside the step] in pc_zero.clipping."""
         ...
 
     param_groups: list[dict[str, Any]]

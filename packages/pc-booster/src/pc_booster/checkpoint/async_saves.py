@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.optim import Optimizer
 
 from pc_booster.checkpoint import files
 from pc_booster.plugins import sharded
@@ -26,7 +27,7 @@ def fence_steps(saves: AsyncSaves) -> None:
 
     ref = weakref.ref(saves)
 
-    def fence(optimizer: Any, args: Any, kwargs: Any) -> None:
+    def fence(optimizer: Optimizer, args: Any, kwargs: Any) -> None:
         alive = ref()
         if alive is not None:
             alive.wait_for_copies()

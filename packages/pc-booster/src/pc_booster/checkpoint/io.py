@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.optim import Optimizer
 
 from pc_booster.checkpoint import checksum, files
 from pc_booster.checkpoint.async_saves import AsyncSaves
@@ -333,7 +334,7 @@ class CheckpointIO:
 
     def save_optimizer(
         self,
-        optimizer: Any,
+        optimizer: Optimizer,
         checkpoint: str | os.PathLike[str],
         shard: bool = False,
         gather_dtensor: bool = True,
@@ -377,7 +378,7 @@ class CheckpointIO:
 
     def load_optimizer(
         self,
-        optimizer: Any,
+        optimizer: Optimizer,
         checkpoint: str | os.PathLike[str],
         low_cpu_mem_mode: bool = True,
         num_threads: int = 1,

@@ -21,7 +21,9 @@ from pc_booster.canonical import (
     torch_to_canonical,
     without,
 )
+from pc_booster.wrappers import inner_optimizer
 from pc_chunk import is_lazy, materialize_
+from pc_zero import ShardedOptimizer
 
 __all__ = [
     "autocast_forward",
@@ -33,6 +35,7 @@ __all__ = [
     "load_cast",
     "materialize_lazy",
     "require_initialized",
+    "sharded",
     "torch_load_optimizer",
     "torch_optimizer_state",
     "values_a_cast_rounds",
@@ -52,6 +55,16 @@ def require_initialized(plugin: str) -> None:
             f"{plugin} needs torch.distributed initialised first: run under torchrun and call "
             "pc_comm.init_distributed() (or dist.init_process_group) before building it."
         )
+
+
+def sharded(optimizer: Optimizer | None) -> ShardedOptimizer:
+    """The pc-zero optimizer a ZeRO plugin boosted, as the layers above see
+    it, behind the optimizer ``boost`` returned (TypeError for any other
+    object)."""
+    optimizer = inner_optimizer(optimizer)
+    if not isinstance(optimizer, ShardedOptimizer):
+        raise TypeError(f"expected a pc-zero optimizer, got {type(optimizer).__name__}")
+    return optimizer
 
 
 # -- start-up ------------------------------------------------------------------------

@@ -15,7 +15,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from pc_booster.canonical import CanonicalOptimizerState
-from pc_booster.clipping import clip_hook, clip_replicated
+from pc_booster.clipping import clip_replicated
 from pc_booster.plugin import Boosted, Plugin, SupportsNoSync
 from pc_booster.plugins.common import (
     cast_floating,
@@ -40,7 +40,7 @@ from pc_booster.rules import (
     StateBytes,
     TrainPrecision,
 )
-from pc_booster.step_policies import AmpStep
+from pc_booster.step_policies import AmpStep, GradientStep
 
 __all__ = ["DDPOptions", "DDPPlugin", "TorchDDPOptions", "TorchDDPPlugin"]
 
@@ -170,11 +170,10 @@ class _DataParallel(Plugin, SupportsNoSync):
         if precision is not TrainPrecision.FP32:
             kind = device().type
             wrapped.forward = partial(_autocast_forward, wrapped.forward, kind, precision.dtype)
-        policy = None
-        if optimizer is not None and precision is TrainPrecision.FP16:
-            policy = AmpStep(self.options.loss_scale(), device())
-        if optimizer is not None and self.options.max_norm > 0:
-            optimizer.register_step_pre_hook(clip_hook(self.options.max_norm, clip_replicated))
+        amp = None
+        if precision is TrainPrecision.FP16:
+            amp = AmpStep(self.options.loss_scale(), device())
+        policy = GradientStep(type(self).__name__, clip_replicated, self.options.max_norm, amp)
         if criterion is not None and precision is not TrainPrecision.FP32:
             # A loss computed outside the model runs under the same autocast
             # (cross-entropy in fp32), as torch's AMP recipe computes it.
@@ -189,7 +188,9 @@ class _DataParallel(Plugin, SupportsNoSync):
             step_policy=policy,
         )
 
-    def no_sync(self, model: nn.Module, optimizer: Any) -> AbstractContextManager[None]:
+    def no_sync(
+        self, model: nn.Module, optimizer: Optimizer | None
+    ) -> AbstractContextManager[None]:
         context: AbstractContextManager[None] = model.no_sync()  # type: ignore[operator]
         return context
 
@@ -199,10 +200,12 @@ class _DataParallel(Plugin, SupportsNoSync):
     def load_model_state_dict(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
         load_cast(self.boosted(model).module, state)
 
-    def optimizer_state_dict(self, optimizer: Any) -> CanonicalOptimizerState:
+    def optimizer_state_dict(self, optimizer: Optimizer) -> CanonicalOptimizerState:
         return torch_optimizer_state(optimizer, self.boosted(optimizer).module)
 
-    def load_optimizer_state_dict(self, optimizer: Any, state: CanonicalOptimizerState) -> None:
+    def load_optimizer_state_dict(
+        self, optimizer: Optimizer, state: CanonicalOptimizerState
+    ) -> None:
         torch_load_optimizer(optimizer, self.boosted(optimizer).module, state)
 
     # Every rank holds everything: DCP writes each tensor once (spread over
@@ -212,11 +215,11 @@ class _DataParallel(Plugin, SupportsNoSync):
         return whole_state(self.boosted(model).module)
 
     def sharded_optimizer_state(
-        self, optimizer: Any, saved: dict[str, dict[str, bool]] | None
+        self, optimizer: Optimizer, saved: dict[str, dict[str, bool]] | None
     ) -> dict[str, Any]:
         return own_optimizer_state(self.boosted(optimizer).module, optimizer, saved)
 
-    def after_sharded_optimizer_load(self, optimizer: Any, state: dict[str, Any]) -> None:
+    def after_sharded_optimizer_load(self, optimizer: Optimizer, state: dict[str, Any]) -> None:
         after_own_optimizer_load(self.boosted(optimizer).module, optimizer, state)
 
 

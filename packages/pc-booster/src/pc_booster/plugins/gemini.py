@@ -24,7 +24,6 @@ from pc_booster.canonical import (
     torch_groups,
     torch_to_canonical,
 )
-from pc_booster.clipping import clip_at_next_step, refuse_error_if_nonfinite
 from pc_booster.plugin import Boosted, Plugin, SupportsNoSync
 from pc_booster.plugins.common import (
     cast_floating_inputs,
@@ -49,6 +48,9 @@ from pc_booster.rules import (
     StateBytes,
     TrainPrecision,
 )
+from pc_booster.step_policies import GradientStep
+from pc_booster.wrappers import inner_optimizer
+from pc_zero import GeminiOptimizer
 
 __all__ = ["GeminiOptions", "GeminiPlugin"]
 
@@ -194,6 +196,21 @@ def _chunk_search(model: nn.Module, o: GeminiOptions) -> tuple[int, int]:
     return min(int(o.search_range_m * 2**20), bound), min(int(o.min_chunk_size_m * 2**20), bound)
 
 
+def _own(optimizer: Optimizer | None) -> GeminiOptimizer:
+    """The pc-zero optimizer this plugin boosted, behind the optimizer
+    ``boost`` returned (TypeError for another)."""
+    optimizer = inner_optimizer(optimizer)
+    if not isinstance(optimizer, GeminiOptimizer):
+        raise TypeError(f"expected GeminiPlugin's optimizer, got {type(optimizer).__name__}")
+    return optimizer
+
+
+_NO_CLIP = (
+    "GeminiPlugin(step_in_backward=True) has stepped each chunk by the time backward "
+    "returns, so there is nothing left to clip; clip with step_in_backward=False."
+)
+
+
 class GeminiPlugin(Plugin, SupportsNoSync):
     """Chunk-based ZeRO-3 (``pc_zero.GeminiDDP`` + ``GeminiOptimizer``):
     parameters packed into chunks in execution order, each chunk gathered
@@ -290,22 +307,15 @@ class GeminiPlugin(Plugin, SupportsNoSync):
                 f"the host" + (", stepping in backward" if o.step_in_backward else ""),
                 flush=True,
             )
-        return Boosted(wrapped, zero, criterion, dataloader, lr_scheduler, module=model)
-
-    def clip_grad_by_norm(
-        self, optimizer: Any, max_norm: float, error_if_nonfinite: bool = False
-    ) -> None:
-        refuse_error_if_nonfinite(self, error_if_nonfinite)
-        if self.options.step_in_backward:
-            raise ValueError(
-                "GeminiPlugin(step_in_backward=True) has stepped each chunk by the time "
-                "backward returns, so there is nothing left to clip; clip with "
-                "step_in_backward=False."
-            )
         # The chunks' gradient shards are unscaled and clipped inside the step.
-        clip_at_next_step(optimizer, "max_norm", max_norm)
+        policy = GradientStep("GeminiPlugin", no_clip=_NO_CLIP if o.step_in_backward else None)
+        return Boosted(
+            wrapped, zero, criterion, dataloader, lr_scheduler, module=model, step_policy=policy
+        )
 
-    def no_sync(self, model: nn.Module, optimizer: Any) -> AbstractContextManager[None]:
+    def no_sync(
+        self, model: nn.Module, optimizer: Optimizer | None
+    ) -> AbstractContextManager[None]:
         # No rank holds a full gradient to accumulate locally: each backward
         # reduce-scatters into the gradient shard, where backwards add up.
         # Accumulation is correct inside or outside this context.
@@ -320,7 +330,9 @@ class GeminiPlugin(Plugin, SupportsNoSync):
     def load_model_state_dict(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
         model.load_full_state_dict(state)  # type: ignore[operator]
 
-    def _parts(self, optimizer: Any) -> Iterator[tuple[str, nn.Parameter, int, int, torch.Size]]:
+    def _parts(
+        self, optimizer: Optimizer
+    ) -> Iterator[tuple[str, nn.Parameter, int, int, torch.Size]]:
         boosted = self.boosted(optimizer)
         names = names_by_id(boosted.module)
         wrapper: Any = boosted.model
@@ -328,8 +340,8 @@ class GeminiPlugin(Plugin, SupportsNoSync):
             for slot, (param, start, part) in zip(chunk.slots, chunk.shard_parts(), strict=True):
                 yield names[id(param)], param, start, part.numel(), slot.shape
 
-    def optimizer_state_dict(self, optimizer: Any) -> CanonicalOptimizerState:
-        inner = optimizer.inner
+    def optimizer_state_dict(self, optimizer: Optimizer) -> CanonicalOptimizerState:
+        inner = _own(optimizer).inner
         names = names_by_id(self.boosted(optimizer).module)
         groups = {"state": {}, "param_groups": inner.state_dict()["param_groups"]}
         saved = torch_to_canonical(groups, optimizer_names(inner, names))  # groups by name
@@ -366,7 +378,7 @@ class GeminiPlugin(Plugin, SupportsNoSync):
                 wrapper.comm.all_reduce(full)
                 full_entry[key] = full.view(shape).cpu()
             state[name] = full_entry
-        scaler = optimizer.scaler
+        scaler = _own(optimizer).scaler
         return {
             "state": state,
             "param_groups": saved["param_groups"],
@@ -392,11 +404,11 @@ class GeminiPlugin(Plugin, SupportsNoSync):
         ]
 
     def sharded_optimizer_state(
-        self, optimizer: Any, saved: dict[str, dict[str, bool]] | None
+        self, optimizer: Optimizer, saved: dict[str, dict[str, bool]] | None
     ) -> dict[str, Any]:
         from pc_zero import Pieces
 
-        inner = optimizer.inner
+        inner = _own(optimizer).inner
         names = names_by_id(self.boosted(optimizer).module)
         out: dict[str, Any] = {}
         for param, start, part, shape in self._my_parts(optimizer):
@@ -417,21 +429,25 @@ class GeminiPlugin(Plugin, SupportsNoSync):
                 else:
                     out[optim_key(name, key)] = torch.as_tensor(value, dtype=torch.float32).clone()
         out[GROUPS] = groups_state(inner, names)
-        if optimizer.scaler is not None:
-            out[SCALER] = optimizer.scaler.state_dict()
+        scaler = _own(optimizer).scaler
+        if scaler is not None:
+            out[SCALER] = scaler.state_dict()
         return out
 
-    def after_sharded_optimizer_load(self, optimizer: Any, state: dict[str, Any]) -> None:
-        inner = optimizer.inner
+    def after_sharded_optimizer_load(self, optimizer: Optimizer, state: dict[str, Any]) -> None:
+        inner = _own(optimizer).inner
         names = names_by_id(self.boosted(optimizer).module)
         for param, *_ in self._my_parts(optimizer):
             restore_scalars(inner.state[param], state, names[id(param)])
         apply_groups(inner, names, state.get(GROUPS))
-        if optimizer.scaler is not None and isinstance(state.get(SCALER), dict):
-            optimizer.scaler.load_state_dict(state[SCALER])
+        scaler = _own(optimizer).scaler
+        if scaler is not None and isinstance(state.get(SCALER), dict):
+            scaler.load_state_dict(state[SCALER])
 
-    def load_optimizer_state_dict(self, optimizer: Any, state: CanonicalOptimizerState) -> None:
-        inner = optimizer.inner
+    def load_optimizer_state_dict(
+        self, optimizer: Optimizer, state: CanonicalOptimizerState
+    ) -> None:
+        inner = _own(optimizer).inner
         names = names_by_id(self.boosted(optimizer).module)
         converted = canonical_to_torch(
             {"state": {}, "param_groups": state["param_groups"]},
@@ -439,7 +455,7 @@ class GeminiPlugin(Plugin, SupportsNoSync):
             torch_groups(inner),
         )
         inner.load_state_dict(converted)  # hyperparameters
-        scaler = optimizer.scaler
+        scaler = _own(optimizer).scaler
         if scaler is not None and state.get("loss_scaler") is not None:
             scaler.load_state_dict(state["loss_scaler"])
         # torch swapped the group objects: re-alias them on the wrapper.

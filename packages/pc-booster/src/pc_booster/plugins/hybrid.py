@@ -18,7 +18,6 @@ from torch import nn
 from torch.optim import Optimizer
 
 from pc_booster.canonical import CanonicalOptimizerState, names_by_id, rebuild_optimizer
-from pc_booster.clipping import clip_at_next_step, clip_hook, refuse_error_if_nonfinite
 from pc_booster.plugin import Boosted, Plugin, SupportsNoSync, SupportsPipeline
 from pc_booster.plugins import hybrid_pipeline, hybrid_state
 from pc_booster.plugins.common import (
@@ -31,6 +30,7 @@ from pc_booster.plugins.common import (
     materialize_lazy,
     materializer,
     require_initialized,
+    sharded,
     values_a_cast_rounds,
 )
 from pc_booster.plugins.hybrid_options import OWN_SP_MODES, HybridParallelOptions
@@ -52,7 +52,7 @@ from pc_booster.plugins.sharded import (
 from pc_booster.rules import (
     TrainPrecision,
 )
-from pc_booster.step_policies import AmpStep
+from pc_booster.step_policies import AmpStep, Clip, GradientStep
 from pc_chunk import is_lazy
 
 __all__ = ["HybridParallelOptions", "HybridParallelPlugin"]
@@ -98,9 +98,6 @@ class HybridParallelPlugin(Plugin, SupportsNoSync, SupportsPipeline):
         self._layout = layout
         # Set by configure: this rank's pipeline stage.
         self.stage = hybrid_pipeline.PipelineStage()
-        # zero_stage=0: each boosted optimizer's clipping across the tp and
-        # pp groups (clip_grad_by_norm calls it).
-        self.clippers: dict[Optimizer, Callable[[Sequence[torch.Tensor], float], float]] = {}
 
     # The layout's sizes and groups, by the names training scripts read.
     @property
@@ -178,7 +175,6 @@ class HybridParallelPlugin(Plugin, SupportsNoSync, SupportsPipeline):
             cast_floating(model, precision.dtype)
             if precision is not TrainPrecision.FP32:  # an fp32 batch into a half model
                 cast_floating_inputs(model, precision.dtype)
-        step_policy = None
         wrapped: nn.Module = model
         if optimizer is not None:
             optimizer = rebuild_optimizer(optimizer, names, dict(model.named_parameters()))
@@ -190,14 +186,7 @@ class HybridParallelPlugin(Plugin, SupportsNoSync, SupportsPipeline):
             optimizer = zero
         else:
             wrapped = self._data_parallel(model)
-            if optimizer is not None:
-                self.clip_own_optimizer(optimizer)
-                if precision is TrainPrecision.FP16:
-                    # The overflow check spans the model-parallel ranks,
-                    # which hold different pieces of the gradients.
-                    step_policy = AmpStep(
-                        self.options.loss_scale(), device(), groups=self.norm_groups()
-                    )
+        step_policy = self.step_policy(precision)
         if self.tp_size > 1 and not self.options.parallel_output:
             model.register_forward_hook(_full_logits)
         return Boosted(
@@ -298,21 +287,34 @@ class HybridParallelPlugin(Plugin, SupportsNoSync, SupportsPipeline):
             dp_process_group=self.layout.dp_group,
             model_parallel_groups=self.norm_groups(),
             counts_toward_norm=lambda p: self.counts_toward_norm(p, by_id.get(id(p))),
-            clip_grad_norm=o.max_norm,
+            max_norm=o.max_norm,
             loss_scale=o.loss_scale(),
             overlap_communication=o.overlap_communication,
             cpu_offload=o.cpu_offload,
             reduce_bucket_size=int(o.zero_bucket_size_in_m * 2**20),
         )
 
-    def clip_own_optimizer(self, optimizer: Optimizer, names: dict[int, str] | None = None) -> None:
-        """zero_stage=0: clip the user's optimizer's gradients (whole on
-        each data-parallel rank after DDP) by the global norm before each
-        step (with ``max_norm``; ``optimizer.clip_grad_by_norm`` uses the
-        same clipping)."""
-        from pc_zero import unscale_clip_and_check
+    def step_policy(
+        self, precision: TrainPrecision, names: dict[int, str] | None = None
+    ) -> GradientStep:
+        """How a boosted optimizer steps [Note: one step policy]. With ZeRO,
+        its optimizer unscales and clips inside the step. Without, the
+        user's optimizer's gradients (whole on each data-parallel rank after
+        DDP) are clipped by their global norm over the tensor and pipeline
+        ranks (each piece counted once), and fp16's overflow check spans
+        them too. ``names``: parameter names by id, for what counts toward
+        the norm under a pipeline."""
+        if self.zero_stage:
+            return GradientStep("HybridParallelPlugin")
+        amp = None
+        if precision is TrainPrecision.FP16:
+            amp = AmpStep(self.options.loss_scale(), device(), groups=self.norm_groups())
+        return GradientStep(
+            "HybridParallelPlugin", self._norm_clip(names or {}), self.options.max_norm, amp
+        )
 
-        by_id = names or {}
+    def _norm_clip(self, by_id: dict[int, str]) -> Clip:
+        from pc_zero import unscale_clip_and_check
 
         def clip(params: Sequence[torch.Tensor], max_norm: float) -> float:
             # The gradients themselves (scaled in place), not flattened copies.
@@ -332,19 +334,7 @@ class HybridParallelPlugin(Plugin, SupportsNoSync, SupportsPipeline):
             )
             return norm
 
-        self.clippers[optimizer] = clip
-        if self.options.max_norm > 0:
-            optimizer.register_step_pre_hook(clip_hook(self.options.max_norm, clip))
-
-    def clip_grad_by_norm(
-        self, optimizer: Any, max_norm: float, error_if_nonfinite: bool = False
-    ) -> None:
-        refuse_error_if_nonfinite(self, error_if_nonfinite)
-        if self.zero_stage:
-            clip_at_next_step(optimizer, "clip_grad_norm", max_norm)
-            return
-        params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-        self.clippers[optimizer](params, max_norm)
+        return clip
 
     # -- steps -------------------------------------------------------------------------
 
@@ -353,7 +343,7 @@ class HybridParallelPlugin(Plugin, SupportsNoSync, SupportsPipeline):
         data_iter: Iterator[Any],
         model: nn.Module,
         criterion: Any,
-        optimizer: Any,
+        optimizer: Optimizer,
         return_loss: bool = True,
         return_outputs: bool = False,
     ) -> dict[str, Any]:
@@ -364,7 +354,9 @@ class HybridParallelPlugin(Plugin, SupportsNoSync, SupportsPipeline):
             self, data_iter, model, criterion, optimizer, return_loss, return_outputs
         )
 
-    def no_sync(self, model: nn.Module, optimizer: Any) -> AbstractContextManager[None]:
+    def no_sync(
+        self, model: nn.Module, optimizer: Optimizer | None
+    ) -> AbstractContextManager[None]:
         self.validate_later(accumulation=2)  # refused with pipelines
         if self.zero_stage == 1:
             if optimizer is None:
@@ -372,7 +364,7 @@ class HybridParallelPlugin(Plugin, SupportsNoSync, SupportsPipeline):
                     "with zero_stage=1 gradients accumulate in the optimizer: pass it, "
                     "booster.no_sync(model, optimizer)."
                 )
-            context: AbstractContextManager[None] = optimizer.no_sync()
+            context: AbstractContextManager[None] = sharded(optimizer).no_sync()
             return context
         from pc_comm import DistributedDataParallel
 
@@ -410,20 +402,20 @@ class HybridParallelPlugin(Plugin, SupportsNoSync, SupportsPipeline):
         boosted = self.boosted(model)
         share = self._share(boosted.module, loading)
         if self.zero_stage:
-            return zero_sharded_model_state(boosted.module, boosted.optimizer, share)
+            return zero_sharded_model_state(boosted.module, sharded(boosted.optimizer), share)
         return whole_state(boosted.module, share)
 
     def after_sharded_model_load(self, model: nn.Module) -> None:
         if self.zero_stage:
-            self.boosted(model).optimizer.sync_params()
+            sharded(self.boosted(model).optimizer).sync_params()
 
     def sharded_optimizer_state(
-        self, optimizer: Any, saved: dict[str, dict[str, bool]] | None
+        self, optimizer: Optimizer, saved: dict[str, dict[str, bool]] | None
     ) -> dict[str, Any]:
         module = self.boosted(optimizer).module
         share = self._share(module, loading=saved is not None)
         if self.zero_stage:
-            out = zero_sharded_optimizer_state(module, optimizer, saved, share)
+            out = zero_sharded_optimizer_state(module, sharded(optimizer), saved, share)
         else:
             out = own_optimizer_state(module, optimizer, saved, share)
         if self.pp_size > 1 and saved is None:
@@ -441,10 +433,10 @@ class HybridParallelPlugin(Plugin, SupportsNoSync, SupportsPipeline):
             merged.append({**group, "params": list(dict.fromkeys(names))})
         return merged
 
-    def after_sharded_optimizer_load(self, optimizer: Any, state: dict[str, Any]) -> None:
+    def after_sharded_optimizer_load(self, optimizer: Optimizer, state: dict[str, Any]) -> None:
         module = self.boosted(optimizer).module
         if self.zero_stage:
-            zero_after_sharded_optimizer_load(module, optimizer, state)
+            zero_after_sharded_optimizer_load(module, sharded(optimizer), state)
         else:
             after_own_optimizer_load(module, optimizer, state)
 
@@ -456,10 +448,12 @@ class HybridParallelPlugin(Plugin, SupportsNoSync, SupportsPipeline):
     def load_model_state_dict(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
         hybrid_state.load_model_state_dict(self, model, state)
 
-    def optimizer_state_dict(self, optimizer: Any) -> CanonicalOptimizerState:
+    def optimizer_state_dict(self, optimizer: Optimizer) -> CanonicalOptimizerState:
         return hybrid_state.optimizer_state_dict(self, optimizer)
 
-    def load_optimizer_state_dict(self, optimizer: Any, state: CanonicalOptimizerState) -> None:
+    def load_optimizer_state_dict(
+        self, optimizer: Optimizer, state: CanonicalOptimizerState
+    ) -> None:
         hybrid_state.load_optimizer_state_dict(self, optimizer, state)
 
 

@@ -28,11 +28,11 @@ from pc_booster.plugins.common import (
     has_lazy,
     materialize_lazy,
     materializer,
+    sharded,
     values_a_cast_rounds,
 )
 from pc_booster.plugins.low_level_zero import masters_from_built
 from pc_booster.rules import TrainPrecision
-from pc_booster.step_policies import AmpStep
 
 if TYPE_CHECKING:
     from pc_booster.plugins.hybrid import HybridParallelPlugin
@@ -150,7 +150,7 @@ def configure_pipeline(
         return list(part) if isinstance(part, list) else [part]
 
     mine = stage_modules(pp_rank)
-    built, amp = _place_stage(plugin, mine, precision)
+    built = _place_stage(plugin, mine, precision)
     own = _record_stages(plugin, model, [stage_modules(rank) for rank in range(pp)])
     pipe = _schedule(plugin, mine)
     if optimizer is not None:
@@ -160,11 +160,9 @@ def configure_pipeline(
             zero = plugin.zero_optimizer(optimizer, own_names)
             masters_from_built(model, zero, built)
             optimizer = zero
-        else:
-            plugin.clip_own_optimizer(optimizer, own_names)
-    step_policy = None
-    if optimizer is not None and amp and precision is TrainPrecision.FP16:
-        step_policy = AmpStep(o.loss_scale(), device(), groups=plugin.norm_groups())
+    else:
+        own_names = {}
+    step_policy = plugin.step_policy(precision, own_names)
     return Boosted(
         pipe, optimizer, criterion, dataloader, lr_scheduler, module=model,
         step_policy=step_policy,
@@ -191,11 +189,10 @@ def _shard_tensor_parallel(plugin: HybridParallelPlugin, model: nn.Module) -> No
 
 def _place_stage(
     plugin: HybridParallelPlugin, mine: list[nn.Module], precision: TrainPrecision
-) -> tuple[dict[int, torch.Tensor], bool]:
+) -> dict[int, torch.Tensor]:
     """This stage's layers on the device, from its first data-parallel
     rank's values, in the compute dtype (or fp32 under autocast without
-    ZeRO); returns the values as built (ZeRO's masters) and whether
-    autocast runs the stage."""
+    ZeRO); returns the values as built (ZeRO's masters)."""
     o = plugin.options
     if o.tp_size == 1:  # only this stage's layers are materialised and placed
         materialize_lazy(mine, device())
@@ -211,7 +208,7 @@ def _place_stage(
             autocast_forward(module, precision.dtype)
         else:
             cast_floating(module, precision.dtype)
-    return built, amp
+    return built
 
 
 def _record_stages(
@@ -355,7 +352,7 @@ def execute_pipeline(
     data_iter: Iterator[Any],
     model: nn.Module,
     criterion: Any,
-    optimizer: Any,
+    optimizer: Optimizer,
     return_loss: bool = True,
     return_outputs: bool = False,
 ) -> dict[str, Any]:
@@ -384,10 +381,10 @@ def execute_pipeline(
     )
     if optimizer is None or not torch.is_grad_enabled():
         return _evaluate(plugin, model, inputs, main, keys, user, return_loss, return_outputs)
-    scaler = optimizer.scaler if plugin.zero_stage else None
+    scaler = sharded(optimizer).scaler if plugin.zero_stage else None
     policy = plugin.boosted(model).step_policy
-    if isinstance(policy, AmpStep):  # fp16 without ZeRO: the returned optimizer's scale
-        scaler = policy.scaler
+    if policy is not None and policy.amp is not None:  # fp16 without ZeRO
+        scaler = policy.amp.scaler
     scale = float(scaler.scale) if scaler is not None else 1.0
 
     def loss_fn(logits: torch.Tensor, *parts: torch.Tensor) -> torch.Tensor:
@@ -400,7 +397,7 @@ def execute_pipeline(
         return loss * scale if scale != 1.0 else loss
 
     context: AbstractContextManager[None] = (
-        optimizer.no_sync() if plugin.zero_stage == 1 else nullcontext()
+        sharded(optimizer).no_sync() if plugin.zero_stage == 1 else nullcontext()
     )
     with context:
         losses, outputs = model.forward_backward(  # type: ignore[operator]
@@ -447,11 +444,11 @@ def _batch_inputs(
     return inputs, main
 
 
-def _sum_tied_gradients(plugin: HybridParallelPlugin, optimizer: Any) -> None:
+def _sum_tied_gradients(plugin: HybridParallelPlugin, optimizer: Optimizer) -> None:
     """A weight tied across stages gets the sum of every holder's gradient."""
     for param, group in plugin.stage.tied:
         if plugin.zero_stage == 1:
-            grad = optimizer.accumulated_grad(param)
+            grad = sharded(optimizer).accumulated_grad(param)
         else:
             if param.grad is None:
                 param.grad = torch.zeros_like(param)

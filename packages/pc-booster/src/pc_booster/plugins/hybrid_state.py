@@ -10,11 +10,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.optim import Optimizer
 
 from pc_booster.canonical import CanonicalOptimizerState, names_by_id
 from pc_booster.plugins.common import (
     device,
     load_cast,
+    sharded,
     torch_load_optimizer,
     torch_optimizer_state,
 )
@@ -52,7 +54,7 @@ def model_state_dict(plugin: HybridParallelPlugin, model: nn.Module) -> dict[str
 def _local_model_state(plugin: HybridParallelPlugin, model: nn.Module) -> dict[str, torch.Tensor]:
     boosted = plugin.boosted(model)
     module = boosted.module
-    masters = zero_masters(module, boosted.optimizer) if plugin.zero_stage else {}
+    masters = zero_masters(module, sharded(boosted.optimizer)) if plugin.zero_stage else {}
     if plugin.tp_size == 1:
         state = _materialized_state(module)
         state.update(masters)
@@ -90,7 +92,7 @@ def load_model_state_dict(
     if plugin.tp_size == 1:
         _load_local(module, state)
         if plugin.zero_stage:
-            zero_load_masters(module, boosted.optimizer, state)
+            zero_load_masters(module, sharded(boosted.optimizer), state)
         return
     from pc_tensor import load_full_state_dict, shard_info, shard_tensor
 
@@ -105,7 +107,7 @@ def load_model_state_dict(
             for name, value in state.items()
             if name in local
         }
-        zero_load_masters(module, boosted.optimizer, pieces)
+        zero_load_masters(module, sharded(boosted.optimizer), pieces)
 
 
 def _load_local(module: nn.Module, state: dict[str, torch.Tensor]) -> None:
@@ -120,10 +122,12 @@ def _load_local(module: nn.Module, state: dict[str, torch.Tensor]) -> None:
             own[key].copy_(value.to(own[key].dtype))
 
 
-def optimizer_state_dict(plugin: HybridParallelPlugin, optimizer: Any) -> CanonicalOptimizerState:
+def optimizer_state_dict(
+    plugin: HybridParallelPlugin, optimizer: Optimizer
+) -> CanonicalOptimizerState:
     module = plugin.boosted(optimizer).module
     if plugin.zero_stage:
-        canonical = zero_optimizer_state(optimizer, module)
+        canonical = zero_optimizer_state(sharded(optimizer), module)
     else:
         canonical = torch_optimizer_state(optimizer, module)
     if plugin.tp_size > 1:
@@ -152,13 +156,13 @@ def optimizer_state_dict(plugin: HybridParallelPlugin, optimizer: Any) -> Canoni
 
 
 def load_optimizer_state_dict(
-    plugin: HybridParallelPlugin, optimizer: Any, state: CanonicalOptimizerState
+    plugin: HybridParallelPlugin, optimizer: Optimizer, state: CanonicalOptimizerState
 ) -> None:
     module = plugin.boosted(optimizer).module
     if plugin.pp_size > 1:  # this stage's parameters only
         by_id = names_by_id(module)
         params = (
-            optimizer.params
+            sharded(optimizer).params
             if plugin.zero_stage
             else [p for g in optimizer.param_groups for p in g["params"]]
         )
@@ -187,6 +191,6 @@ def load_optimizer_state_dict(
             }
         state = {**state, "state": entries}
     if plugin.zero_stage:
-        zero_load_optimizer(optimizer, module, state)
+        zero_load_optimizer(sharded(optimizer), module, state)
     else:
         torch_load_optimizer(optimizer, module, state)

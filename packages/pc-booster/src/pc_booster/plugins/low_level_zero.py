@@ -21,7 +21,6 @@ from pc_booster.canonical import (
     names_by_id,
     torch_to_canonical,
 )
-from pc_booster.clipping import clip_at_next_step, refuse_error_if_nonfinite
 from pc_booster.plugin import Boosted, Plugin, SupportsNoSync
 from pc_booster.plugins.common import (
     broadcast_module,
@@ -32,6 +31,7 @@ from pc_booster.plugins.common import (
     load_cast,
     materialize_lazy,
     require_initialized,
+    sharded,
     values_a_cast_rounds,
 )
 from pc_booster.plugins.sharded import (
@@ -53,6 +53,7 @@ from pc_booster.rules import (
     StateBytes,
     TrainPrecision,
 )
+from pc_booster.step_policies import GradientStep
 from pc_zero import ShardedOptimizer
 
 __all__ = [
@@ -335,7 +336,7 @@ class LowLevelZeroPlugin(Plugin, SupportsNoSync):
             cpu_offload=o.cpu_offload,
             reduce_bucket_size=int(o.reduce_bucket_size_in_m * 1024 * 1024),
             overlap_communication=o.overlap_communication,
-            clip_grad_norm=o.max_norm,
+            max_norm=o.max_norm,
             loss_scale=o.loss_scale(),
         )
         masters_from_built(model, zero, built)
@@ -352,21 +353,20 @@ class LowLevelZeroPlugin(Plugin, SupportsNoSync):
                 + (", its masters and moments on the host" if o.cpu_offload else ""),
                 flush=True,
             )
-        return Boosted(model, zero, criterion, dataloader, lr_scheduler, module=model)
+        # The gradients are reduced, unscaled and clipped inside the step.
+        policy = GradientStep("LowLevelZeroPlugin")
+        return Boosted(
+            model, zero, criterion, dataloader, lr_scheduler, module=model, step_policy=policy
+        )
 
     @contextmanager
-    def _no_sync(self, optimizer: Any) -> Iterator[None]:
-        with optimizer.no_sync():
+    def _no_sync(self, optimizer: Optimizer) -> Iterator[None]:
+        with sharded(optimizer).no_sync():
             yield
 
-    def clip_grad_by_norm(
-        self, optimizer: Any, max_norm: float, error_if_nonfinite: bool = False
-    ) -> None:
-        refuse_error_if_nonfinite(self, error_if_nonfinite)
-        # The gradients are reduced (and unscaled) inside the step.
-        clip_at_next_step(optimizer, "clip_grad_norm", max_norm)
-
-    def no_sync(self, model: nn.Module, optimizer: Any) -> AbstractContextManager[None]:
+    def no_sync(
+        self, model: nn.Module, optimizer: Optimizer | None
+    ) -> AbstractContextManager[None]:
         if optimizer is None:
             raise ValueError(
                 "LowLevelZeroPlugin accumulates in the optimizer: pass it, "
@@ -381,30 +381,35 @@ class LowLevelZeroPlugin(Plugin, SupportsNoSync):
 
     def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         boosted = self.boosted(model)
-        return {**clone_state(boosted.module), **zero_masters(boosted.module, boosted.optimizer)}
+        masters = zero_masters(boosted.module, sharded(boosted.optimizer))
+        return {**clone_state(boosted.module), **masters}
 
     def load_model_state_dict(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
         boosted = self.boosted(model)
         load_cast(boosted.module, state)
-        zero_load_masters(boosted.module, boosted.optimizer, state)
+        zero_load_masters(boosted.module, sharded(boosted.optimizer), state)
 
-    def optimizer_state_dict(self, optimizer: Any) -> CanonicalOptimizerState:
-        return zero_optimizer_state(optimizer, self.boosted(optimizer).module)
+    def optimizer_state_dict(self, optimizer: Optimizer) -> CanonicalOptimizerState:
+        return zero_optimizer_state(sharded(optimizer), self.boosted(optimizer).module)
 
-    def load_optimizer_state_dict(self, optimizer: Any, state: CanonicalOptimizerState) -> None:
-        zero_load_optimizer(optimizer, self.boosted(optimizer).module, state)
+    def load_optimizer_state_dict(
+        self, optimizer: Optimizer, state: CanonicalOptimizerState
+    ) -> None:
+        zero_load_optimizer(sharded(optimizer), self.boosted(optimizer).module, state)
 
     def sharded_model_state(self, model: nn.Module, loading: bool = False) -> dict[str, Any]:
         boosted = self.boosted(model)
-        return zero_sharded_model_state(boosted.module, boosted.optimizer)
+        return zero_sharded_model_state(boosted.module, sharded(boosted.optimizer))
 
     def after_sharded_model_load(self, model: nn.Module) -> None:
-        self.boosted(model).optimizer.sync_params()
+        sharded(self.boosted(model).optimizer).sync_params()
 
     def sharded_optimizer_state(
-        self, optimizer: Any, saved: dict[str, dict[str, bool]] | None
+        self, optimizer: Optimizer, saved: dict[str, dict[str, bool]] | None
     ) -> dict[str, Any]:
-        return zero_sharded_optimizer_state(self.boosted(optimizer).module, optimizer, saved)
+        module = self.boosted(optimizer).module
+        return zero_sharded_optimizer_state(module, sharded(optimizer), saved)
 
-    def after_sharded_optimizer_load(self, optimizer: Any, state: dict[str, Any]) -> None:
-        zero_after_sharded_optimizer_load(self.boosted(optimizer).module, optimizer, state)
+    def after_sharded_optimizer_load(self, optimizer: Optimizer, state: dict[str, Any]) -> None:
+        module = self.boosted(optimizer).module
+        zero_after_sharded_optimizer_load(module, sharded(optimizer), state)

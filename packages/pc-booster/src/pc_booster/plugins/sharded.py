@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -270,8 +270,16 @@ def after_own_optimizer_load(module: nn.Module, optimizer: Optimizer, state: Any
     apply_groups(optimizer, {id(p): n for n, p in module.named_parameters()}, state.get(GROUPS))
 
 
+class HasParamGroups(Protocol):
+    """An optimizer's param groups (a torch optimizer's, or a ZeRO one's,
+    whose groups hold master pieces)."""
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]: ...
+
+
 def groups_state(
-    optimizer: Any,
+    optimizer: HasParamGroups,
     names: Mapping[int, str],
     members: Sequence[Sequence[torch.Tensor]] | None = None,
 ) -> list[dict[str, Any]]:
@@ -289,7 +297,7 @@ def groups_state(
 
 
 def apply_groups(
-    optimizer: Any,
+    optimizer: HasParamGroups,
     names: Mapping[int, str],
     saved: Any,
     members: Sequence[Sequence[torch.Tensor]] | None = None,

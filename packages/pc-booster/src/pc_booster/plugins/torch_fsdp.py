@@ -15,7 +15,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from pc_booster.canonical import CanonicalOptimizerState, names_by_id, rebuild_optimizer, without
-from pc_booster.clipping import clip_hook, clip_replicated
+from pc_booster.clipping import clip_replicated
 from pc_booster.plugin import Boosted, Plugin, SupportsNoSync
 from pc_booster.plugins.common import (
     broadcast_module,
@@ -38,7 +38,7 @@ from pc_booster.rules import (
     StateBytes,
     TrainPrecision,
 )
-from pc_booster.step_policies import AmpStep
+from pc_booster.step_policies import AmpStep, GradientStep
 
 __all__ = ["TorchFSDPOptions", "TorchFSDPPlugin"]
 
@@ -335,17 +335,17 @@ class TorchFSDPPlugin(Plugin, SupportsNoSync):
             for buffer in model.buffers():
                 if buffer.is_floating_point():
                     buffer.data = buffer.data.to(o.buffer_dtype)
-        step_policy = None
+        amp = None
         if optimizer is not None:
             optimizer = rebuild_optimizer(optimizer, names, dict(model.named_parameters()))
-            if self.options.max_norm > 0:
-                optimizer.register_step_pre_hook(clip_hook(self.options.max_norm, clip_replicated))
             if precision is TrainPrecision.FP16:
                 # [Note: fp16 under FSDP2]: fp32 shards, fp16 compute, and
                 # a loss scale whose overflow check spans every rank's shard.
                 world = dist.group.WORLD
                 assert world is not None
-                step_policy = AmpStep(o.loss_scale(), device(), groups=(world,))
+                amp = AmpStep(o.loss_scale(), device(), groups=(world,))
+        # DTensor gradients: torch reduces their norm over the shards.
+        step_policy = GradientStep("TorchFSDPPlugin", clip_replicated, o.max_norm, amp)
         return Boosted(
             model, optimizer, criterion, dataloader, lr_scheduler, module=model,
             step_policy=step_policy,
@@ -359,7 +359,9 @@ class TorchFSDPPlugin(Plugin, SupportsNoSync):
         finally:
             model.set_requires_gradient_sync(True)
 
-    def no_sync(self, model: nn.Module, optimizer: Any) -> AbstractContextManager[None]:
+    def no_sync(
+        self, model: nn.Module, optimizer: Optimizer | None
+    ) -> AbstractContextManager[None]:
         return self._no_sync(model)
 
     def _state_options(self) -> Any:
@@ -378,7 +380,7 @@ class TorchFSDPPlugin(Plugin, SupportsNoSync):
 
         set_model_state_dict(model, dict(state), options=self._state_options())
 
-    def optimizer_state_dict(self, optimizer: Any) -> CanonicalOptimizerState:
+    def optimizer_state_dict(self, optimizer: Optimizer) -> CanonicalOptimizerState:
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
         model = self.boosted(optimizer).model
@@ -403,14 +405,16 @@ class TorchFSDPPlugin(Plugin, SupportsNoSync):
         return whole_state(self.boosted(model).module)
 
     def sharded_optimizer_state(
-        self, optimizer: Any, saved: dict[str, dict[str, bool]] | None
+        self, optimizer: Optimizer, saved: dict[str, dict[str, bool]] | None
     ) -> dict[str, Any]:
         return own_optimizer_state(self.boosted(optimizer).module, optimizer, saved)
 
-    def after_sharded_optimizer_load(self, optimizer: Any, state: dict[str, Any]) -> None:
+    def after_sharded_optimizer_load(self, optimizer: Optimizer, state: dict[str, Any]) -> None:
         after_own_optimizer_load(self.boosted(optimizer).module, optimizer, state)
 
-    def load_optimizer_state_dict(self, optimizer: Any, state: CanonicalOptimizerState) -> None:
+    def load_optimizer_state_dict(
+        self, optimizer: Optimizer, state: CanonicalOptimizerState
+    ) -> None:
         from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
         model = self.boosted(optimizer).model

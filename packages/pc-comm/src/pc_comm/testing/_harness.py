@@ -325,13 +325,7 @@ def spawn(
     """
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {world_size}.")
-    try:
-        payload = pickle.dumps((fn, tuple(args)))
-    except (pickle.PicklingError, AttributeError, TypeError) as error:
-        raise TypeError(
-            f"spawn needs a module-level function and picklable args; {fn!r} or its "
-            f"args could not be pickled ({error}). Move the function to module level."
-        ) from error
+    payload = _pickled(fn, args)
     fn_name = name or str(getattr(fn, "__qualname__", repr(fn)))
     context = _forkserver()
     store = dist.TCPStore(  # type: ignore[attr-defined]  # not in torch's __all__
@@ -344,48 +338,73 @@ def spawn(
     )
     with tempfile.TemporaryDirectory(prefix="pc-spawn-") as tmp:
         workdir = Path(tmp)
-        states = []
-        for rank in range(world_size):
-            spec = _RankSpec(
-                rank=rank,
-                world_size=world_size,
-                store_port=store.port,
-                backend=backend,
-                timeout_s=timeout,
-                workdir=tmp,
-                sys_path=tuple(sys.path),
-                payload=payload,
+        states = [
+            _start_rank(
+                context,
+                _RankSpec(
+                    rank=rank,
+                    world_size=world_size,
+                    store_port=store.port,
+                    backend=backend,
+                    timeout_s=timeout,
+                    workdir=tmp,
+                    sys_path=tuple(sys.path),
+                    payload=payload,
+                ),
             )
-            process = context.Process(target=_rank_main, args=(spec,), daemon=True)
-            process.start()
-            states.append(_RankState(rank=rank, process=process))
-        deadline = time.monotonic() + timeout
-        while True:
-            now = time.monotonic()
-            for state in states:
-                _poll(state, workdir, now)
-            if all(s.verdict is not None for s in states):
-                break
-            first_failure = min((s.failed_at for s in states if s.failed_at), default=None)
-            if first_failure is not None and now > first_failure + grace:
-                culprit = min((s for s in states if s.failed_at), key=_blame_order)
-                _stop(states, f"was stopped after rank {culprit.rank} failed")
-                break
-            if now > deadline:
-                _stop(states, f"did not finish within the {timeout:g} s timeout (hung)")
-                break
-            # Sleep until a rank exits (a rank that raised exits right after
-            # writing its result), looking at least once a second: the ranks
-            # get every core, with no wake-ups of ours between their steps.
-            limit = deadline if first_failure is None else min(deadline, first_failure + grace)
-            wait_for_exit(
-                [s.process.sentinel for s in states if s.verdict is None],
-                timeout=max(0.0, min(_WATCH_S, limit - now)),
-            )
+            for rank in range(world_size)
+        ]
+        _watch(states, workdir, timeout, grace)
         for state in states:
             state.process.join(5)
         if any(s.verdict != "ok" for s in states):
             raise DistributedTestError(_report(states, workdir, fn_name, world_size))
+
+
+def _pickled(fn: Callable[..., None], args: Sequence[Any]) -> bytes:
+    """``(fn, args)`` as the ranks receive them [Note: start method]."""
+    try:
+        return pickle.dumps((fn, tuple(args)))
+    except (pickle.PicklingError, AttributeError, TypeError) as error:
+        raise TypeError(
+            f"spawn needs a module-level function and picklable args; {fn!r} or its "
+            f"args could not be pickled ({error}). Move the function to module level."
+        ) from error
+
+
+def _start_rank(context: Any, spec: _RankSpec) -> _RankState:
+    process = context.Process(target=_rank_main, args=(spec,), daemon=True)
+    process.start()
+    return _RankState(rank=spec.rank, process=process)
+
+
+def _watch(states: list[_RankState], workdir: Path, timeout: float, grace: float) -> None:
+    """Until every rank has a verdict: on the first failure the others get
+    ``grace`` seconds, and everyone still running at the deadline is
+    stopped [Note: why the parent watches processes, not collectives]."""
+    deadline = time.monotonic() + timeout
+    while True:
+        now = time.monotonic()
+        for state in states:
+            _poll(state, workdir, now)
+        if all(s.verdict is not None for s in states):
+            return
+        first_failure = min((s.failed_at for s in states if s.failed_at), default=None)
+        if first_failure is not None and now > first_failure + grace:
+            culprit = min((s for s in states if s.failed_at), key=_blame_order)
+            _stop(states, f"was stopped after rank {culprit.rank} failed")
+            return
+        if now > deadline:
+            _stop(states, f"did not finish within the {timeout:g} s timeout (hung)")
+            return
+        # Sleep until a rank exits (a rank that raised exits right after
+        # writing its result), looking at least once a second: the ranks
+        # get every core, with no wake-ups of ours between their steps.
+        limit = deadline if first_failure is None else min(deadline, first_failure + grace)
+        wait_for_exit(
+            [s.process.sentinel for s in states if s.verdict is None],
+            timeout=max(0.0, min(_WATCH_S, limit - now)),
+        )
 
 
 def run_subtests(

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.optim import Optimizer
 
 from pc_booster import Booster as _PcBooster
 from pc_booster.plugin import Plugin, Precision
@@ -76,7 +77,7 @@ class Booster(_PcBooster):
         return wrapped, optimizer, criterion, dataloader, lr_scheduler
 
     def no_sync(
-        self, model: nn.Module | None = None, optimizer: Any = None
+        self, model: nn.Module | None = None, optimizer: Optimizer | None = None
     ) -> AbstractContextManager[None]:
         return super().no_sync(_core(model), optimizer)
 
@@ -88,7 +89,7 @@ class Booster(_PcBooster):
         data_iter: Iterator[Any],
         model: nn.Module,
         criterion: Any,
-        optimizer: Any = None,
+        optimizer: Optimizer | None = None,
         return_loss: bool = True,
         return_outputs: bool = False,
     ) -> dict[str, Any]:
@@ -142,7 +143,7 @@ class Booster(_PcBooster):
 
     def save_optimizer(
         self,
-        optimizer: Any,
+        optimizer: Optimizer,
         checkpoint: str | os.PathLike[str],
         shard: bool = False,
         gather_dtensor: bool = True,

@@ -34,6 +34,11 @@ def _stage(partition_grad: bool) -> dict[str, Any]:
     return {"stage": 2 if partition_grad else 1}
 
 
+def _max_norm(clip_grad_norm: float) -> dict[str, Any]:
+    """Colossal-AI's ``clip_grad_norm``: pc-zero's ``max_norm``."""
+    return {"max_norm": clip_grad_norm}
+
+
 class LowLevelZeroOptimizer(TranslatedEdge, _pc.LowLevelZeroOptimizer):
     """Colossal-AI's ``LowLevelZeroOptimizer(optimizer, ...)``: ZeRO stage 1
     (stage 2 with ``partition_grad=True``) over the data-parallel group
@@ -61,6 +66,7 @@ class LowLevelZeroOptimizer(TranslatedEdge, _pc.LowLevelZeroOptimizer):
             "master_weights": taken_by_edge,
             "backward_context": taken_by_edge,
             "partition_grad": _stage,
+            "clip_grad_norm": _max_norm,
             "extra_dp_group": refuse_unless(
                 _NAME,
                 "extra_dp_group",
@@ -75,7 +81,7 @@ class LowLevelZeroOptimizer(TranslatedEdge, _pc.LowLevelZeroOptimizer):
                 "pc reduces gradients in the parameters' dtype (no fp8 path); leave it False.",
             ),
         },
-        fills=frozenset({"stage", "loss_scale"}),
+        fills=frozenset({"stage", "loss_scale", "max_norm"}),
     )
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:

@@ -17,9 +17,10 @@ from collections.abc import Callable
 from typing import Any, ClassVar
 
 from torch import nn
+from torch.optim import Optimizer
 
-from pc_booster import ParallelLayout
 import pc_booster as _core
+from pc_booster import ParallelLayout
 from pc_booster.plugin import Plugin
 from pc_booster.rules import TrainPrecision
 from pc_compat.colossalai.booster.plugin._gemini import (
@@ -203,7 +204,7 @@ class HybridParallelPlugin(DPPluginBase, _core.HybridParallelPlugin):
     def configure(
         self,
         model: nn.Module,
-        optimizer: Any,
+        optimizer: Optimizer | None,
         criterion: Any,
         dataloader: Any,
         lr_scheduler: Any,
