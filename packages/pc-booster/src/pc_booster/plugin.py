@@ -42,7 +42,15 @@ from pc_booster.wrappers import inner_optimizer
 if TYPE_CHECKING:
     from pc_booster.rules import PluginConfig
 
-__all__ = ["Boosted", "Plugin", "Precision", "ScalesLoss", "SupportsNoSync", "SupportsPipeline"]
+__all__ = [
+    "BoostRequest",
+    "Boosted",
+    "Plugin",
+    "Precision",
+    "ScalesLoss",
+    "SupportsNoSync",
+    "SupportsPipeline",
+]
 
 Precision = Literal["fp16", "bf16"] | None
 
@@ -62,6 +70,36 @@ class Boosted:
     # [Note: one step policy]; None: an optimizer that does all of it in its
     # own step (pc-zero's).
     step_policy: GradientStep | None = None
+
+
+@dataclass(frozen=True)
+class BoostRequest:
+    """What ``boost`` was given, and the precision the run trains in, for
+    :meth:`Plugin.configure`."""
+
+    model: nn.Module
+    optimizer: Optimizer | None
+    criterion: Any
+    dataloader: Any
+    lr_scheduler: Any
+    precision: TrainPrecision
+
+    def boosted(
+        self,
+        model: nn.Module,
+        optimizer: Optimizer | None,
+        *,
+        module: nn.Module,
+        step_policy: GradientStep | None = None,
+        criterion: Any = None,
+    ) -> Boosted:
+        """The wrapped model and optimizer (``module``: the model as built),
+        with this request's criterion (or ``criterion``), dataloader and
+        LR scheduler."""
+        criterion = criterion if criterion is not None else self.criterion
+        return Boosted(
+            model, optimizer, criterion, self.dataloader, self.lr_scheduler, module, step_policy
+        )
 
 
 def _model_dtype(model: nn.Module) -> torch.dtype | None:
@@ -233,15 +271,7 @@ class Plugin(ABC):
     # -- boosting --------------------------------------------------------------
 
     @abstractmethod
-    def configure(
-        self,
-        model: nn.Module,
-        optimizer: Optimizer | None,
-        criterion: Any,
-        dataloader: Any,
-        lr_scheduler: Any,
-        precision: TrainPrecision,
-    ) -> Boosted: ...
+    def configure(self, request: BoostRequest) -> Boosted: ...
 
     def boost(
         self,
@@ -282,7 +312,8 @@ class Plugin(ABC):
                     "the optimizer holds parameters that are not the model's: build it over "
                     "the model you pass to boost() (model.parameters(), or param groups of it)."
                 )
-        boosted = self.configure(model, optimizer, criterion, dataloader, lr_scheduler, effective)
+        request = BoostRequest(model, optimizer, criterion, dataloader, lr_scheduler, effective)
+        boosted = self.configure(request)
         self._boosted[boosted.model] = boosted
         if boosted.optimizer is not None:
             self._boosted[boosted.optimizer] = boosted

@@ -16,7 +16,7 @@ from torch.optim import Optimizer
 
 from pc_booster.canonical import CanonicalOptimizerState
 from pc_booster.clipping import clip_replicated
-from pc_booster.plugin import Boosted, Plugin, SupportsNoSync
+from pc_booster.plugin import Boosted, BoostRequest, Plugin, SupportsNoSync
 from pc_booster.plugins.common import (
     cast_floating,
     clone_state,
@@ -149,15 +149,8 @@ class _DataParallel(Plugin, SupportsNoSync):
     def _wrap(self, model: nn.Module) -> nn.Module:
         raise NotImplementedError
 
-    def configure(
-        self,
-        model: nn.Module,
-        optimizer: Optimizer | None,
-        criterion: Any,
-        dataloader: Any,
-        lr_scheduler: Any,
-        precision: TrainPrecision,
-    ) -> Boosted:
+    def configure(self, request: BoostRequest) -> Boosted:
+        model, optimizer, precision = request.model, request.optimizer, request.precision
         require_initialized(type(self).__name__)
         materialize_lazy([model], device())
         # The wrapper broadcasts rank 0's parameters and buffers itself.
@@ -174,18 +167,13 @@ class _DataParallel(Plugin, SupportsNoSync):
         if precision is TrainPrecision.FP16:
             amp = AmpStep(self.options.loss_scale(), device())
         policy = GradientStep(type(self).__name__, clip_replicated, self.options.max_norm, amp)
+        criterion = request.criterion
         if criterion is not None and precision is not TrainPrecision.FP32:
             # A loss computed outside the model runs under the same autocast
             # (cross-entropy in fp32), as torch's AMP recipe computes it.
             criterion = partial(_autocast_forward, criterion, device().type, precision.dtype)
-        return Boosted(
-            wrapped,
-            optimizer,
-            criterion,
-            dataloader,
-            lr_scheduler,
-            module=model,
-            step_policy=policy,
+        return request.boosted(
+            wrapped, optimizer, module=model, step_policy=policy, criterion=criterion
         )
 
     def no_sync(

@@ -24,7 +24,7 @@ from pc_booster.canonical import (
     torch_groups,
     torch_to_canonical,
 )
-from pc_booster.plugin import Boosted, Plugin, SupportsNoSync
+from pc_booster.plugin import Boosted, BoostRequest, Plugin, SupportsNoSync
 from pc_booster.plugins.common import (
     cast_floating_inputs,
     device,
@@ -234,17 +234,10 @@ class GeminiPlugin(Plugin, SupportsNoSync):
         super().__init__(self.options_of(args, fields))
         self.set_precision(precision)
 
-    def configure(
-        self,
-        model: nn.Module,
-        optimizer: Optimizer | None,
-        criterion: Any,
-        dataloader: Any,
-        lr_scheduler: Any,
-        precision: TrainPrecision,
-    ) -> Boosted:
+    def configure(self, request: BoostRequest) -> Boosted:
         from pc_zero import GeminiDDP, GeminiOptimizer
 
+        model, optimizer, precision = request.model, request.optimizer, request.precision
         require_initialized("GeminiPlugin")
         o = self.options
         if optimizer is None and o.step_in_backward:
@@ -309,9 +302,7 @@ class GeminiPlugin(Plugin, SupportsNoSync):
             )
         # The chunks' gradient shards are unscaled and clipped inside the step.
         policy = GradientStep("GeminiPlugin", no_clip=_NO_CLIP if o.step_in_backward else None)
-        return Boosted(
-            wrapped, zero, criterion, dataloader, lr_scheduler, module=model, step_policy=policy
-        )
+        return request.boosted(wrapped, zero, module=model, step_policy=policy)
 
     def no_sync(
         self, model: nn.Module, optimizer: Optimizer | None

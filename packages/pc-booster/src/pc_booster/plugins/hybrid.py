@@ -18,7 +18,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from pc_booster.canonical import CanonicalOptimizerState, names_by_id, rebuild_optimizer
-from pc_booster.plugin import Boosted, Plugin, SupportsNoSync, SupportsPipeline
+from pc_booster.plugin import Boosted, BoostRequest, Plugin, SupportsNoSync, SupportsPipeline
 from pc_booster.plugins import hybrid_pipeline, hybrid_state
 from pc_booster.plugins.common import (
     autocast_forward,
@@ -150,21 +150,12 @@ class HybridParallelPlugin(Plugin, SupportsNoSync, SupportsPipeline):
         chunks = 2 if self.options.pp_style in ("interleaved", "zbv") else 1
         return PipelineStageManager(self.layout.pp_group, num_model_chunks=chunks)
 
-    def configure(
-        self,
-        model: nn.Module,
-        optimizer: Optimizer | None,
-        criterion: Any,
-        dataloader: Any,
-        lr_scheduler: Any,
-        precision: TrainPrecision,
-    ) -> Boosted:
+    def configure(self, request: BoostRequest) -> Boosted:
+        model, optimizer, precision = request.model, request.optimizer, request.precision
         names = names_by_id(model)
         apply_optimizations(model, self.options)
         if self.pp_size > 1:
-            return hybrid_pipeline.configure_pipeline(
-                self, model, names, optimizer, criterion, dataloader, lr_scheduler, precision
-            )
+            return hybrid_pipeline.configure_pipeline(self, request, names)
         model = self._place(model)
         built = values_a_cast_rounds([model], precision.dtype) if self.zero_stage else {}
         amp = not self.zero_stage and precision is not TrainPrecision.FP32
@@ -189,10 +180,7 @@ class HybridParallelPlugin(Plugin, SupportsNoSync, SupportsPipeline):
         step_policy = self.step_policy(precision)
         if self.tp_size > 1 and not self.options.parallel_output:
             model.register_forward_hook(_full_logits)
-        return Boosted(
-            wrapped, optimizer, criterion, dataloader, lr_scheduler, module=model,
-            step_policy=step_policy,
-        )  # fmt: skip
+        return request.boosted(wrapped, optimizer, module=model, step_policy=step_policy)
 
     def _place(self, model: nn.Module) -> nn.Module:
         """The model on the device, every rank from the same values, split

@@ -19,7 +19,7 @@ from torch.optim import Optimizer
 
 from pc_booster.canonical import rebuild_optimizer
 from pc_booster.pipeline import SequenceShare, feed_inputs, pipeline_layers
-from pc_booster.plugin import Boosted
+from pc_booster.plugin import Boosted, BoostRequest
 from pc_booster.plugins.common import (
     autocast_forward,
     broadcast_module,
@@ -125,20 +125,14 @@ def _stage_layout(plugin: HybridParallelPlugin, model: nn.Module) -> tuple[Any, 
 
 
 def configure_pipeline(
-    plugin: HybridParallelPlugin,
-    model: nn.Module,
-    names: dict[int, str],
-    optimizer: Optimizer | None,
-    criterion: Any,
-    dataloader: Any,
-    lr_scheduler: Any,
-    precision: TrainPrecision,
+    plugin: HybridParallelPlugin, request: BoostRequest, names: dict[int, str]
 ) -> Boosted:
     """Build this rank's stage(s) and the pipeline over them. Only this
     stage's layers are materialised (all of them under tensor parallelism,
     which shards the whole model first)."""
     from pc_pipeline import partition
 
+    model, optimizer, precision = request.model, request.optimizer, request.precision
     layout, o = plugin.layout, plugin.options
     if o.tp_size > 1:
         _shard_tensor_parallel(plugin, model)
@@ -163,10 +157,7 @@ def configure_pipeline(
     else:
         own_names = {}
     step_policy = plugin.step_policy(precision, own_names)
-    return Boosted(
-        pipe, optimizer, criterion, dataloader, lr_scheduler, module=model,
-        step_policy=step_policy,
-    )  # fmt: skip
+    return request.boosted(pipe, optimizer, module=model, step_policy=step_policy)
 
 
 def _shard_tensor_parallel(plugin: HybridParallelPlugin, model: nn.Module) -> None:

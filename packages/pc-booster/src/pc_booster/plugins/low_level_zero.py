@@ -21,7 +21,7 @@ from pc_booster.canonical import (
     names_by_id,
     torch_to_canonical,
 )
-from pc_booster.plugin import Boosted, Plugin, SupportsNoSync
+from pc_booster.plugin import Boosted, BoostRequest, Plugin, SupportsNoSync
 from pc_booster.plugins.common import (
     broadcast_module,
     cast_floating,
@@ -310,17 +310,10 @@ class LowLevelZeroPlugin(Plugin, SupportsNoSync):
     def stage(self) -> int:
         return self.options.stage
 
-    def configure(
-        self,
-        model: nn.Module,
-        optimizer: Optimizer | None,
-        criterion: Any,
-        dataloader: Any,
-        lr_scheduler: Any,
-        precision: TrainPrecision,
-    ) -> Boosted:
+    def configure(self, request: BoostRequest) -> Boosted:
         from pc_zero import LowLevelZeroOptimizer
 
+        model, optimizer, precision = request.model, request.optimizer, request.precision
         require_initialized("LowLevelZeroPlugin")
         if optimizer is None:
             raise ValueError("LowLevelZeroPlugin shards an optimizer: pass one to boost().")
@@ -355,9 +348,7 @@ class LowLevelZeroPlugin(Plugin, SupportsNoSync):
             )
         # The gradients are reduced, unscaled and clipped inside the step.
         policy = GradientStep("LowLevelZeroPlugin")
-        return Boosted(
-            model, zero, criterion, dataloader, lr_scheduler, module=model, step_policy=policy
-        )
+        return request.boosted(model, zero, module=model, step_policy=policy)
 
     @contextmanager
     def _no_sync(self, optimizer: Optimizer) -> Iterator[None]:

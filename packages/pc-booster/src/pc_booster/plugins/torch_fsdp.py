@@ -16,7 +16,7 @@ from torch.optim import Optimizer
 
 from pc_booster.canonical import CanonicalOptimizerState, names_by_id, rebuild_optimizer, without
 from pc_booster.clipping import clip_replicated
-from pc_booster.plugin import Boosted, Plugin, SupportsNoSync
+from pc_booster.plugin import Boosted, BoostRequest, Plugin, SupportsNoSync
 from pc_booster.plugins.common import (
     broadcast_module,
     cast_floating,
@@ -292,17 +292,10 @@ class TorchFSDPPlugin(Plugin, SupportsNoSync):
         # A policy may choose a unit inside another: the inner is sharded first.
         return units[::-1] if policy is not None else units
 
-    def configure(
-        self,
-        model: nn.Module,
-        optimizer: Optimizer | None,
-        criterion: Any,
-        dataloader: Any,
-        lr_scheduler: Any,
-        precision: TrainPrecision,
-    ) -> Boosted:
+    def configure(self, request: BoostRequest) -> Boosted:
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
+        model, optimizer, precision = request.model, request.optimizer, request.precision
         require_initialized("TorchFSDPPlugin")
         names = names_by_id(model)
         lazy = has_lazy(model)
@@ -346,10 +339,7 @@ class TorchFSDPPlugin(Plugin, SupportsNoSync):
                 amp = AmpStep(o.loss_scale(), device(), groups=(world,))
         # DTensor gradients: torch reduces their norm over the shards.
         step_policy = GradientStep("TorchFSDPPlugin", clip_replicated, o.max_norm, amp)
-        return Boosted(
-            model, optimizer, criterion, dataloader, lr_scheduler, module=model,
-            step_policy=step_policy,
-        )  # fmt: skip
+        return request.boosted(model, optimizer, module=model, step_policy=step_policy)
 
     @contextmanager
     def _no_sync(self, model: Any) -> Iterator[None]:

@@ -16,13 +16,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, ClassVar
 
-from torch import nn
-from torch.optim import Optimizer
-
 import pc_booster as _core
 from pc_booster import ParallelLayout
-from pc_booster.plugin import Plugin
-from pc_booster.rules import TrainPrecision
+from pc_booster.plugin import Boosted, BoostRequest, Plugin
 from pc_compat.colossalai.booster.plugin._gemini import (
     GEMINI_HANDLED,
     GEMINI_NO_EFFECT,
@@ -201,19 +197,11 @@ class HybridParallelPlugin(DPPluginBase, _core.HybridParallelPlugin):
         coordinates), with ``get_ranks_in_group``."""
         return ProcessGroupMeshView(self.layout)
 
-    def configure(
-        self,
-        model: nn.Module,
-        optimizer: Optimizer | None,
-        criterion: Any,
-        dataloader: Any,
-        lr_scheduler: Any,
-        precision: TrainPrecision,
-    ) -> Any:
+    def configure(self, request: BoostRequest) -> Boosted:
         config = self.gradient_checkpoint_config
         if config is not None and config.enabled:
-            enable_recomputation(model)
-        return super().configure(model, optimizer, criterion, dataloader, lr_scheduler, precision)
+            enable_recomputation(request.model)
+        return super().configure(request)
 
 
 MoeHybridParallelPlugin = refused_class(
