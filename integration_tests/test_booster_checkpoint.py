@@ -58,7 +58,7 @@ def _adamw(model: torch.nn.Module, lr: float = LR) -> torch.optim.AdamW:
 
 
 def _train(
-    booster: Booster, model: torch.nn.Module, optimizer: object, steps: range
+    booster: Booster, model: torch.nn.Module, optimizer: torch.optim.Optimizer, steps: range
 ) -> list[float]:
     group = booster.plugin.dp_group
     dp_rank, dp = dist.get_rank(group), dist.get_world_size(group)
@@ -73,8 +73,8 @@ def _train(
         else:
             loss = model(**mine).loss
             booster.backward(loss, optimizer)
-        optimizer.step()  # type: ignore[attr-defined]
-        optimizer.zero_grad()  # type: ignore[attr-defined]
+        optimizer.step()
+        optimizer.zero_grad()
         mean = loss.detach().float().clone()
         dist.all_reduce(mean, group=group)
         losses.append(float(mean) / dp)

@@ -145,7 +145,7 @@ def check_refusals() -> None:
         Booster(plugin=TorchDDPPlugin()).execute_pipeline(iter([]), model, None)
 
 
-def _steps(booster: Booster, model: object, optimizer: object, scheduler: object,
+def _steps(booster: Booster, model: object, optimizer: torch.optim.Optimizer, scheduler: object,
            steps: range) -> list[float]:  # fmt: skip
     group = booster.plugin.dp_group
     dp_rank, dp = dist.get_rank(group), dist.get_world_size(group)
@@ -154,8 +154,8 @@ def _steps(booster: Booster, model: object, optimizer: object, scheduler: object
         full = batch("gpt2", step, size=2 * dp)
         loss = model(**{k: v[2 * dp_rank : 2 * dp_rank + 2] for k, v in full.items()}).loss  # type: ignore[operator]
         booster.backward(loss, optimizer)
-        optimizer.step()  # type: ignore[attr-defined]
-        optimizer.zero_grad()  # type: ignore[attr-defined]
+        optimizer.step()
+        optimizer.zero_grad()
         scheduler.step()  # type: ignore[attr-defined]
         losses.append(loss.item())
     return losses
@@ -167,7 +167,7 @@ def check_reload(plugin: str, precision: str) -> None:
     parameters), the LR scheduler keeps driving the reloaded optimizer, and
     training continues exactly as without the restart."""
 
-    def boosted(seed: int) -> tuple[Booster, object, object, object]:
+    def boosted(seed: int) -> tuple[Booster, object, torch.optim.Optimizer, object]:
         booster = Booster(plugin=PLUGINS[plugin](), mixed_precision=precision)
         model = build("gpt2", seed=seed)
         model.transformer.wpe.weight.requires_grad_(False)  # a frozen parameter
@@ -198,10 +198,10 @@ def check_reload(plugin: str, precision: str) -> None:
     expected = _steps(booster, model, optimizer, scheduler, range(2, 4))
     losses = _steps(again, model2, optimizer2, scheduler2, range(2, 4))
     assert losses == expected, (losses, expected)
-    lr = optimizer2.param_groups[0]["lr"]  # type: ignore[attr-defined]
+    lr = optimizer2.param_groups[0]["lr"]
     assert lr == pytest.approx(1e-3 / 5)
     inner = getattr(optimizer2, "inner", optimizer2)
-    assert inner.param_groups[0]["lr"] == lr  # type: ignore[attr-defined]
+    assert inner.param_groups[0]["lr"] == lr
 
 
 def check_all(case: str, precision: str) -> None:

@@ -10,6 +10,7 @@ import importlib.metadata
 from pathlib import Path
 
 import pytest
+import structure
 
 ROOT = Path(__file__).resolve().parent.parent
 # Each package and the pc packages it may import.
@@ -220,3 +221,95 @@ def test_each_plugin_module_has_its_test_file() -> None:
         f"each plugin module needs its own test file; missing: {missing}. A module "
         f"that is a helper, not a plugin, belongs in HELPER_MODULES ({sorted(HELPER_MODULES)})."
     )
+
+
+# -- structure: one owner per concern [issue 41] ----------------------------------------
+
+# The packages whose modules are held to MODULE_LINES (the application and
+# the layers built most recently; the lower layers' few long modules are
+# each one algorithm: the chunk, the shared-memory ring, ZeRO's optimizer).
+SHORT_MODULES = ("pc_booster", "pc_compat", "pc_train")
+MODULE_LINES = 600
+FUNCTION_LINES, LONG_FUNCTIONS_ALLOWED = 80, 3
+BOOSTER_LINES = 250
+# Writes structure.foreign_writes flags that are on objects pc made itself:
+# the tensor materialise_ builds and then swaps into the lazy one's place.
+OWN_OBJECT_WRITES = {("packages/pc-chunk/src/pc_chunk/lazy.py", "update on __dict__")}
+
+
+@pytest.mark.parametrize("package", structure.all_packages())
+def test_no_import_circle_between_a_packages_modules(package: str) -> None:
+    """Imports inside functions count (a circle deferred is still one);
+    imports under ``if TYPE_CHECKING:`` never run and do not."""
+    found = structure.circles(structure.import_graph(package))
+    assert not found, (
+        f"{package}: modules that import each other, directly or around a circle: {found}. "
+        "Move what both need into a module below them (docs/architecture.md)."
+    )
+
+
+def test_modules_of_the_application_layers_are_short() -> None:
+    long = {
+        str(path.relative_to(ROOT)): lines
+        for package in SHORT_MODULES
+        for path, lines in structure.module_lines(package).items()
+        if lines > MODULE_LINES
+    }
+    assert not long, f"modules over {MODULE_LINES} lines: {long}; split them by concern."
+
+
+def test_few_long_functions() -> None:
+    long = [
+        f"{path.relative_to(ROOT)}: {name} ({lines} lines)"
+        for path, name, lines in structure.long_functions(FUNCTION_LINES)
+    ]
+    assert len(long) <= LONG_FUNCTIONS_ALLOWED, (
+        f"{len(long)} functions over {FUNCTION_LINES} lines (at most "
+        f"{LONG_FUNCTIONS_ALLOWED}): {long}"
+    )
+
+
+@pytest.mark.parametrize("package", structure.all_packages())
+def test_no_class_changes_or_private_state_on_objects_pc_does_not_own(package: str) -> None:
+    """DEVELOPERS.md: never change a user's object behind their back. No
+    ``x.__class__ =``, no ``x.__dict__`` writes, no ``_pc...`` attributes
+    set on an ``x`` that is not the method's own ``self``: a registry or a
+    wrapper object holds what pc needs to remember."""
+    writes = [
+        write
+        for write in structure.foreign_writes(package)
+        if (write.split(":")[0], write.split(": ", 1)[1]) not in OWN_OBJECT_WRITES
+    ]
+    assert not writes, f"{package} writes on objects it does not own: {writes}"
+
+
+def test_booster_is_a_small_front() -> None:
+    path = ROOT / "packages" / "pc-booster" / "src" / "pc_booster" / "booster.py"
+    lines = len(path.read_text().splitlines())
+    assert lines < BOOSTER_LINES, (
+        f"booster.py has {lines} lines; Booster delegates (checkpoints: pc_booster.checkpoint)."
+    )
+
+
+def test_the_structure_checks_can_fail(tmp_path: Path) -> None:
+    """Each check above on a small tree that breaks it."""
+    source = tmp_path / "packages" / "pc-demo" / "src" / "pc_demo"
+    source.mkdir(parents=True)
+    (source / "__init__.py").write_text("")
+    (source / "a.py").write_text("def f():\n    from pc_demo import b\n")
+    (source / "b.py").write_text(
+        "from pc_demo.a import f\n"
+        "def g(x, opt):\n    x.__class__ = int\n    opt.__dict__['k'] = 1\n"
+        "    setattr(x, '_pc_tag', 1)\n    self_like = x\n    self_like._pc_other = 2\n"
+        "def long():\n" + "    pass\n" * 90
+    )
+    old = structure.PACKAGES, structure.ROOT, structure.PORTED
+    structure.PACKAGES, structure.ROOT = tmp_path / "packages", tmp_path
+    structure.PORTED = tmp_path / "ported"
+    try:
+        assert structure.circles(structure.import_graph("pc_demo")) == [["pc_demo.a", "pc_demo.b"]]
+        writes = structure.foreign_writes("pc_demo")
+        assert len(writes) == 4, writes
+        assert [name for _, name, _ in structure.long_functions(FUNCTION_LINES)] == ["long"]
+    finally:
+        structure.PACKAGES, structure.ROOT, structure.PORTED = old

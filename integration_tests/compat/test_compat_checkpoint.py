@@ -29,7 +29,9 @@ def _gpt2(seed: int = 0) -> GPT2LMHeadModel:
     return GPT2LMHeadModel(config)
 
 
-def _trained(plugin: str) -> tuple[Booster, torch.nn.Module, object, dict[str, torch.Tensor]]:
+def _trained(
+    plugin: str,
+) -> tuple[Booster, torch.nn.Module, torch.optim.Optimizer, dict[str, torch.Tensor]]:
     booster = Booster(plugin=GeminiPlugin() if plugin == "gemini" else LowLevelZeroPlugin(stage=2))
     built = _gpt2()
     model, optimizer, *_ = booster.boost(built, torch.optim.AdamW(built.parameters(), lr=1e-2))

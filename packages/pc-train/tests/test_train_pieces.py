@@ -5,7 +5,6 @@ integration_tests/test_pc_train.py)."""
 from __future__ import annotations
 
 import errno
-import importlib
 import json
 import math
 import os
@@ -16,20 +15,16 @@ from pathlib import Path
 import pytest
 import torch
 
+from pc_train import hardware
 from pc_train.checkpoint import CheckpointError, find_checkpoint, load_trainer_state
 from pc_train.data import batch_offsets, load_byte_corpus, load_corpus
+from pc_train.failures import EXIT_FAILURE, EXIT_USER_ERROR, describe_failure
+from pc_train.hardware import peak_flops
+from pc_train.launch import _cpu_threads
 from pc_train.models import resolve_model
 from pc_train.options import PluginKind, PluginOptions
-from pc_train.train import (
-    EXIT_FAILURE,
-    EXIT_USER_ERROR,
-    _cpu_threads,
-    _peak_flops,
-    _schedule,
-    _schedule_steps,
-    describe_failure,
-)
 from pc_train.train_config import TrainConfig
+from pc_train.trainer import _schedule, _schedule_steps
 
 
 def test_config_rejects_bad_values() -> None:
@@ -207,18 +202,17 @@ def test_failures_are_told_apart_from_user_errors(
 def test_the_cpu_peak_is_measured_on_the_rank_s_threads(monkeypatch: pytest.MonkeyPatch) -> None:
     """The FLOP count is per rank on torch.get_num_threads() threads; the
     peak it is divided by must be measured on as many."""
-    estimate = importlib.import_module("pc_train.estimate")  # the package exports a function
     asked: list[int] = []
 
     def measure(threads: int) -> float:
         asked.append(threads)
         return 1e9
 
-    monkeypatch.setattr(estimate, "cpu_peak_flops", measure)
+    monkeypatch.setattr(hardware, "cpu_peak_flops", measure)
     previous = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        peak, source = _peak_flops(torch.device("cpu"), 1, "fp32")
+        peak, source = peak_flops(torch.device("cpu"), 1, "fp32")
     finally:
         torch.set_num_threads(previous)
     assert (asked, peak, source) == ([1], 1e9, "measured matmul, 1 thread(s) per rank")

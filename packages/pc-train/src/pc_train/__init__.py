@@ -17,6 +17,11 @@ import os
 os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
 from pc_train.data import load_byte_corpus
+
+# Through pc_train.estimate (the command line, which re-exports the cost
+# model's names): importing the submodule binds ``pc_train.estimate`` to
+# it, and this import then rebinds that name to the function, so it stays
+# the function whatever is imported later.
 from pc_train.estimate import estimate, recommend
 from pc_train.train_config import TrainConfig
 

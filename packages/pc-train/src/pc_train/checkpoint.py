@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import threading
 from collections.abc import Callable
@@ -41,6 +42,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.optim import Optimizer
 
 from pc_booster.checkpoint.checksum import CHECKSUMS, file_checksums, read_sidecar
 
@@ -51,7 +53,9 @@ __all__ = [
     "load_trainer_state",
     "model_and_optimizer",
     "prune_checkpoints",
+    "rng_state",
     "save_checkpoint",
+    "set_rng_state",
 ]
 
 _STATE = "trainer_state.json"
@@ -199,6 +203,22 @@ def _check_model_opens(path: Path) -> None:
         raise CheckpointError(f"checkpoint {path}: the model does not open: {error}") from None
 
 
+def rng_state() -> dict[str, Any]:
+    """This rank's RNG states (torch's, Python's, every GPU's), as saved."""
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore what :func:`rng_state` saved."""
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
 def model_and_optimizer(path: Path) -> tuple[Path, Path]:
     """Where checkpoint ``path`` keeps the model and the optimizer (sharded
     directories; one file each in checkpoints of earlier versions)."""
@@ -210,7 +230,7 @@ def model_and_optimizer(path: Path) -> tuple[Path, Path]:
 def save_checkpoint(
     booster: Any,
     model: Any,
-    optimizer: Any,
+    optimizer: Optimizer,
     schedule: Any,
     root: Path,
     step: int,

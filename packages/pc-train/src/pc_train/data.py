@@ -23,7 +23,10 @@ __all__ = [
     "corpus_bytes_available",
     "load_byte_corpus",
     "load_corpus",
+    "load_tokenizer",
     "min_corpus_tokens",
+    "split_corpus",
+    "tokenizer_source",
     "windows",
 ]
 
@@ -93,6 +96,25 @@ def load_corpus(source: str | None, limit: int, tokenizer: Any = None) -> torch.
     return torch.tensor(ids, dtype=torch.long)
 
 
+def tokenizer_source(tokenizer: str | None, pretrained: Path | None) -> str | None:
+    """The tokenizer to read the corpus with: ``--tokenizer``, else the
+    pretrained model's directory when it holds one; None: bytes."""
+    source = tokenizer
+    files = ("tokenizer.json", "tokenizer_config.json")
+    if source is None and pretrained is not None:
+        source = str(pretrained) if any((pretrained / f).exists() for f in files) else None
+    return source
+
+
+def load_tokenizer(source: str | None) -> Any:
+    """The tokenizer in directory ``source`` (None: none, the text is bytes)."""
+    if source is None:
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(source)
+
+
 def corpus_bytes_available(source: str | None, limit: int) -> int | None:
     """The bytes :func:`load_corpus` would read from ``source`` (text
     files, measured by their sizes, read nothing); None for a datasets
@@ -117,6 +139,28 @@ def min_corpus_tokens(seq_len: int) -> int:
     """The shortest corpus a run of ``seq_len`` tokens per sequence takes:
     its last 5% (the held-out split) holds a sequence and its next token."""
     return 20 * (seq_len + 2)
+
+
+def split_corpus(
+    tokens: torch.Tensor, seq_len: int, vocab_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The training part (the first 95%) and the held-out part of a corpus,
+    checked: long enough for ``seq_len`` and within a vocabulary of
+    ``vocab_size``. Raises ValueError with the fix."""
+    least = min_corpus_tokens(seq_len)
+    if len(tokens) < least:
+        raise ValueError(
+            f"the corpus holds {len(tokens):,} token(s); --seq-len {seq_len} needs at "
+            f"least {least:,} (95% trains, 5% is held out, each longer than a sequence); "
+            "pass a larger --corpus / --corpus-bytes or a shorter --seq-len."
+        )
+    if int(tokens.max()) >= vocab_size:
+        raise ValueError(
+            f"the tokenizer makes ids up to {int(tokens.max())}, beyond the model's "
+            f"vocabulary ({vocab_size}); use a model with a matching vocabulary."
+        )
+    split = int(len(tokens) * 0.95)
+    return tokens[:split], tokens[split:]
 
 
 def load_byte_corpus(source: str | None, limit: int) -> torch.Tensor:

@@ -1,496 +1,49 @@
 """``pc-estimate``: per-rank memory and step time of a model under each
 plugin, before anything runs, and the plugin to use with its reasons.
 
-Model states follow the ZeRO paper's accounting for Adam (at the step,
-gradients held), with Ψ the
-parameters a rank's model part holds (after tensor and pipeline
-parallelism) and N the data-parallel ranks. A parameter costs ``p`` bytes
-(4 in fp32, 2 under fp16/bf16), its gradient ``g`` bytes, an fp32 master
-``m`` bytes (4 under mixed precision, 0 in fp32: the parameter is its own
-master) and Adam's two moments 8 bytes:
-
-========  ===================================
-ddp       (p + g + m + 8) Ψ
-zero1     (p + g) Ψ + (g + m + 8) Ψ / N
-zero2     p Ψ + (g + m + 8) Ψ / N
-fsdp      16 Ψ / N (fp32 shards; bf16 only in compute)
-gemini    (p + g + m + 8) Ψ / N, chunks padded
-========  ===================================
-
-Activations use Korthikanti et al.'s per-layer count (``s b h (34 + 5 a
-s / h)`` bytes in 16-bit, twice that in fp32; tensor parallelism divides
-the parts it shards), plus the logits. Step time is the model FLOPs (6Ψ
-per token plus attention) at a fraction of the device's peak, plus the
-communication not hidden behind backward. Memory is the number to trust
-(checked against measured runs within 10%); time is a first guess.
+This module is the command line; the cost model it prints is
+:mod:`pc_train.cost` and the machines it is for :mod:`pc_train.hardware`
+(their public names are importable from here too).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
-import operator
-import os
 import sys
-import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, replace
-from typing import Any
+from dataclasses import asdict, replace
 
-import torch
-from torch import nn
-
-from pc_booster.rules import TrainPrecision
-from pc_train.models import MODEL_PRESETS, ModelSpec, build_model, resolve_model
+from pc_train.cost import (
+    Estimate,
+    ModelShape,
+    Recommendation,
+    estimate,
+    gib_text,
+    measured_model_state_bytes,
+    model_shape,
+    recommend,
+)
+from pc_train.hardware import GPUS, DeviceInfo, GiB, cpu_peak_flops, gpu_device, gpu_peak_flops
+from pc_train.models import MODEL_PRESETS, resolve_model
 from pc_train.options import PRECISIONS, PluginKind, PluginOptions
 
 __all__ = [
+    "GPUS",
     "DeviceInfo",
     "Estimate",
+    "GiB",
     "ModelShape",
     "Recommendation",
+    "cpu_peak_flops",
     "estimate",
     "gpu_device",
+    "gpu_peak_flops",
     "main",
     "measured_model_state_bytes",
     "model_shape",
     "recommend",
 ]
-
-GiB = 2**30
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """What the estimates need of a model, measured on a meta-device copy."""
-
-    params: int
-    hidden: int
-    layers: int
-    heads: int
-    vocab: int
-    tp_sharded: int  # parameters tensor parallelism splits across ranks
-    stage_params: tuple[int, ...]  # parameters of each of `layers` blocks
-    embed_params: int  # first pipeline stage's extra parameters
-    head_params: int  # last stage's (a tied head counts again)
-
-    def per_rank(self, options: PluginOptions) -> int:
-        """Parameters one rank's model part holds."""
-        if options.pp > 1:
-            per_stage = self.layers // options.pp
-            blocks = [
-                sum(self.stage_params[i : i + per_stage]) for i in range(0, self.layers, per_stage)
-            ]
-            blocks[0] += self.embed_params
-            blocks[-1] += self.head_params
-            total = max(blocks)
-            sharded = round(self.tp_sharded * total / self.params)
-        else:
-            total, sharded = self.params, self.tp_sharded
-        return total - sharded + math.ceil(sharded / options.tp)
-
-
-def _numel(module: nn.Module) -> int:
-    return sum(p.numel() for p in module.parameters())
-
-
-def model_shape(spec: ModelSpec) -> ModelShape:
-    """Count the model's parameters on the meta device (no memory)."""
-    from pc_tensor import policy_for
-
-    # From the config alone: a pretrained directory's weights are not read.
-    model = build_model(replace(spec, pretrained=None), seed=0, device="meta")
-    params = _numel(model)
-    base = getattr(model, "base_model", model)
-    try:  # the family's transformers plan, or pc's own policy
-        policy = policy_for(model)
-    except (ValueError, TypeError):
-        policy = None
-    sharded = 0
-    blocks: list[nn.Module] = []
-    if policy is not None:
-        blocks = list(operator.attrgetter(policy.blocks)(base))
-        seen: set[int] = set()
-        modules = [operator.attrgetter(policy.embedding)(base)]
-        lm_head = policy.lm_heads.get(type(model).__name__)
-        if lm_head is not None:
-            modules.append(operator.attrgetter(lm_head)(model))
-        for block in blocks:
-            modules += [operator.attrgetter(path)(block) for path in policy.column]
-            for path in policy.row:
-                weight = operator.attrgetter(path)(block).weight
-                if id(weight) not in seen:
-                    seen.add(id(weight))
-                    sharded += weight.numel()
-        for module in modules:
-            for param in module.parameters():
-                if id(param) not in seen:
-                    seen.add(id(param))
-                    sharded += param.numel()
-    per_block = tuple(_numel(b) for b in blocks) or (params,)
-    embed, head = params - sum(per_block), 0
-    try:  # the pipeline's first and last layers, where pipelines support the family
-        from pc_booster.pipeline import pipeline_layers
-
-        layers, _ = pipeline_layers(model)
-        embed, head = _numel(layers[0]), _numel(layers[-1])
-    except (TypeError, ValueError):
-        pass
-    config = spec.config
-    heads = int(getattr(config, "num_attention_heads", getattr(config, "n_head", 1)))
-    return ModelShape(
-        params=params,
-        hidden=spec.hidden,
-        layers=len(per_block),
-        heads=heads,
-        vocab=spec.vocab_size,
-        tp_sharded=sharded,
-        stage_params=per_block,
-        embed_params=embed,
-        head_params=head,
-    )
-
-
-@dataclass(frozen=True)
-class DeviceInfo:
-    """The machine the estimate is for: memory per rank, peak FLOP/s per
-    rank, and the bus bandwidth of the data-parallel collectives."""
-
-    kind: str  # "cuda" or "cpu"
-    memory_bytes: int
-    peak_flops: float
-    bandwidth: float  # bytes/s
-    efficiency: float  # share of peak a training step reaches
-
-    @staticmethod
-    def detect(local_ranks: int, precision: str = "fp32", *, fork_safe: bool = False) -> DeviceInfo:
-        """This machine. ``fork_safe``: measure the CPU peak on one thread and
-        scale it by the thread count, so this process never starts OpenMP's
-        thread team (in a process that forks afterwards, GNU OpenMP hangs
-        in the child) and never touches CUDA."""
-        if not fork_safe and torch.cuda.is_available():
-            props = torch.cuda.get_device_properties(0)
-            return DeviceInfo(
-                "cuda", props.total_memory, gpu_peak_flops(props.name, precision), 150e9, 0.45
-            )
-        pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        threads = max(1, (os.cpu_count() or 1) // max(1, local_ranks))
-        peak = cpu_peak_flops(1) * threads if fork_safe else cpu_peak_flops(threads)
-        return DeviceInfo("cpu", pages // max(1, local_ranks), peak, 2e9, 0.5)
-
-
-_GPU_PEAKS = {  # dense tensor-core TFLOP/s: (bf16/fp16, fp32 via tf32)
-    "H200": (989.0, 494.0),
-    "H100": (989.0, 494.0),
-    "A100": (312.0, 156.0),
-    "L40S": (362.0, 183.0),
-    "A10": (125.0, 62.5),
-    "V100": (125.0, 15.7),
-}
-_GPU_MEMORY_GIB = {"H200": 141, "H100": 80, "A100": 80, "L40S": 48, "A10": 24, "V100": 32}
-GPUS = tuple(_GPU_PEAKS)
-
-
-def gpu_device(name: str, precision: str) -> DeviceInfo:
-    """A GPU from the datasheet table (``pc-estimate --gpu H100``), for
-    estimates made away from the machine; NVLink-class bandwidth."""
-    return DeviceInfo(
-        "cuda", _GPU_MEMORY_GIB[name] * GiB, gpu_peak_flops(name, precision), 150e9, 0.45
-    )
-
-
-def gpu_peak_flops(name: str, precision: str) -> float:
-    for key, (half, single) in _GPU_PEAKS.items():
-        if key in name:
-            return (half if precision != "fp32" else single) * 1e12
-    return 100e12
-
-
-def cpu_peak_flops(threads: int) -> float:
-    """Measured: fp32 matrix products on ``threads`` threads."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        a = torch.randn(512, 512)
-        torch.mm(a, a)
-        start, count = time.perf_counter(), 0
-        while time.perf_counter() - start < 0.05:
-            torch.mm(a, a)
-            count += 1
-        return 2 * 512**3 * count / (time.perf_counter() - start)
-    finally:
-        torch.set_num_threads(previous)
-
-
-@dataclass(frozen=True)
-class Estimate:
-    """Predicted per-rank figures for one plugin."""
-
-    plugin: str
-    world: int
-    params: int
-    params_per_rank: int
-    parameter_bytes: int
-    gradient_bytes: int
-    master_bytes: int
-    optimizer_bytes: int
-    host_bytes: int
-    activation_bytes: int
-    flops_per_step: float
-    step_seconds: float
-    tokens_per_step: int
-    fits: bool
-
-    @property
-    def model_state_bytes(self) -> int:
-        return self.parameter_bytes + self.gradient_bytes + self.master_bytes + self.optimizer_bytes
-
-    @property
-    def device_bytes(self) -> int:
-        return self.model_state_bytes - self.host_bytes + self.activation_bytes
-
-    @property
-    def async_save_bytes(self) -> int:
-        """Host memory an async sharded save holds until written: a copy of
-        this rank's share of the fp32 values and Adam's moments (12 bytes
-        per parameter it keeps optimizer states for). A synchronous sharded
-        save writes from the plugin's own tensors and adds nothing."""
-        return self.optimizer_bytes * 3 // 2
-
-    @property
-    def full_save_bytes(self) -> int:
-        """Host memory the full (unsharded) form gathers on every rank: the
-        whole model's fp32 values and Adam moments."""
-        return 12 * self.params
-
-
-def _activation_bytes(
-    shape: ModelShape, options: PluginOptions, micro_batch: int, seq: int, precision: str
-) -> int:
-    s, b, h, a, t = seq, micro_batch, shape.hidden, shape.heads, options.tp
-    transient = 0.0  # held while computed, not kept for backward
-    scale = 2.0 if precision == "fp32" else 1.0
-    if options.sequence_parallel:
-        per_layer = s * b * h * (34 + 5 * a * s / h) / t
-    elif options.sp > 1:
-        # Ulysses and ring attention: 1/sp of the tokens everywhere. Ulysses'
-        # attention is SDPA's fused kernel (no scores kept); ring
-        # attention's scores exist for one pair of blocks of s / 2sp tokens
-        # at a time, in one layer (on the CPU the pair runs the fused kernel
-        # and they do not exist at all: this is the bound elsewhere).
-        per_layer = s * b * h * (10 + 24 / t) / options.sp
-        if options.sp_mode == "ring_attn":  # fp32 scores and probabilities, once
-            block = s / (2 * options.sp)
-            transient = 2 * 4 * a * b * block * block / t
-    else:
-        per_layer = s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
-    layers = shape.layers / options.pp
-    in_flight = min(options.pp, options.microbatches or options.pp) if options.pp > 1 else 1
-    logits = 3 * b * s * shape.vocab * 4 / (t * options.sp)  # fp32 logits, softmax, gradient
-    return int(scale * per_layer * layers * in_flight + logits + transient)
-
-
-def estimate(
-    spec: ModelSpec | ModelShape,
-    options: PluginOptions,
-    world: int,
-    micro_batch: int,
-    seq_len: int,
-    precision: str = "fp32",
-    device: DeviceInfo | None = None,
-) -> Estimate:
-    """Per-rank memory and step time of ``spec`` trained with ``options``
-    on ``world`` ranks, ``micro_batch`` sequences of ``seq_len`` per
-    data-parallel rank (per micro-batch for pipelines)."""
-    shape = spec if isinstance(spec, ModelShape) else model_shape(spec)
-    device = device or DeviceInfo.detect(world, precision)
-    psi = shape.per_rank(options)
-    n = options.dp_size(world)
-    p = 2 if precision != "fp32" else 4
-    g = p
-    plugin = options.config()
-    # The plugin states its own memory model; ZeRO shards over the data-
-    # and sequence-parallel ranks together.
-    states = plugin.model_states(psi, n * options.sp, TrainPrecision.parse(precision))
-    params, grads = states.parameters, states.gradients
-    master, host = states.masters, states.host
-    states_bytes = states.optimizer
-    activations = _activation_bytes(shape, options, micro_batch, seq_len, precision)
-    pipeline_batches = options.microbatches or options.pp if options.pp > 1 else 1
-    tokens = micro_batch * seq_len * n * pipeline_batches
-    flops = (6 * shape.params + 12 * shape.layers * shape.hidden * seq_len) * tokens
-    compute = flops / world / (device.peak_flops * device.efficiency)
-    comm_bytes = 2 * (n - 1) / n * psi * g
-    if plugin.gathers_parameters:  # all-gather in forward and backward, reduce-scatter
-        comm_bytes = 3 * (n - 1) / n * psi * p
-    tp_bytes = 0.0
-    if options.tp > 1:
-        per_layer = 8 * (options.tp - 1) / options.tp * micro_batch * seq_len * shape.hidden * p
-        tp_bytes = per_layer * shape.layers / options.pp * pipeline_batches
-    seconds = compute + 0.5 * comm_bytes / device.bandwidth + tp_bytes / device.bandwidth
-    if host:  # offloaded shards cross PCIe (about 25 GB/s) and step on the host (about 10 GB/s)
-        seconds += 2 * host / 25e9 + host / 10e9
-    if options.pp > 1:
-        chunks = options.microbatches or options.pp
-        seconds *= 1 + (options.pp - 1) / chunks  # 1F1B's bubble
-    device_bytes = params + grads + master + states_bytes - host + activations
-    return Estimate(
-        plugin=options.describe(),
-        world=world,
-        params=shape.params,
-        params_per_rank=psi,
-        parameter_bytes=int(params),
-        gradient_bytes=int(grads),
-        master_bytes=int(master),
-        optimizer_bytes=int(states_bytes),
-        host_bytes=int(host),
-        activation_bytes=activations,
-        flops_per_step=float(flops),
-        step_seconds=seconds,
-        tokens_per_step=tokens,
-        fits=device_bytes <= 0.9 * device.memory_bytes,
-    )
-
-
-@dataclass(frozen=True)
-class Recommendation:
-    options: PluginOptions
-    reasons: tuple[str, ...]
-    estimates: tuple[Estimate, ...] = field(default=())
-
-
-def _gib(nbytes: float) -> str:
-    if nbytes >= GiB:
-        return f"{nbytes / GiB:.2f} GiB"
-    return f"{nbytes / 2**20:.2f} MiB"
-
-
-def _accepts(options: PluginOptions, world: int, precision: str) -> bool:
-    """Whether the plugin's own rules accept a run of ``precision`` on
-    ``world`` ranks (what else they check is not known yet)."""
-    try:
-        options.check(world, precision)
-    except ValueError:
-        return False
-    return True
-
-
-def recommend(
-    spec: ModelSpec | ModelShape,
-    world: int,
-    micro_batch: int,
-    seq_len: int,
-    precision: str = "fp32",
-    device: DeviceInfo | None = None,
-    step_in_backward: bool = False,
-) -> Recommendation:
-    """The plugin to train with (see the plugin-selection guide): ZeRO-2
-    when its model states and activations fit the device (DDP's
-    communication volume, a fraction of its memory, measured fastest here),
-    then ZeRO-3 (Gemini), then Gemini with chunks offloaded to the host.
-    One process trains plainly (ddp, which then wraps nothing).
-
-    ``step_in_backward=True`` says the training can do without global-norm
-    clipping and gradient accumulation (and is not fp16): then, when plain
-    Gemini does not fit, Gemini stepping in backward (12 bytes per
-    parameter of model states instead of 16) is tried before offloading,
-    and offloads less when it must. Without it, the reasons say what it
-    would save."""
-    shape = spec if isinstance(spec, ModelShape) else model_shape(spec)
-    device = device or DeviceInfo.detect(world, precision)
-    # Only the plugins whose rules accept this run.
-    kinds = [
-        kind
-        for kind in (PluginKind.DDP, PluginKind.ZERO2, PluginKind.GEMINI)
-        if _accepts(PluginOptions(kind), world, precision)
-    ]
-    results = {
-        kind: estimate(shape, PluginOptions(kind), world, micro_batch, seq_len, precision, device)
-        for kind in kinds
-    }
-    table = tuple(results.values())
-    budget = f"{_gib(0.9 * device.memory_bytes)} usable per rank ({device.kind})"
-
-    def fits_text(result: Estimate) -> str:
-        return (
-            f"{result.plugin}: model states {_gib(result.model_state_bytes)} + activations "
-            f"{_gib(result.activation_bytes)} per rank fit in {budget}."
-        )
-
-    if world == 1 and PluginKind.DDP in results and results[PluginKind.DDP].fits:
-        reason = "one process: nothing to shard or communicate; " + fits_text(
-            results[PluginKind.DDP]
-        )
-        return Recommendation(PluginOptions(PluginKind.DDP), (reason,), table)
-    zero2, gemini = results[PluginKind.ZERO2], results[PluginKind.GEMINI]
-    if zero2.fits:
-        reasons = [fits_text(zero2)]
-        if PluginKind.DDP in results:
-            ddp = results[PluginKind.DDP]
-            reasons.append(
-                f"ZeRO-2 communicates as much as DDP (reduce-scatter + all-gather instead of one "
-                f"all-reduce) and holds {_gib(zero2.model_state_bytes)} of model states instead "
-                f"of DDP's {_gib(ddp.model_state_bytes)}; it measured faster than DDP on this "
-                "project's benchmark (each rank steps only its share of the optimizer)."
-            )
-        return Recommendation(PluginOptions(PluginKind.ZERO2), tuple(reasons), table)
-    if gemini.fits:
-        reasons = [
-            fits_text(gemini),
-            f"zero2 would need {_gib(zero2.device_bytes)} per rank; ZeRO-3 shards the "
-            "parameters too, at 1.5x DDP's communication (Gemini gathers each chunk once per "
-            "pass, and was faster than FSDP2 on this project's benchmark).",
-        ]
-        return Recommendation(PluginOptions(PluginKind.GEMINI), tuple(reasons), table)
-    spare = 0.9 * device.memory_bytes - gemini.activation_bytes
-    if spare <= 0:
-        raise ValueError(
-            f"the activations alone ({_gib(gemini.activation_bytes)} per rank) exceed {budget}; "
-            "lower the micro-batch or the sequence length, or use --plugin hybrid with --tp > 1."
-        )
-    needs = "it needs --clip-norm 0 and --accumulation 1 (each chunk steps before the others' "
-    needs += "gradients exist), with the same update as stepping after backward"
-    in_bwd = None
-    in_bwd_options = PluginOptions(PluginKind.GEMINI, step_in_backward=True)
-    if _accepts(in_bwd_options, world, precision):  # not fp16: an overflow found late
-        in_bwd = estimate(shape, in_bwd_options, world, micro_batch, seq_len, precision, device)
-    if step_in_backward and in_bwd is not None and in_bwd.fits:
-        reasons = [
-            fits_text(in_bwd),
-            f"gemini would need {_gib(gemini.device_bytes)} per rank; stepping each chunk "
-            "inside backward keeps no gradient shard (12 bytes per parameter of model states "
-            f"instead of 16), so nothing goes to the host; {needs}.",
-        ]
-        return Recommendation(in_bwd_options, tuple(reasons), (*table, in_bwd))
-
-    def host_share(base: Estimate) -> float:
-        return min(1.0, math.ceil(20 * (1 - spare / base.model_state_bytes)) / 20)
-
-    base = in_bwd if step_in_backward and in_bwd is not None else gemini
-    use_in_bwd = base is in_bwd
-    frac = host_share(base)
-    options = PluginOptions(PluginKind.GEMINI, offload_frac=frac, step_in_backward=use_in_bwd)
-    offloaded = estimate(shape, options, world, micro_batch, seq_len, precision, device)
-    reasons = [
-        f"nothing fits in {budget} on the device alone: {base.plugin} needs "
-        f"{_gib(base.device_bytes)} per rank.",
-        f"{options.describe()}: {frac:.0%} of the chunks live on the host "
-        f"({_gib(offloaded.host_bytes)} per rank), stepped there by the CPU optimizer.",
-    ]
-    if use_in_bwd:
-        reasons.append(f"stepping in backward keeps 12 bytes per parameter instead of 16; {needs}.")
-    elif in_bwd is not None:  # say what the user would gain by giving up clipping
-        other = host_share(in_bwd) if not in_bwd.fits else 0.0
-        where = f"{other:.0%} of the chunks on the host" if other else "nothing on the host"
-        reasons.append(
-            f"--step-in-backward (12 bytes per parameter of model states instead of 16) would "
-            f"need {where}; {needs}."
-        )
-    return Recommendation(options, tuple(reasons), (*table, offloaded))
-
-
-# -- command line ------------------------------------------------------------------
 
 
 def _table(estimates: Sequence[Estimate]) -> str:
@@ -501,15 +54,15 @@ def _table(estimates: Sequence[Estimate]) -> str:
     ]
     for e in estimates:
         rows.append(
-            f"| {e.plugin} | {e.params_per_rank:,} | {_gib(e.model_state_bytes)} | "
-            f"{_gib(e.host_bytes)} | {_gib(e.activation_bytes)} | {e.step_seconds:.3g} | "
-            f"{'yes' if e.fits else 'no'} | {_gib(e.async_save_bytes)} | "
-            f"{_gib(e.full_save_bytes)} |"
+            f"| {e.plugin} | {e.params_per_rank:,} | {gib_text(e.model_state_bytes)} | "
+            f"{gib_text(e.host_bytes)} | {gib_text(e.activation_bytes)} | {e.step_seconds:.3g} | "
+            f"{'yes' if e.fits else 'no'} | {gib_text(e.async_save_bytes)} | "
+            f"{gib_text(e.full_save_bytes)} |"
         )
     return "\n".join(rows)
 
 
-def main(argv: Sequence[str] | None = None) -> None:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pc-estimate",
         description="Predict per-rank memory and step time of a model under each plugin, "
@@ -558,63 +111,77 @@ def main(argv: Sequence[str] | None = None) -> None:
         "gemini, estimate it; without --plugin, let the recommendation use it",
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    args = parser.parse_args(argv)
-    try:
-        if args.world < 1 or args.micro_batch < 1 or args.seq_len < 1:
-            raise ValueError("--world, --micro-batch and --seq-len must be at least 1.")
-        spec = resolve_model(args.model, args.seq_len)
-        if args.gpu is not None:
-            device = gpu_device(args.gpu, args.precision)
-        else:
-            device = DeviceInfo.detect(args.world, args.precision)
-        if args.device_memory_gib is not None:
-            device = replace(device, memory_bytes=int(args.device_memory_gib * GiB))
-        shape = model_shape(spec)
-        if args.plugin is not None:
-            options = PluginOptions.parse(
-                args.plugin,
-                tp=args.tp,
-                pp=args.pp,
-                zero_stage=args.zero_stage,
-                sp=args.sp,
-                sp_mode=args.sp_mode,
+    return parser
+
+
+def _device(args: argparse.Namespace) -> DeviceInfo:
+    """The machine to estimate for: ``--gpu``'s datasheet or this one,
+    with ``--device-memory-gib`` per rank if given."""
+    if args.gpu is not None:
+        device = gpu_device(args.gpu, args.precision)
+    else:
+        device = DeviceInfo.detect(args.world, args.precision)
+    if args.device_memory_gib is not None:
+        device = replace(device, memory_bytes=int(args.device_memory_gib * GiB))
+    return device
+
+
+def _estimate_plugin(args: argparse.Namespace, shape: ModelShape, device: DeviceInfo) -> Estimate:
+    """``--plugin``: that plugin's estimate, after its own rules accept the run."""
+    options = PluginOptions.parse(
+        args.plugin,
+        tp=args.tp,
+        pp=args.pp,
+        zero_stage=args.zero_stage,
+        sp=args.sp,
+        sp_mode=args.sp_mode,
+    )
+    if args.step_in_backward:
+        options = replace(options, step_in_backward=True)
+    options.check(args.world, args.precision, shape.layers, heads=shape.heads)
+    return estimate(
+        shape, options, args.world, args.micro_batch, args.seq_len, args.precision, device
+    )
+
+
+def _print_estimate(args: argparse.Namespace, result: Estimate) -> None:
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    **asdict(result),
+                    "model_state_bytes": result.model_state_bytes,
+                    "async_save_bytes": result.async_save_bytes,
+                    "full_save_bytes": result.full_save_bytes,
+                }
             )
-            if args.step_in_backward:
-                options = replace(options, step_in_backward=True)
-            options.check(args.world, args.precision, shape.layers, heads=shape.heads)
-            result = estimate(
-                shape, options, args.world, args.micro_batch, args.seq_len, args.precision, device
-            )
-            if args.json:
-                print(
-                    json.dumps(
-                        {
-                            **asdict(result),
-                            "model_state_bytes": result.model_state_bytes,
-                            "async_save_bytes": result.async_save_bytes,
-                            "full_save_bytes": result.full_save_bytes,
-                        }
-                    )
-                )
-            else:
-                print(_table([result]))
-            return
-        if args.step_in_backward:  # the plugin's own refusals (fp16)
-            PluginOptions(PluginKind.GEMINI, step_in_backward=True).check(
-                args.world, args.precision
-            )
-        choice = recommend(
-            shape,
-            args.world,
-            args.micro_batch,
-            args.seq_len,
-            args.precision,
-            device,
-            step_in_backward=args.step_in_backward,
         )
-    except ValueError as error:
-        print(f"pc-estimate: error: {error}", file=sys.stderr)
-        raise SystemExit(2) from None
+    else:
+        print(_table([result]))
+
+
+def _recommend(args: argparse.Namespace, shape: ModelShape, device: DeviceInfo) -> Recommendation:
+    """No ``--plugin``: the recommendation, with every candidate's estimate."""
+    if args.step_in_backward:  # the plugin's own refusals (fp16)
+        PluginOptions(PluginKind.GEMINI, step_in_backward=True).check(args.world, args.precision)
+    return recommend(
+        shape,
+        args.world,
+        args.micro_batch,
+        args.seq_len,
+        args.precision,
+        device,
+        step_in_backward=args.step_in_backward,
+    )
+
+
+def _print_recommendation(
+    args: argparse.Namespace,
+    name: str,
+    shape: ModelShape,
+    device: DeviceInfo,
+    choice: Recommendation,
+) -> None:
     if args.json:
         print(
             json.dumps(
@@ -631,9 +198,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         )
         return
     print(
-        f"{spec.name}: {shape.params:,} parameters, {args.world} rank(s), micro-batch "
+        f"{name}: {shape.params:,} parameters, {args.world} rank(s), micro-batch "
         f"{args.micro_batch} x {args.seq_len}, {args.precision}, "
-        f"{_gib(device.memory_bytes)} per rank ({device.kind})\n"
+        f"{gib_text(device.memory_bytes)} per rank ({device.kind})\n"
     )
     print(_table(choice.estimates))
     print(f"\nrecommended: {choice.options.flags()}")
@@ -641,32 +208,23 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"  - {reason}")
 
 
+def main(argv: Sequence[str] | None = None) -> None:
+    args = _parser().parse_args(argv)
+    try:
+        if args.world < 1 or args.micro_batch < 1 or args.seq_len < 1:
+            raise ValueError("--world, --micro-batch and --seq-len must be at least 1.")
+        spec = resolve_model(args.model, args.seq_len)
+        device = _device(args)
+        shape = model_shape(spec)
+        if args.plugin is not None:
+            _print_estimate(args, _estimate_plugin(args, shape, device))
+            return
+        choice = _recommend(args, shape, device)
+    except ValueError as error:
+        print(f"pc-estimate: error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
+    _print_recommendation(args, spec.name, shape, device, choice)
+
+
 if __name__ == "__main__":
     main()
-
-
-def measured_model_state_bytes(model: nn.Module, optimizer: Any) -> int:
-    """Bytes of model states this rank holds now, counted from the tensors:
-    the ZeRO and Gemini wrappers' own accounting, else the parameters, their
-    gradients and the optimizer's states (local shards of DTensors), each
-    tensor once and by its own elements (a shared-memory gradient bucket's
-    storage spans every rank's buffer)."""
-    if hasattr(optimizer, "memory"):
-        return int(optimizer.memory().total)
-    wrapper: Any = model
-    if hasattr(wrapper, "chunks"):
-        return int(wrapper.memory(optimizer).total)
-    seen: dict[int, int] = {}
-
-    def count(tensors: Any) -> None:
-        for t in tensors:
-            local = t.to_local() if hasattr(t, "to_local") else t
-            if local.numel():
-                seen[local.data_ptr()] = local.numel() * local.element_size()
-
-    params = list(model.parameters())
-    count(params)
-    count(p.grad for p in params if p.grad is not None)
-    inner = getattr(optimizer, "inner", optimizer)
-    count(v for s in inner.state.values() for v in s.values() if isinstance(v, torch.Tensor))
-    return sum(seen.values())

@@ -14,10 +14,18 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["PHASES", "PhaseMemory"]
+__all__ = ["PHASES", "PhaseMemory", "peak_memory"]
 
 PHASES = ("build", "load", "train", "save")
 _HWM = re.compile(r"VmHWM:\s+(\d+)\s+kB")
+
+
+def peak_memory(device: torch.device) -> tuple[float, str]:
+    """This rank's peak memory so far, and what it counts: CUDA allocated
+    bytes, or the process' peak resident set on the host."""
+    if device.type == "cuda":
+        return float(torch.cuda.max_memory_allocated(device)), "CUDA allocated"
+    return float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024), "host RSS"
 
 
 class PhaseMemory:

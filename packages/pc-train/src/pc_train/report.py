@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-__all__ = ["write_report"]
+__all__ = ["closing_lines", "write_report"]
 
 
 def _mean(values: list[float]) -> float:
@@ -147,3 +147,20 @@ def write_report(out: Path, summary: dict[str, Any], history: dict[str, Any]) ->
         lines += ["", "(plots skipped: pip install matplotlib, a dependency of pc-train)"]
     (out / "report.md").write_text("\n".join(lines) + "\n")
     return [out / "report.json", out / "report.md", *(out / p for p in plots)]
+
+
+def closing_lines(history: dict[str, Any], seconds: float, written: list[Path]) -> str:
+    """A run's last lines: the train loss (means of the first and last 10
+    steps), the held-out loss, and the report's files."""
+    losses = history["loss"]
+    head = sum(losses[:10]) / min(10, len(losses))
+    tail = sum(losses[-10:]) / min(10, len(losses))
+    eval_text = ""
+    if history["eval_loss"]:
+        eval_text = (
+            f", held-out loss {history['eval_loss'][0]:.3f} -> {history['eval_loss'][-1]:.3f}"
+        )
+    return (
+        f"done in {seconds:.1f} s: train loss {head:.3f} -> {tail:.3f} (mean of first / last "
+        f"10 steps){eval_text}\nreport: {', '.join(str(p) for p in written)}"
+    )

@@ -1,0 +1,167 @@
+"""Process supervision: the local launch of ``--nproc`` ranks through
+torch's elastic launcher (:func:`launch_local`), what each rank runs
+(:func:`run_rank`: its signals, threads and process group, the training,
+and its one line on failure), and the launcher's single report of the
+ranks' failures with the job's exit code ([Note: exit codes] in
+:mod:`pc_train.failures`)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import signal
+import sys
+import tempfile
+import uuid
+import warnings
+from collections.abc import Sequence
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pc_comm import health, tune_host_allocator
+from pc_train.failures import (
+    ERROR_DIR,
+    EXIT_FAILURE,
+    EXIT_USER_ERROR,
+    describe_failure,
+    fail,
+    leave,
+    traceback_file,
+)
+from pc_train.faults import join_memory_cgroup
+from pc_train.stopping import Phases
+from pc_train.train_config import TrainConfig
+from pc_train.trainer import train
+
+__all__ = ["launch_local", "run_rank"]
+
+
+def _cpu_threads(local_ranks: int) -> int:
+    """Threads per rank: the cores this process may run on, shared."""
+    from pc_comm import usable_cores
+
+    return max(1, usable_cores() // max(1, local_ranks))
+
+
+def run_rank(config: TrainConfig, reasons: Sequence[str]) -> None:
+    """One rank's process, started by :func:`launch_local` or by torchrun:
+    train, and on an exception leave one line saying what it was (the
+    traceback in a file when it is not one of pc-train's own) and exit
+    with its code."""
+    from pc_comm import init_distributed
+
+    # A forked worker inherits the launcher's handlers; a rank's own are
+    # Python's defaults until the training loop installs its Stop's.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+        signal.signal(sig, signal.SIG_DFL)
+
+    # The Booster re-points the LR schedule at the optimizer it rebuilt;
+    # torch's check for a wrapped step() cannot see that.
+    warnings.filterwarnings("ignore", message=re.escape("Seems like `optimizer.step()` has been"))
+    if config.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+    context = init_distributed(
+        timeout=timedelta(seconds=config.timeout), debug_collectives=config.debug_collectives
+    )
+    if context.device.type == "cpu":
+        # Ranks share the host's cores; oversubscribing them slows every rank.
+        torch.set_num_threads(_cpu_threads(context.env.local_world_size))
+        tune_host_allocator()  # no page faults for memory freed last step [Note: host allocator]
+    phases = Phases()
+    rank = context.env.rank
+    try:
+        join_memory_cgroup(rank)  # PC_TRAIN_CGROUP: the memory tests' per-rank caps
+        train(config, context, reasons, phases)
+    except Exception as error:  # every rank's first exception, in one line
+        if isinstance(error, RuntimeError) and health.is_peer_failure(error):
+            peer = isinstance(error, health.PeerFailureError)
+            failure = error if peer else health.diagnose(error)
+            leave(f"error: {failure}", EXIT_FAILURE)
+        code, text = describe_failure(error, config)
+        if code == EXIT_FAILURE:  # not ours: the traceback goes to a file, for a bug report
+            log = traceback_file(config, rank, error)
+            text += f" (traceback: {log})" if log else ""
+        fail(f"rank {rank} in {phases.current}: {text}", code)
+    finally:
+        health.stop_board()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _report_failure(failure: Any, errors: Path, config: TrainConfig) -> None:
+    """Say once what went wrong: the ranks' own messages, and which rank
+    failed first (a rank killed by a signal other than the SIGTERM the
+    launcher stops the others with, else the earliest)."""
+    notes = sorted(errors.glob("rank*.txt"), key=lambda p: int(p.stem[4:]))
+    messages = list(dict.fromkeys(p.read_text() for p in notes))  # by rank, each once
+    failures = failure.failures
+    codes = {f.exitcode for f in failures.values()}
+    if codes == {130}:
+        raise SystemExit(130)
+    killed = [r for r, f in failures.items() if f.exitcode < 0 and f.signal_name() != "SIGTERM"]
+    first = min(killed) if killed else min(failures, key=lambda r: failures[r].timestamp)
+    cause = failures[first]
+    how = (
+        f"killed by {cause.signal_name()}" if cause.exitcode < 0 else f"exit code {cause.exitcode}"
+    )
+    for message in messages:
+        print(f"pc-train: {message}", file=sys.stderr)
+    if killed or not messages:
+        latest = config.checkpoint_dir
+        print(
+            f"pc-train: rank {first} failed first ({how}); the launcher stopped the other "
+            f"ranks. Checkpoints saved so far are in {latest}; continue with --resume.",
+            file=sys.stderr,
+        )
+    raise SystemExit(
+        EXIT_USER_ERROR if EXIT_USER_ERROR in codes else EXIT_FAILURE
+    )  # [Note: exit codes]
+
+
+def launch_local(config: TrainConfig, reasons: Sequence[str], start_method: str) -> None:
+    """Start ``config.nproc`` local ranks (each :func:`run_rank`) through
+    torch's elastic launcher and wait for them; on a failure, report it once
+    and exit with the job's code (130 when interrupted)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    for name in ("torch.distributed.elastic", "torch.multiprocessing"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+    launch = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=config.nproc,
+        run_id=f"pc-train-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint="127.0.0.1:0",
+        max_restarts=0,
+        monitor_interval=0.1,
+        start_method=start_method,
+    )
+    print(
+        f"pc-train: starting {config.nproc} local process(es); output in {config.output_dir}",
+        flush=True,
+    )
+    with tempfile.TemporaryDirectory(prefix="pc-train-") as errors:
+        os.environ[ERROR_DIR] = errors
+        try:
+            elastic_launch(launch, run_rank)(config, reasons)
+        except ChildFailedError as failure:
+            _report_failure(failure, Path(errors), config)
+        except (KeyboardInterrupt, SignalException):
+            print(
+                f"pc-train: interrupted; continue from the last checkpoint in "
+                f"{config.checkpoint_dir} with --resume.",
+                file=sys.stderr,
+            )
+            raise SystemExit(130) from None
+        finally:
+            os.environ.pop(ERROR_DIR, None)

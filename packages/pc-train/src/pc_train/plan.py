@@ -1,0 +1,203 @@
+"""Planning and preflight: everything pc-train checks before a process
+starts (:func:`prepare`): the model, corpus and tokenizer, the plugin's own
+rules and the splits of the batch and the sequence, what the run needs of
+this machine (:func:`preflight`: a writable ``--output-dir`` with room for
+two checkpoints, a long enough corpus), the checkpoint to resume from, and
+the plugin ``--plugin auto`` chooses, with its reasons."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from pc_train.checkpoint import find_checkpoint, has_checkpoint, load_trainer_state
+from pc_train.cost import model_shape, recommend
+from pc_train.data import corpus_bytes_available, min_corpus_tokens, tokenizer_source
+from pc_train.failures import bytes_text, os_reason
+from pc_train.hardware import DeviceInfo
+from pc_train.models import ModelSpec, resolve_model
+from pc_train.options import PluginKind, PluginOptions
+from pc_train.train_config import TrainConfig
+
+__all__ = ["checkpoint_bytes", "preflight", "prepare"]
+
+
+def prepare(
+    config: TrainConfig, world: int, *, fork_safe: bool = False
+) -> tuple[TrainConfig, ModelSpec, list[str]]:
+    """Check everything that can be checked before a process starts, and
+    resolve ``--plugin auto``. Raises ValueError with the fix. ``fork_safe``:
+    the caller forks its workers afterwards (see
+    :func:`pc_train.train._start_method`)."""
+    spec = resolve_model(config.model, config.seq_len)
+    _check_inputs(config, spec)
+    reasons: list[str] = []
+    if config.plugin == "auto":
+        config, reasons = _choose_plugin(config, spec, world, fork_safe)
+    options = config.plugin_options()
+    # The plugin's own rules, the same ones its constructor and boost apply.
+    options.check(
+        world,
+        config.precision,
+        spec.layers,
+        max_norm=config.clip_norm,
+        accumulation=config.accumulation,
+        heads=spec.heads,
+    )
+    dp = options.dp_size(world)
+    if config.global_batch_size % (dp * config.accumulation):
+        raise ValueError(
+            f"global batch size {config.global_batch_size} does not split into {dp} "
+            f"data-parallel rank(s) x {config.accumulation} accumulation step(s); use a "
+            f"multiple of {dp * config.accumulation}."
+        )
+    _check_splits(config, spec, options, dp)
+    preflight(config, spec)
+    if config.resume == "auto":  # restarts of one command line: resume when there is one
+        config = replace(config, resume="latest" if has_checkpoint(config.checkpoint_dir) else None)
+    if config.resume is not None:
+        path = find_checkpoint(config.checkpoint_dir, config.resume)
+        load_trainer_state(path, config)  # raises CheckpointError on a bad checkpoint
+    return config, spec, reasons
+
+
+def _check_inputs(config: TrainConfig, spec: ModelSpec) -> None:
+    """The corpus and the tokenizer exist, and the model's vocabulary
+    holds the text's ids."""
+    if config.corpus is not None and not Path(config.corpus).exists():
+        raise ValueError(
+            f"corpus {config.corpus!r} does not exist; pass a text file, a directory of text "
+            "files, or a datasets directory (save_to_disk)."
+        )
+    if config.tokenizer is not None and not Path(config.tokenizer).is_dir():
+        raise ValueError(f"tokenizer {config.tokenizer!r} is not a directory.")
+    if config.tokenizer is None and spec.vocab_size < 256:
+        raise ValueError(
+            f"model {config.model!r} has a vocabulary of {spec.vocab_size}; byte-level text "
+            "needs 256. Pass --tokenizer, or a model with a larger vocabulary."
+        )
+
+
+def _choose_plugin(
+    config: TrainConfig, spec: ModelSpec, world: int, fork_safe: bool
+) -> tuple[TrainConfig, list[str]]:
+    """``--plugin auto``: the recommended plugin written into ``config``,
+    and the reasons for it."""
+    dp_batch = config.global_batch_size // max(1, world)
+    micro = max(1, dp_batch // config.accumulation)
+    device = DeviceInfo.detect(config.nproc, config.precision, fork_safe=fork_safe)
+    if config.step_in_backward:  # the plugin's own refusals (fp16)
+        PluginOptions(PluginKind.GEMINI, step_in_backward=True).check(
+            world, config.precision, max_norm=config.clip_norm, accumulation=config.accumulation
+        )
+    # Stepping in backward is chosen only where it changes nothing the
+    # user asked for: no clipping, no accumulation (recommend excludes fp16).
+    in_bwd = config.step_in_backward or (config.clip_norm == 0 and config.accumulation == 1)
+    choice = recommend(
+        model_shape(spec),
+        world,
+        micro,
+        config.seq_len,
+        config.precision,
+        device,
+        step_in_backward=in_bwd,
+    )
+    opts = choice.options
+    reasons = list(choice.reasons)
+    if config.step_in_backward and not opts.step_in_backward:
+        reasons.append(
+            f"--step-in-backward is not used: {opts.describe()} is recommended (--plugin "
+            "auto steps in backward only where plain gemini does not fit, and not in fp16)."
+        )
+    config = replace(
+        config,
+        plugin=opts.name,
+        offload_frac=opts.offload_frac,
+        step_in_backward=opts.step_in_backward,
+    )
+    return config, reasons
+
+
+def _check_splits(config: TrainConfig, spec: ModelSpec, options: Any, dp: int) -> None:
+    """The divisibility rules of the plan that the plugin's own rules
+    cannot see (they know nothing of the batch and the sequence)."""
+    per_rank = config.global_batch_size // dp
+    if options.pp > 1:
+        micro = options.microbatches or options.pp
+        if per_rank % micro:
+            raise ValueError(
+                f"--microbatches {micro} does not divide the {per_rank} sequence(s) each "
+                f"pipeline takes per step (--global-batch-size {config.global_batch_size} over "
+                f"{dp} data-parallel rank(s)); use a divisor of {per_rank}."
+            )
+    if options.sp > 1:
+        blocks = 2 * options.sp if options.sp_mode == "ring_attn" else options.sp
+        if config.seq_len % blocks:
+            raise ValueError(
+                f"--seq-len {config.seq_len} does not split into {blocks} equal blocks (--sp "
+                f"{options.sp}, --sp-mode {options.sp_mode}); use a multiple of {blocks}."
+            )
+    if options.sequence_parallel and options.tp > 1 and config.seq_len % options.tp:
+        raise ValueError(
+            f"--seq-len {config.seq_len} does not split over --tp {options.tp} ranks "
+            f"(--sequence-parallel); use a multiple of {options.tp}."
+        )
+    positions = _max_positions(spec)
+    if positions is not None and config.seq_len > positions:
+        raise ValueError(
+            f"--seq-len {config.seq_len} is longer than model {spec.name!r} accepts "
+            f"({positions} positions); use --seq-len {positions} or less."
+        )
+
+
+def _max_positions(spec: ModelSpec) -> int | None:
+    for name in ("max_position_embeddings", "n_positions"):
+        value = getattr(spec.config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def checkpoint_bytes(params: int) -> int:
+    """What one checkpoint of a model of ``params`` parameters takes on
+    disk, all ranks' shares together, with a margin: 16 bytes per
+    parameter (fp32 values and masters, Adam's two moments)."""
+    return 16 * params
+
+
+def preflight(config: TrainConfig, spec: ModelSpec) -> None:
+    """What the run needs of this machine, checked before any rank starts:
+    a writable ``--output-dir`` with room for two checkpoints (the newest
+    is written before the one before it goes), and a corpus long enough
+    for a batch and the held-out split. Raises ValueError with the fix."""
+    out = Path(config.output_dir)
+    probe = out / f".pc-train-probe-{os.getpid()}"
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"pc-train")
+        probe.unlink()
+    except OSError as error:
+        raise ValueError(
+            f"--output-dir {out} must be writable, but writing {probe.name} there failed: "
+            f"{os_reason(error)}; pass a writable --output-dir."
+        ) from None
+    need = 2 * checkpoint_bytes(model_shape(spec).params)
+    free = shutil.disk_usage(out).free
+    if free < need:
+        raise ValueError(
+            f"--output-dir {out} has {bytes_text(free)} ({free:,} bytes) free; two checkpoints of "
+            f"{spec.name} need {bytes_text(need)} ({need:,} bytes: 16 per parameter each); free "
+            "space there or pass --output-dir on a larger disk."
+        )
+    tokenized = tokenizer_source(config.tokenizer, spec.pretrained) is not None
+    available = None if tokenized else corpus_bytes_available(config.corpus, config.corpus_bytes)
+    least = min_corpus_tokens(config.seq_len)
+    if available is not None and available < least:  # bytes are tokens without a tokenizer
+        raise ValueError(
+            f"the corpus holds {available:,} byte(s); --seq-len {config.seq_len} needs at least "
+            f"{least:,} (95% trains, 5% is held out, each longer than a sequence); pass a "
+            "larger --corpus / --corpus-bytes or a shorter --seq-len."
+        )
