@@ -75,9 +75,10 @@ def family(name: str) -> Family:
     from dataclasses import replace
 
     model_type, _, variant = name.partition("+")
-    found = next((f for f in families() if f.model_type == model_type), None)
+    known = [*families(), *families_without_plan()]
+    found = next((f for f in known if f.model_type == model_type), None)
     if found is None:
-        raise ValueError(f"no family {model_type!r} with a tensor-parallel plan is installed")
+        raise ValueError(f"no family {model_type!r} with a causal LM or a tp plan is installed")
     if variant:
         found = replace(found, overrides=tuple(VARIANTS[variant].items()), variant=variant)
     return found
@@ -98,6 +99,28 @@ def families() -> list[Family]:
             continue
         pp = bool(getattr(cls, "base_model_pp_plan", None))
         out.append(Family(model_type, class_name, dict(plan), pp))
+    return out
+
+
+@functools.cache
+def families_without_plan() -> list[Family]:
+    """Every config class of the installed transformers with no
+    ``base_model_tp_plan`` whose model has a causal-LM class, in name
+    order: pc infers their tensor-parallel plan (``pc_tensor.infer_plan``)
+    and cuts their pipeline from the module tree (the repeated blocks)."""
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    out = []
+    for model_type, class_name in sorted(CONFIG_MAPPING_NAMES.items()):
+        cls = getattr(transformers, class_name, None)
+        if cls is None or getattr(cls, "base_model_tp_plan", None):
+            continue
+        if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+            continue
+        pp = bool(getattr(cls, "base_model_pp_plan", None))
+        out.append(Family(model_type, class_name, {}, pp))
     return out
 
 

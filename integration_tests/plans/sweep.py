@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).parent))
-from families import SEQ, VOCAB, Family, Skip, build, families, family
+from families import SEQ, VOCAB, Family, Skip, build, families, families_without_plan, family
 
 STEPS, LR, BATCH, LABELS = 3, 0.1, 4, 3
 RTOL, ATOL = 1e-4, 1e-5
@@ -273,9 +273,13 @@ def table(rows: list[dict[str, str]], modes: tuple[str, ...]) -> str:
 # tp 2 x pp 2 needs world 4: run on this sample (shapes: GQA, packed
 # projections with gathered outputs, parallel blocks, per-head norms).
 TP_PP_SAMPLE = ("llama", "qwen2", "phi3", "gpt_neox", "gemma3_text")
+# And of the families without a plan (inferred plan and cut).
+TP_PP_INFERRED_SAMPLE = ("opt", "gpt2", "bloom")
 
 
-def _page(text: str, summary: str, modes: tuple[str, ...]) -> str:
+def _page(text: str, summary: str, modes: tuple[str, ...], inferred: bool = False) -> str:
+    if inferred:
+        return _inferred_page(text, summary)
     import transformers
 
     return f"""# The plan sweep: tensor and pipeline parallelism for any transformers family
@@ -311,14 +315,53 @@ column passes; "refused" is not a failure, "FAIL" is.
 """
 
 
+def _inferred_page(text: str, summary: str) -> str:
+    import transformers
+
+    return f"""# The plan sweep, families without a plan
+
+Written by `nox -s plans` (`integration_tests/plans/sweep.py --inferred`) on
+{time.strftime("%Y-%m-%d")}, transformers {transformers.__version__}, torch
+{torch.__version__}, 2 CPU ranks (gloo).
+
+Every model family of the installed transformers whose config carries no
+tensor-parallel plan but which has a causal-LM class, built tiny and
+trained as in [the plan sweep](plan-sweep.md). pc infers the plan
+(`pc_tensor.infer_plan`: attention projections and MLP up / down layers)
+and cuts the pipeline from the module tree (embeddings, the list of
+repeated blocks, the final norm and head), and refuses a model that does
+not fit that pattern, with the reason.
+
+- **tp**, **sp**: `pc_tensor.shard_model` over 2 ranks with the inferred
+  plan, without and with sequence parallelism;
+- **pp**: `HybridParallelPlugin(pp_size=2)`, 1F1B over 2 micro-batches,
+  the stages cut from the module tree;
+- **cls**: tp 2 and pp 2 with the family's sequence- and token-
+  classification heads (those it has).
+
+**{summary}.** A family passes when nothing in its row fails and its first
+column passes; "refused" is not a failure, "FAIL" is.
+
+{text}
+"""
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--families", nargs="*", default=None)
+    parser.add_argument(
+        "--inferred",
+        action="store_true",
+        help="the families without a tp plan (pc infers the plan and the pipeline cut)",
+    )
     parser.add_argument("--modes", nargs="*", default=[*MODES, "tp-pp"], choices=[*MODES, "tp-pp"])
     parser.add_argument("--tp-pp-families", nargs="*", default=list(TP_PP_SAMPLE))
     parser.add_argument("--write", default=None, help="a markdown file for the table")
     args = parser.parse_args()
-    names = args.families or [f.model_type for f in families()]
+    listed = families_without_plan() if args.inferred else families()
+    names = args.families or [f.model_type for f in listed]
+    if args.inferred and "tp-pp" in args.modes and args.tp_pp_families == list(TP_PP_SAMPLE):
+        args.tp_pp_families = list(TP_PP_INFERRED_SAMPLE)
     modes = tuple(m for m in args.modes if m != "tp-pp")
     rows = sweep(names, modes) if modes else [{"family": n} for n in names]
     if "tp-pp" in args.modes:
@@ -335,14 +378,15 @@ def main() -> None:
 
     counts = [f"{len(passing(m))} pass {m}" for m in modes]
     summary = (
-        f"{len(passing(modes[0]))} of {len(built)} families pass ({len(rows)} with a plan; "
+        f"{len(passing(modes[0]))} of {len(built)} families pass ({len(rows)} "
+        f"{'without a plan, with a causal LM' if args.inferred else 'with a plan'}; "
         f"{', '.join(counts)}; {len(failed)} fail)"
     )
     text = table(rows, modes)
     print(text)
     print(summary)
     if args.write:
-        Path(args.write).write_text(_page(text, summary, modes))
+        Path(args.write).write_text(_page(text, summary, modes, args.inferred))
 
 
 if __name__ == "__main__":

@@ -88,6 +88,15 @@ def is_file_name(path: Path) -> bool:
     return not path.is_dir() and path.suffix in FILE_SUFFIXES
 
 
+def one_reader(call: str, num_threads: int) -> None:
+    """``num_threads`` of the loads: pc reads with one thread per rank."""
+    if num_threads != 1:
+        raise ValueError(
+            f"{call}: num_threads={num_threads}; pc reads with one thread per rank, each rank "
+            "its own share in parallel. Pass num_threads=1."
+        )
+
+
 def refuse_prefix(prefix: str | None) -> None:
     if prefix is not None:
         raise ValueError(

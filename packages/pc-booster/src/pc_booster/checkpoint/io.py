@@ -211,11 +211,7 @@ class CheckpointIO:
         (it then loads the whole state). ``low_cpu_mem_mode``: pc always
         reads this way, so both values load the same; ``num_threads``: 1
         (one reader per rank)."""
-        if num_threads != 1:
-            raise ValueError(
-                f"load_model: num_threads={num_threads}; pc reads with one thread per rank, "
-                "each rank its own share in parallel. Pass num_threads=1."
-            )
+        files.one_reader("load_model", num_threads)
         self.saves.wait_for_saves()
         path = Path(checkpoint)
         if not self.plugin.has_boosted(model):
@@ -388,11 +384,7 @@ class CheckpointIO:
         its share). Load the model first. ``low_cpu_mem_mode`` /
         ``num_threads``: as for :meth:`load_model`."""
         optimizer = inner_optimizer(optimizer)
-        if num_threads != 1:
-            raise ValueError(
-                f"load_optimizer: num_threads={num_threads}; pc reads with one thread per "
-                "rank, each rank its own share in parallel. Pass num_threads=1."
-            )
+        files.one_reader("load_optimizer", num_threads)
         self.saves.wait_for_saves()
         path = Path(checkpoint)
         if (path / files.DCP_METADATA).exists():
