@@ -358,6 +358,23 @@ def bench(session: nox.Session) -> None:
         session.run("python", str(script), *session.posargs)
 
 
+# bench_quick's pairs: each script's --quick run prints one line per pair.
+QUICK_BENCHMARKS = ["bench_offload.py", "bench_ddp.py", "bench_zero.py", "bench_zero3.py"]
+
+
+@nox.session
+def bench_quick(session: nox.Session) -> None:
+    """Paired ratios only, in a few minutes, for a change to a hot path
+    before it lands: pc CPUAdamW over torch's best AdamW (25 M parameters),
+    pc DDP over torch DDP, pc ZeRO-2 over ZeroRedundancyOptimizer, pc FSDP
+    and GeminiDDP over FSDP2 (2 ranks, the step benchmarks' GPT-2), one line
+    per pair with its target, and each step benchmark's no-communication
+    floor. Arguments after `--` go to every script (`-- --iters 8`)."""
+    _install_workspace(session)
+    for script in QUICK_BENCHMARKS:
+        session.run("python", str(ROOT / "benchmarks" / script), "--quick", *session.posargs)
+
+
 @nox.session
 def docs(session: nox.Session) -> None:
     """Run every example in docs/, then build the site into site/."""

@@ -105,6 +105,33 @@ def paired_ratios(samples: Mapping[str, list[float]]) -> dict[str, float]:
     }
 
 
+def rounds_against(samples: Mapping[str, list[float]], peer: str) -> dict[str, list[float]]:
+    """Each row's ratio to the ``peer`` row, round by round: the slowest
+    rank's sample of the row over the slowest rank's sample of the peer in
+    the same round (seconds apart, so drift cancels as in
+    :func:`paired_ratios`). The single process is left out: it is not a
+    peer of a distributed row. Every rank must call it."""
+    names = [name for name in samples if name != "single process"]
+    rows = torch.tensor([samples[name] for name in names], dtype=torch.float64)
+    dist.all_reduce(rows, op=dist.ReduceOp.MAX)
+    reference = rows[names.index(peer)]
+    return {name: (rows[i] / reference).tolist() for i, name in enumerate(names)}
+
+
+def pair_line(name: str, peer: str, rounds: list[float], target: float | None = None) -> str:
+    """One line for ``bench_quick``: a row over its peer, paired (the
+    median over rounds), with the rounds' range and the target it is held
+    to (at or below)."""
+    median = statistics.median(rounds)
+    line = (
+        f"{name} / {peer}: {median:.3f} paired "
+        f"({len(rounds)} rounds, {min(rounds):.3f}-{max(rounds):.3f})"
+    )
+    if target is not None:  # judged as printed
+        line += f", target <= {target:.2f}: {'met' if round(median, 3) <= target else 'NOT met'}"
+    return line
+
+
 def gpt2(vocab_size: int, positions: int, width: int, layers: int, heads: int) -> nn.Module:
     """A GPT-2 with the library's default dropout, seeded, for timing."""
     torch.manual_seed(0)
@@ -126,15 +153,31 @@ def step_gpt2() -> nn.Module:
     return gpt2(vocab_size=8192, positions=256, width=512, layers=6, heads=8)
 
 
-def print_step_table(title: str, times: Mapping[str, float], ratios: Mapping[str, float]) -> None:
+def print_step_table(
+    title: str,
+    times: Mapping[str, float],
+    ratios: Mapping[str, float],
+    peer: tuple[str, Mapping[str, list[float]]] | None = None,
+) -> None:
     """Step times (medians) as a markdown table, over the single process's
-    median and round by round (:func:`paired_ratios`)."""
+    median and round by round (:func:`paired_ratios`); with ``peer`` (its
+    row's name and :func:`rounds_against` it), each row over that peer,
+    paired, too."""
     single = times["single process"]
     print(f"\n## {title}\n")
-    print("| | step (s) | / single process (medians) | / single process (paired) |")
-    print("|---|---:|---:|---:|")
+    head = "| | step (s) | / single process (medians) | / single process (paired) |"
+    rule = "|---|---:|---:|---:|"
+    if peer is not None:
+        head += f" / {peer[0]} (paired) |"
+        rule += "---:|"
+    print(head)
+    print(rule)
     for name, seconds in times.items():
-        print(f"| {name} | {seconds:.3f} | {seconds / single:.3f} | {ratios[name]:.3f} |")
+        line = f"| {name} | {seconds:.3f} | {seconds / single:.3f} | {ratios[name]:.3f} |"
+        if peer is not None:
+            rounds = peer[1].get(name)
+            line += f" {statistics.median(rounds):.3f} |" if rounds else " |"
+        print(line)
 
 
 def deepspeed_gpt2(

@@ -7,7 +7,10 @@
    DistributedDataParallel (shared memory, overlapped buckets), torch DDP
    (gloo) and the same model in a single process.
 
-    python benchmarks/bench_ddp.py [--world-sizes 2 4] [--skip-ddp]
+``--quick`` (``nox -s bench_quick``): no bandwidth table, the DDP step
+without the "in step" row, and one line: pc DDP over torch DDP, paired.
+
+    python benchmarks/bench_ddp.py [--world-sizes 2 4] [--skip-ddp] [--quick]
 """
 
 from __future__ import annotations
@@ -22,8 +25,10 @@ import torch.distributed as dist
 from _common import (
     alternate,
     bus_bandwidth,
+    pair_line,
     paired_ratios,
     print_step_table,
+    rounds_against,
     step_gpt2,
     step_times,
 )
@@ -33,6 +38,7 @@ from pc_comm.testing import spawn
 
 RESULTS = Path(__file__).resolve().parent.parent / "bench-results"
 SIZES_MB = (1, 16, 64, 256)
+OURS, PEER = "pc DDP (shm)", "torch DDP (gloo)"
 
 
 def _bandwidth(out: str) -> None:
@@ -79,7 +85,7 @@ def _step_fn(model: torch.nn.Module, seed: int) -> Callable[[], None]:
     return step
 
 
-def _ddp_steps(iters: int, out: str) -> None:
+def _ddp_steps(iters: int, out: str, quick: bool) -> None:
     """Samples alternate between the set-ups, so drift on a shared
     machine hits them alike. The single-process step runs on rank 0 alone
     while the other ranks sleep in a barrier; "2 processes, no
@@ -102,26 +108,38 @@ def _ddp_steps(iters: int, out: str) -> None:
         "single process": alone if rank == 0 else lambda: None,
         "2 processes, no communication": alone,
         "2 processes, no communication, in step": alone_in_step,
-        "pc DDP (shm)": _step_fn(ours, rank),
-        "torch DDP (gloo)": _step_fn(peer, rank),
+        OURS: _step_fn(ours, rank),
+        PEER: _step_fn(peer, rank),
     }
+    if quick:
+        del steps["2 processes, no communication, in step"]
     for fn in steps.values():
         fn()
     samples = alternate(steps, iters, sync=True)
     times, ratios = step_times(samples), paired_ratios(samples)
+    vs_peer = rounds_against(samples, PEER)
     ours.reducer.stop()
     if rank == 0:
-        Path(out).write_text(json.dumps({"times": times, "ratios": ratios}))
+        Path(out).write_text(json.dumps({"times": times, "ratios": ratios, "vs_peer": vs_peer}))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--ddp-iters", type=int, default=6)
+    parser.add_argument("--ddp-iters", "--iters", type=int, default=6)
     parser.add_argument("--skip-ddp", action="store_true")
     parser.add_argument("--skip-bandwidth", action="store_true")
+    parser.add_argument("--quick", action="store_true", help="pc DDP over torch DDP only")
     args = parser.parse_args()
     RESULTS.mkdir(exist_ok=True)
+    if args.quick:
+        out = RESULTS / "ddp_quick.json"
+        spawn(_ddp_steps, 2, args=(args.ddp_iters, str(out), True), timeout=1800)
+        found = json.loads(out.read_text())
+        floor = found["ratios"]["2 processes, no communication"]
+        print(f"DDP floor (2 processes, no communication / single process): {floor:.3f} paired")
+        print(pair_line(OURS, PEER, found["vs_peer"][OURS], 1.0))
+        return
     rows: list[dict[str, float]] = []
     for world in [] if args.skip_bandwidth else args.world_sizes:
         out = RESULTS / f"bandwidth_w{world}.json"
@@ -139,13 +157,15 @@ def main() -> None:
     result: dict[str, object] = {"bandwidth": rows}
     if not args.skip_ddp:
         out = RESULTS / "ddp_step.json"
-        spawn(_ddp_steps, 2, args=(args.ddp_iters, str(out)), timeout=1800)
+        spawn(_ddp_steps, 2, args=(args.ddp_iters, str(out), False), timeout=1800)
         found = json.loads(out.read_text())
         print_step_table(
             "DDP step, GPT-2 6x512, batch 4x256 per rank, 2 ranks, 1 thread each",
             found["times"],
             found["ratios"],
+            (PEER, found["vs_peer"]),
         )
+        print(pair_line(OURS, PEER, found["vs_peer"][OURS], 1.0))
         result["ddp"] = found
     (RESULTS / "bench_ddp.json").write_text(json.dumps(result, indent=2))
 

@@ -15,8 +15,13 @@ DDP and ZeRO-1/2 benchmarks. Rows, sampled alternately:
 
 Memory: model-state bytes per rank after a step (parameters or shards,
 gradients, optimizer states), counted from the tensors each one holds.
+Every row is also given over FSDP2's, paired round by round.
 
-    python benchmarks/bench_zero3.py [--iters 6]
+``--quick`` (``nox -s bench_quick``): only the single process, the floor,
+pc FSDP, pc GeminiDDP and FSDP2, and one line per pair (pc over FSDP2,
+paired) instead of the tables.
+
+    python benchmarks/bench_zero3.py [--iters 6] [--quick]
 """
 
 from __future__ import annotations
@@ -32,8 +37,10 @@ import torch.distributed as dist
 from _common import (
     alternate,
     deepspeed_gpt2,
+    pair_line,
     paired_ratios,
     print_step_table,
+    rounds_against,
     step_gpt2,
     step_times,
 )
@@ -49,6 +56,10 @@ from pc_zero import (
 
 RESULTS = Path(__file__).resolve().parent.parent / "bench-results"
 Step = Callable[[], None]
+FSDP2 = "torch FSDP2 fully_shard (gloo)"
+# The acceptance targets (issue 41): pc over FSDP2, paired, at or below.
+TARGETS = {"pc FullyShardedDataParallel": 0.88, "pc GeminiDDP": 0.91}
+QUICK_ROWS = (*TARGETS, FSDP2)
 
 
 def _batch(seed: int) -> torch.Tensor:
@@ -152,7 +163,7 @@ def _deepspeed(seed: int) -> tuple[Step, Callable[[], int]] | None:
     return step, memory
 
 
-def _steps(iters: int, out: str) -> None:
+def _steps(iters: int, out: str, quick: bool) -> None:
     torch.set_num_threads(1)
     rank = dist.get_rank()
     model = step_gpt2()
@@ -162,14 +173,18 @@ def _steps(iters: int, out: str) -> None:
         "2 processes, no communication": alone,
     }
     memories: dict[str, Callable[[], int]] = {}
-    peers: dict[str, tuple[Step, Callable[[], int]] | None] = {
-        "pc FullyShardedDataParallel": _ours("fsdp", rank),
-        "pc FullyShardedDataParallel, step in backward": _ours("fsdp-step-in-backward", rank),
-        "pc GeminiDDP": _ours("gemini", rank),
-        "pc GeminiDDP, step in backward": _ours("gemini-step-in-backward", rank),
-        "torch FSDP2 fully_shard (gloo)": _fsdp2(rank),
-        "DeepSpeed ZeRO-3 (gloo)": _deepspeed(rank),
+    makers: dict[str, Callable[[], tuple[Step, Callable[[], int]] | None]] = {
+        "pc FullyShardedDataParallel": lambda: _ours("fsdp", rank),
+        "pc FullyShardedDataParallel, step in backward": lambda: _ours(
+            "fsdp-step-in-backward", rank
+        ),
+        "pc GeminiDDP": lambda: _ours("gemini", rank),
+        "pc GeminiDDP, step in backward": lambda: _ours("gemini-step-in-backward", rank),
+        FSDP2: lambda: _fsdp2(rank),
+        "DeepSpeed ZeRO-3 (gloo)": lambda: _deepspeed(rank),
     }
+    # Built in this order either way (the quick run's rows are a subset).
+    peers = {name: make() for name, make in makers.items() if not quick or name in QUICK_ROWS}
     for name, entry in peers.items():
         if entry is not None:
             steps[name], memories[name] = entry
@@ -177,25 +192,37 @@ def _steps(iters: int, out: str) -> None:
         fn()  # warm-up: optimizer states exist from here on
     samples = alternate(steps, iters, sync=True)
     times, ratios = step_times(samples), paired_ratios(samples)
+    vs_fsdp2 = rounds_against(samples, FSDP2)
     sizes = {name: float(fn()) for name, fn in memories.items()}
     if rank == 0:
-        Path(out).write_text(json.dumps({"times": times, "ratios": ratios, "memory": sizes}))
+        result = {"times": times, "ratios": ratios, "vs_fsdp2": vs_fsdp2, "memory": sizes}
+        Path(out).write_text(json.dumps(result))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--iters", type=int, default=6)
+    parser.add_argument("--quick", action="store_true", help="pc over FSDP2 only, one line each")
     args = parser.parse_args()
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     RESULTS.mkdir(exist_ok=True)
-    out = RESULTS / "zero3_step.json"
-    spawn(_steps, 2, args=(args.iters, str(out)), timeout=3000)
+    out = RESULTS / ("zero3_quick.json" if args.quick else "zero3_step.json")
+    spawn(_steps, 2, args=(args.iters, str(out), args.quick), timeout=3000)
     result = json.loads(out.read_text())
+    if args.quick:
+        floor = result["ratios"]["2 processes, no communication"]
+        print(f"ZeRO-3 floor (2 processes, no communication / single process): {floor:.3f} paired")
+        for name, target in TARGETS.items():
+            print(pair_line(name, FSDP2, result["vs_fsdp2"][name], target))
+        return
     title = "ZeRO-3 step, GPT-2 6x512, batch 4x256 per rank, fp32 AdamW, 2 ranks, 1 thread each"
-    print_step_table(title, result["times"], result["ratios"])
+    print_step_table(title, result["times"], result["ratios"], (FSDP2, result["vs_fsdp2"]))
     print("\n| | model states per rank (MB) |\n|---|---:|")
     for name, nbytes in result["memory"].items():
         print(f"| {name} | {nbytes / 2**20:.1f} |")
+    print()
+    for name, target in TARGETS.items():
+        print(pair_line(name, FSDP2, result["vs_fsdp2"][name], target))
 
 
 if __name__ == "__main__":
