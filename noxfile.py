@@ -294,11 +294,18 @@ def plans(session: nox.Session) -> None:
     tp 2 + sequence parallelism, pp 2 (causal LM, sequence and token
     classification) and, for a sample, tp 2 x pp 2 at world 4, each
     against single-process training or refused with the reason. Rewrites
-    docs/plan-sweep.md (`tests` runs a sample of it)."""
+    docs/plan-sweep.md (`tests` runs a sample of it); then the same for
+    the families without a plan that have a causal LM, with pc's inferred
+    plan and pipeline cut (docs/plan-sweep-inferred.md)."""
     _install_workspace(session, *TEST_DEPS)
     session.run(
         "python", "integration_tests/plans/sweep.py", "--write", "docs/plan-sweep.md",
         *session.posargs,
+    )  # fmt: skip
+    # The families without a plan: pc's inferred plan and module-tree cut.
+    session.run(
+        "python", "integration_tests/plans/sweep.py", "--inferred",
+        "--write", "docs/plan-sweep-inferred.md", *session.posargs,
     )  # fmt: skip
 
 
