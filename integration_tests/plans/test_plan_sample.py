@@ -35,6 +35,9 @@ SAMPLE: dict[str, dict[str, str]] = {
     "gemma3_text": {},  # scaled embedding, sliding-window layers, per-head norms
     "starcoder2": {},  # biases everywhere, plain MLP
     "apertus": {},  # a learned activation inside the split MLP
+    # Families without a plan: pc's inferred plan and module-tree cut.
+    "opt": {},  # the blocks under model.decoder, a final norm outside them
+    "electra": {},  # embeddings narrower than the blocks, projected to them
     "mixtral": {  # MoE: tensor parallelism refuses it, a pipeline trains it
         "tp": "mixture-of-experts",
         "sp": "mixture-of-experts",

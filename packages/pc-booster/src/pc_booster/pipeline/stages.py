@@ -193,6 +193,17 @@ class _PlanContext:
         except _Stop as stop:
             return stop
 
+    def embedding_width(self, hidden: int) -> int:
+        """The width of the base model's ``inputs_embeds``: its input
+        embedding's, else the hidden states'."""
+        find: Any = getattr(self.base, "get_input_embeddings", None)
+        try:
+            embedding = find() if callable(find) else None
+        except NotImplementedError:
+            embedding = None
+        width = getattr(embedding, "embedding_dim", None)
+        return width if isinstance(width, int) else hidden
+
     def block_arguments(self, hidden: torch.Tensor) -> list[Any]:
         if self.plain_blocks:  # [Note: blocks passed nothing but the hidden states]
             return [((), {})] * len(self.blocks)
@@ -208,7 +219,11 @@ class _PlanContext:
             from torch._subclasses.fake_tensor import unset_fake_temporarily
 
             with unset_fake_temporarily(), torch.no_grad():
-                dummy = torch.zeros(hidden.shape, dtype=hidden.dtype, device=hidden.device)
+                # inputs_embeds are as wide as the embedding, which a model
+                # may project to the hidden width (ELECTRA, RemBERT); the
+                # arguments recorded do not depend on the values.
+                shape = (*hidden.shape[:-1], self.embedding_width(hidden.shape[-1]))
+                dummy = torch.zeros(shape, dtype=hidden.dtype, device=hidden.device)
                 calls: list[Any] = [None] * len(self.blocks)
                 last = len(self.blocks) - 1
                 with self.swapped(lambda i: _Recorder(i, calls, stop=i == last)):
@@ -335,7 +350,11 @@ class _PlanHead(nn.Module):
             shape = (hidden.shape[0], *context.inputs.shape[1:])
             feed: dict[str, Any] = {context.main: context.inputs.new_zeros(shape)}
         else:
-            feed = {"inputs_embeds": hidden, "use_cache": False}
+            width = context.embedding_width(hidden.shape[-1])
+            embeds = hidden
+            if width != hidden.shape[-1]:  # projected to the hidden width after embedding
+                embeds = hidden.new_zeros((*hidden.shape[:-1], width))  # its values are dropped
+            feed = {"inputs_embeds": embeds, "use_cache": False}
         try:
             with self.context.swapped(
                 lambda i: _Recorder(i, calls, stop=False, value=handed if i == last else None)
