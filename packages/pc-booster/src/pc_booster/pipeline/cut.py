@@ -163,7 +163,15 @@ def _inferred_layers(
     if kind == "sequence":  # the generic head: taken per position, pooled by the loss
         capture = next(iter(heads.values()))
     find: Any = getattr(base, "get_input_embeddings", None)
-    embedding = find() if callable(find) else None
+    try:
+        embedding = find() if callable(find) else None
+    except NotImplementedError:
+        raise ValueError(
+            f"pipeline parallelism: {name} has no base_model_pp_plan and its base model does "
+            "not name its input embedding (get_input_embeddings raises NotImplementedError), "
+            "so pc cannot tell which modules the first stage alone holds. Build the stages "
+            "yourself with pc_pipeline (partition a Sequential)."
+        ) from None
     kept = {n: m for n, m in owning.items() if m is not embedding}
     head = _PlanHead(context, {**kept, **shared, **heads}, pooled=False, capture=capture)
     return [first, *middle, head]

@@ -193,15 +193,20 @@ class _PlanContext:
         except _Stop as stop:
             return stop
 
+    def input_embedding(self) -> nn.Module | None:
+        """The base model's input embedding, where it names one (some
+        models' ``get_input_embeddings`` raises NotImplementedError)."""
+        find: Any = getattr(self.base, "get_input_embeddings", None)
+        try:
+            found = find() if callable(find) else None
+        except NotImplementedError:
+            return None
+        return found if isinstance(found, nn.Module) else None
+
     def embedding_width(self, hidden: int) -> int:
         """The width of the base model's ``inputs_embeds``: its input
         embedding's, else the hidden states'."""
-        find: Any = getattr(self.base, "get_input_embeddings", None)
-        try:
-            embedding = find() if callable(find) else None
-        except NotImplementedError:
-            embedding = None
-        width = getattr(embedding, "embedding_dim", None)
+        width = getattr(self.input_embedding(), "embedding_dim", None)
         return width if isinstance(width, int) else hidden
 
     def block_arguments(self, hidden: torch.Tensor) -> list[Any]:
