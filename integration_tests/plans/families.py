@@ -62,6 +62,12 @@ class Family:
         return f"{self.model_type}+{self.variant}" if self.variant else self.model_type
 
 
+# Families whose training is random by design, beyond dropout (which the
+# sweep turns off): no two runs match, so parity cannot be asked of them.
+STOCHASTIC: dict[str, str] = {
+    "phimoe": "its router samples the experts while training (sparsemixer's torch.rand_like)",
+}
+
 # Variants a name can ask for: "llama+tied" is Llama with its LM head tied
 # to the embedding (the tiny default unties every family's head).
 VARIANTS: dict[str, dict[str, Any]] = {
