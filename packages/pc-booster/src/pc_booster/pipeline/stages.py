@@ -303,7 +303,7 @@ class _PlanBlock(nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         args, kwargs = self.context.block_arguments(hidden)[self.index]
         out = self.block(hidden, *args, **kwargs)
-        if isinstance(out, tuple):
+        if isinstance(out, (tuple, list)):  # OpenAI GPT's blocks return a list
             self.context.block_returns_tuple = True
             out = out[0]
         result: torch.Tensor = out
