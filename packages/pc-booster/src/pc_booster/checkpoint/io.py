@@ -397,7 +397,7 @@ class CheckpointIO:
             files.load_sharded(loaded, path)
             self.plugin.after_sharded_optimizer_load(optimizer, loaded)
             return
-        state = torch.load(Path(checkpoint), map_location="cpu", weights_only=False)
+        state = torch.load(Path(checkpoint), map_location="cpu", weights_only=True)
         if not isinstance(state, dict) or "param_groups" not in state:
             raise ValueError(
                 f"{checkpoint} is not an optimizer checkpoint of Booster.save_optimizer."
@@ -412,4 +412,4 @@ class CheckpointIO:
         dist.barrier()
 
     def load_lr_scheduler(self, lr_scheduler: Any, checkpoint: str | os.PathLike[str]) -> None:
-        lr_scheduler.load_state_dict(torch.load(Path(checkpoint), weights_only=False))
+        lr_scheduler.load_state_dict(torch.load(Path(checkpoint), weights_only=True))

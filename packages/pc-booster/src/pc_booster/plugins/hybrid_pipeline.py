@@ -33,6 +33,7 @@ from pc_booster.plugins.common import (
 )
 from pc_booster.plugins.low_level_zero import masters_from_built
 from pc_booster.rules import TrainPrecision
+from pc_zero import ShardedOptimizer
 
 if TYPE_CHECKING:
     from pc_booster.plugins.hybrid import HybridParallelPlugin
@@ -372,7 +373,8 @@ def execute_pipeline(
     )
     if optimizer is None or not torch.is_grad_enabled():
         return _evaluate(plugin, model, inputs, main, keys, user, return_loss, return_outputs)
-    scaler = sharded(optimizer).scaler if plugin.zero_stage else None
+    zero = sharded(optimizer) if plugin.zero_stage else None  # once a step
+    scaler = zero.scaler if zero is not None else None
     policy = plugin.boosted(model).step_policy
     if policy is not None and policy.amp is not None:  # fp16 without ZeRO
         scaler = policy.amp.scaler
@@ -388,7 +390,7 @@ def execute_pipeline(
         return loss * scale if scale != 1.0 else loss
 
     context: AbstractContextManager[None] = (
-        sharded(optimizer).no_sync() if plugin.zero_stage == 1 else nullcontext()
+        zero.no_sync() if zero is not None and plugin.zero_stage == 1 else nullcontext()
     )
     with context:
         losses, outputs = model.forward_backward(  # type: ignore[operator]
@@ -397,7 +399,7 @@ def execute_pipeline(
             labels=tuple(inputs[k] for k in keys),
             return_outputs=return_outputs,
         )
-    _sum_tied_gradients(plugin, optimizer)
+    _sum_tied_gradients(plugin, zero)
     loss = (
         losses.detach().float().mean() / scale
         if losses is not None
@@ -435,11 +437,12 @@ def _batch_inputs(
     return inputs, main
 
 
-def _sum_tied_gradients(plugin: HybridParallelPlugin, optimizer: Optimizer) -> None:
-    """A weight tied across stages gets the sum of every holder's gradient."""
+def _sum_tied_gradients(plugin: HybridParallelPlugin, zero: ShardedOptimizer | None) -> None:
+    """A weight tied across stages gets the sum of every holder's gradient
+    (``zero``: the ZeRO optimizer, where there is one)."""
     for param, group in plugin.stage.tied:
-        if plugin.zero_stage == 1:
-            grad = sharded(optimizer).accumulated_grad(param)
+        if zero is not None and plugin.zero_stage == 1:
+            grad = zero.accumulated_grad(param)
         else:
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
