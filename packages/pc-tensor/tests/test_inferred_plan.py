@@ -277,6 +277,12 @@ def test_models_off_the_pattern_are_refused() -> None:
     )
     shared = transformers.BeitConfig(**beit, use_shared_relative_position_bias=True)
     _refused(transformers.BeitModel(shared), r"shared_position_bias.* per attention head")
+    # BigBird swaps its attention for one built from the config (whole head
+    # count) when a sequence is too short for block-sparse attention.
+    big_bird = transformers.BigBirdModel(transformers.BigBirdConfig(
+        vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=64, max_position_embeddings=64))  # fmt: skip
+    _refused(big_bird, r"encoder.layer.0 \(BigBirdLayer\) has set_attention_type\(\), by which")
 
 
 class _LoRALinear(nn.Linear):

@@ -30,7 +30,10 @@ or interleaved by head, is not in the module tree), a projection that is
 not ``nn.Linear`` (or GPT-2's ``Conv1D``), parameters inside the attention
 or between the MLP's projections that would see this rank's heads or
 features only (a relative-position bias per head, a per-head norm), and
-per-head parameters anywhere else (BEiT's relative-position biases).
+per-head parameters anywhere else (BEiT's relative-position biases), and
+blocks that rebuild their attention from the config while running
+(BigBird's ``set_attention_type``, which swaps block-sparse attention for
+full attention on a short sequence with the config's whole head count).
 """
 
 from __future__ import annotations
@@ -281,6 +284,25 @@ def _check_no_per_head_parameters(
                 )
 
 
+# Methods by which a block replaces its attention module while the model
+# runs, building the new one from the config (whose head count is the
+# whole model's): the split head count would be lost.
+_REBUILDS = ("set_attention_type",)
+
+
+def _check_not_rebuilt(modules: dict[str, nn.Module], refuse: _Refusal, where: str) -> None:
+    for path, module in modules.items():
+        for method in _REBUILDS:
+            if callable(getattr(module, method, None)):
+                raise refuse(
+                    f"{'.'.join([where, '0', path]).rstrip('.')} ({type(module).__name__}) has "
+                    f"{method}(), by which the model replaces its attention while it runs with "
+                    "one built from the config, whose head count is the whole model's, not this "
+                    "rank's",
+                    "train it with data parallelism, ZeRO or a pipeline",
+                )
+
+
 def infer_plan(model: nn.Module, tp_size: int | None = None) -> Policy:
     """The :class:`Policy` inferred from ``model``'s module tree (see the
     module docstring). Raises ``ValueError`` naming what pc expected and
@@ -310,6 +332,7 @@ def infer_plan(model: nn.Module, tp_size: int | None = None) -> Policy:
         if _layout(other) != layout:
             raise refuse(f"{where}.{index} differs from {where}.0 in its modules or shapes")
     modules = dict(blocks[0].named_modules())
+    _check_not_rebuilt(modules, refuse, where)
     attention, qkv = _find_attention(blocks[0], refuse, where)
     out, scope = _find_output(blocks[0], attention, refuse, where)
     ups, down = _find_mlp(modules, scope, refuse, where)
