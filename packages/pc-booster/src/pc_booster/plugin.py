@@ -110,6 +110,30 @@ def _model_dtype(model: nn.Module) -> torch.dtype | None:
     return None
 
 
+# [Note: whole-tensor optimizers]
+# An optimizer class may declare ``needs_whole_tensors = True`` (a class
+# attribute; pc-compat's Lamb and Lars do): its step reads a norm of each
+# whole parameter, so over a ZeRO / Gemini / FSDP shard or a tensor-parallel
+# piece it would compute a different update without any error. Plugins
+# whose optimizer steps whole tensors say so (``steps_whole_tensors``);
+# the others refuse such an optimizer at boost.
+
+
+def _refuse_whole_tensor_optimizer(plugin: Plugin, optimizer: Optimizer) -> None:
+    if getattr(type(optimizer), "needs_whole_tensors", False) is not True:
+        return
+    if plugin.steps_whole_tensors:
+        return
+    raise ValueError(
+        f"{type(optimizer).__name__} computes a norm of each whole parameter (its per-tensor "
+        f"trust ratio), but {type(plugin).__name__} as configured steps shards of the "
+        "parameters (ZeRO, Gemini, FSDP or tensor parallelism), where that norm would be a "
+        "shard's and the update silently different. Fix: train it with TorchDDPPlugin, "
+        "DDPPlugin or HybridParallelPlugin(tp_size=1, zero_stage=0) (pipelines and sequence "
+        "parallelism keep whole tensors), or use an element-wise optimizer (AdamW, SGD) here."
+    )
+
+
 def _refuse_meta(model: nn.Module, plugin: str) -> None:
     """A model on the meta device holds no values to train from."""
     from pc_chunk import is_lazy
@@ -173,6 +197,14 @@ class Plugin(ABC):
     # Whether a model built on the meta device is materialised and
     # initialised by the plugin (FSDP2's own init pattern), not refused.
     initialises_meta: bool = False
+
+    @property
+    def steps_whole_tensors(self) -> bool:
+        """Whether the optimizer steps each parameter whole (no ZeRO,
+        Gemini, FSDP or tensor-parallel shard): what an optimizer with a
+        per-tensor norm (LAMB's and LARS's trust ratio) needs
+        [Note: whole-tensor optimizers]."""
+        return False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """A plugin naming its ``OPTIONS`` registers itself as what they
@@ -306,6 +338,7 @@ class Plugin(ABC):
             **_model_facts(model),
         )
         if optimizer is not None:
+            _refuse_whole_tensor_optimizer(self, optimizer)
             own = {id(p) for p in model.parameters()}
             if any(id(p) not in own for g in optimizer.param_groups for p in g["params"]):
                 raise ValueError(

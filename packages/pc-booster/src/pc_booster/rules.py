@@ -365,6 +365,11 @@ def rules_markdown(configs: Sequence[type[PluginConfig]]) -> str:
         "here trains with the same losses and parameters as single-process training",
         "(the plugin matrix test).",
         "",
+        "Every plugin but TorchDDPPlugin, DDPPlugin and HybridParallelPlugin with",
+        "`tp_size=1, zero_stage=0` steps shards of the parameters, and refuses at `boost` an",
+        "optimizer whose class declares `needs_whole_tensors = True` (pc-compat's `Lamb` and",
+        "`Lars`, whose trust ratio is a norm of each whole parameter).",
+        "",
     ]
     for config in configs:
         plugin = config.__name__.removesuffix("Options") + "Plugin"

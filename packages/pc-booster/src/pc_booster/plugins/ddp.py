@@ -146,6 +146,10 @@ class DDPOptions(PluginConfig, LossScaleOptions):
 class _DataParallel(Plugin, SupportsNoSync):
     options: TorchDDPOptions | DDPOptions
 
+    @property
+    def steps_whole_tensors(self) -> bool:
+        return True
+
     def _wrap(self, model: nn.Module) -> nn.Module:
         raise NotImplementedError
 

@@ -113,6 +113,10 @@ class HybridParallelPlugin(Plugin, SupportsNoSync, SupportsPipeline):
         return self.options.zero_stage
 
     @property
+    def steps_whole_tensors(self) -> bool:
+        return self.zero_stage == 0 and self.options.tp_size == 1
+
+    @property
     def layout(self) -> ParallelLayout:
         if self._layout is None:
             require_initialized("HybridParallelPlugin")

@@ -1,7 +1,8 @@
 """``colossalai.nn.optimizer``: ``HybridAdam`` and ``CPUAdam`` (pc-offload's
 fp32-master Adam), ``FusedAdam`` and ``FusedSGD`` (torch's Adam / AdamW and
-SGD, which run fused or foreach kernels where torch has them), and the
-layer-wise and distributed optimizers refused with the reason."""
+SGD, which run fused or foreach kernels where torch has them), the
+layer-wise ``Lamb`` and ``Lars`` (:mod:`.layerwise`), and ``FusedLAMB`` and
+the distributed optimizers refused with the reason."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any
 import torch
 from torch.optim.optimizer import required
 
+from pc_compat.colossalai.nn.optimizer.layerwise import Lamb, Lars
 from pc_compat.surface import refused_class
 from pc_offload import CPUAdam as _CPUAdam
 from pc_offload import HybridAdam as _HybridAdam
@@ -163,14 +165,13 @@ class FusedSGD(torch.optim.SGD):
                          weight_decay=weight_decay, nesterov=nesterov)  # fmt: skip
 
 
-_LAYERWISE = (
-    "pc has no implementation of this layer-wise optimizer yet; its per-tensor trust ratio "
-    "would also need whole tensors, which ZeRO and Gemini shard. Use torch.optim.AdamW or "
-    "HybridAdam"
+FusedLAMB = refused_class(
+    _MODULE,
+    "FusedLAMB",
+    "pc has no counterpart of apex's fused LAMB kernel (decoupled decay, a clip by the global "
+    "gradient norm inside the step). Use Lamb(bias_correction=True) from this module, with "
+    "booster.clip_grad_by_norm for the clip.",
 )
-Lamb = refused_class(_MODULE, "Lamb", _LAYERWISE + ".")
-Lars = refused_class(_MODULE, "Lars", _LAYERWISE + ", or torch.optim.SGD.")
-FusedLAMB = refused_class(_MODULE, "FusedLAMB", _LAYERWISE + ".")
 _DISTRIBUTED = (
     "Colossal-AI's optimizer for tensor-parallel and ZeRO shards; pc has no counterpart yet. "
     "Use torch.optim.AdamW or HybridAdam under any plugin"
