@@ -1,5 +1,5 @@
 """``sequence_attention``: one of pc's sequence-parallel attentions chosen by
-its Colossal-AI mode name, above both (:mod:`pc_tensor.ulysses` for
+its mode name (the names: docs/migrate-colossalai.md), above both (:mod:`pc_tensor.ulysses` for
 ``"all_to_all"``, :mod:`pc_tensor.ring` for ``"ring_attn"``), which share
 :mod:`pc_tensor.sequence` below them."""
 
