@@ -19,6 +19,14 @@ from pc_tensor.comm import (
     split_to_tp,
     sync_replicated_grads,
 )
+from pc_tensor.experts import (
+    ExpertShard,
+    expert_parameters,
+    expert_shard,
+    find_experts,
+    is_expert_parameter,
+    shard_experts,
+)
 from pc_tensor.inferred import infer_plan, policy_or_inferred
 from pc_tensor.layers import (
     ColumnParallelLinear,
@@ -52,12 +60,16 @@ __version__ = "0.1.0"
 __all__ = [
     "POLICIES",
     "ColumnParallelLinear",
+    "ExpertShard",
     "Policy",
     "RowParallelLinear",
     "ShardInfo",
     "ShardSpec",
     "VocabParallelEmbedding",
     "copy_to_tp",
+    "expert_parameters",
+    "expert_shard",
+    "find_experts",
     "full_shape",
     "full_state_dict",
     "gather_from_tp",
@@ -66,6 +78,7 @@ __all__ = [
     "has_plan",
     "heads_to_sequence",
     "infer_plan",
+    "is_expert_parameter",
     "load_full_state_dict",
     "place_local_box",
     "plan_policy",
@@ -79,6 +92,7 @@ __all__ = [
     "sequence_lm_loss",
     "sequence_positions",
     "sequence_to_heads",
+    "shard_experts",
     "shard_info",
     "shard_model",
     "shard_tensor",
