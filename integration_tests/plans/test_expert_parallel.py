@@ -165,9 +165,63 @@ def check_refusals() -> None:
         shard_experts(dense)
 
 
+def check_booster(name: str, zero: int, kind: str, precision: str = "fp32") -> None:
+    """HybridParallelPlugin(ep_size=2) at world 2 (ep 2) or 4 (ep 2 x dp 2):
+    the same losses and parameters as single-process training of the
+    global batch (each rank's batch a 1/world share)."""
+    from pc_booster import Booster, HybridParallelPlugin
+
+    rtol, atol = TOLERANCES[kind] if precision == "fp32" else (2e-2, 2e-2)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    reference = _model(name)
+    optimizer = _optimizer(kind, reference.parameters())
+    want = []
+    for step in range(STEPS):
+        parts = [_loss_in(reference, part, precision) for part in _batch(step).chunk(world)]
+        loss = torch.stack(parts).mean()
+        loss.backward()  # type: ignore[no-untyped-call]
+        optimizer.step()
+        optimizer.zero_grad()
+        want.append(loss.item())
+    plugin = HybridParallelPlugin(ep_size=2, zero_stage=zero, precision=precision)
+    booster = Booster(plugin=plugin)
+    model = _model(name)
+    model, opt, *_ = booster.boost(model, _optimizer(kind, model.parameters()))
+    assert plugin.ep_group is not None
+    losses = []
+    for step in range(STEPS):
+        loss = _loss(model, _batch(step).chunk(world)[rank])
+        booster.backward(loss, opt)
+        opt.step()
+        opt.zero_grad()
+        whole = loss.detach().float().clone()
+        dist.all_reduce(whole)
+        losses.append(whole.item() / world)
+    assert losses == pytest.approx(want, rel=rtol, abs=atol), (losses, want)
+    theirs = dict(reference.named_parameters())
+    inner = model.module if hasattr(model, "module") else model
+    ep_rank = dist.get_rank(plugin.ep_group)
+    for key, param in inner.named_parameters():
+        expected = theirs[key].detach()
+        if is_expert_parameter(param):
+            local = param.shape[0]
+            expected = expected[ep_rank * local : (ep_rank + 1) * local]
+        torch.testing.assert_close(param.detach().float(), expected, rtol=rtol, atol=atol)
+
+
+def _loss_in(model: nn.Module, ids: torch.Tensor, precision: str) -> torch.Tensor:
+    if precision == "bf16":
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return _loss(model, ids).float()
+    return _loss(model, ids)
+
+
 def check_case(case: str) -> None:
     kind, _, name = case.partition(":")
-    if kind == "capacity":
+    if kind.startswith("booster"):
+        _, zero, optimizer, precision = kind.split("-")
+        check_booster(name, int(zero), optimizer, precision)
+    elif kind == "capacity":
         check_capacity(name)
     elif kind == "refusals":
         check_refusals()
@@ -182,8 +236,24 @@ CASES = [
     "adamw64:qwen2_moe",
     "capacity:olmoe",
     "refusals:",
+    "booster-0-sgd-fp32:mixtral",
+    "booster-1-sgd-fp32:qwen2_moe",
+    "booster-2-sgd-fp32:olmoe",
+    "booster-2-adamw-fp32:qwen3_moe",
+    "booster-0-sgd-bf16:mixtral",
+    "booster-2-sgd-bf16:qwen2_moe",
+]
+# ep 2 x dp 2: each expert on two ranks, its gradient averaged over them.
+WORLD4 = [
+    "booster-0-sgd-fp32:mixtral",
+    "booster-1-sgd-fp32:ernie4_5_moe",
+    "booster-2-adamw-fp32:granitemoeshared",
 ]
 
 
 def test_expert_parallel_matches_single_process() -> None:
     run_subtests(check_case, 2, {"case": CASES}, timeout=280)
+
+
+def test_expert_parallel_with_data_parallel_matches_single_process() -> None:
+    run_subtests(check_case, 4, {"case": WORLD4}, timeout=280)

@@ -30,7 +30,7 @@ once, and becomes a view again.
 from __future__ import annotations
 
 import platform
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -287,7 +287,9 @@ class DistributedDataParallel(nn.Module):
     is an error unless ``find_unused_parameters=True``. With
     ``gradient_as_bucket_view`` (default True, unlike torch) gradients are
     views into the buckets, which saves two copies per step; pass False to
-    keep separate gradient tensors.
+    keep separate gradient tensors. ``ignored_parameters`` are neither
+    synchronised from rank 0 nor reduced (parameters that differ by rank on
+    purpose: expert-parallel shards, whose gradients another group owns).
     """
 
     def __init__(
@@ -300,6 +302,7 @@ class DistributedDataParallel(nn.Module):
         find_unused_parameters: bool = False,
         broadcast_buffers: bool = True,
         gradient_as_bucket_view: bool = True,
+        ignored_parameters: Iterable[nn.Parameter] = (),
     ) -> None:
         super().__init__()
         if bucket_cap_mb <= 0:
@@ -315,10 +318,12 @@ class DistributedDataParallel(nn.Module):
         )
         self.broadcast_buffers = broadcast_buffers
         names = {p: n for n, p in module.named_parameters()}
-        params = [p for p in module.parameters() if p.requires_grad]
+        ignored = {id(p) for p in ignored_parameters}
+        kept = [p for p in module.parameters() if id(p) not in ignored]
+        params = [p for p in kept if p.requires_grad]
         if not params:
             raise ValueError("module has no parameter that requires a gradient.")
-        self._sync_from_rank0(list(module.parameters()) + list(module.buffers()))
+        self._sync_from_rank0(kept + list(module.buffers()))
         self.reducer = Reducer(
             params,
             names,

@@ -113,6 +113,15 @@ class HybridParallelPlugin(Plugin, SupportsNoSync, SupportsPipeline):
         return self.options.zero_stage
 
     @property
+    def ep_size(self) -> int:
+        return self.options.ep_size
+
+    @property
+    def ep_group(self) -> dist.ProcessGroup | None:
+        """The ranks that split each MoE block's experts (None: ep_size 1)."""
+        return self.layout.ep_group
+
+    @property
     def steps_whole_tensors(self) -> bool:
         return self.zero_stage == 0 and self.options.tp_size == 1
 
@@ -120,7 +129,9 @@ class HybridParallelPlugin(Plugin, SupportsNoSync, SupportsPipeline):
     def layout(self) -> ParallelLayout:
         if self._layout is None:
             require_initialized("HybridParallelPlugin")
-            self._layout = ParallelLayout.build(tp=self.tp_size, pp=self.pp_size, sp=self.sp_size)
+            self._layout = ParallelLayout.build(
+                tp=self.tp_size, pp=self.pp_size, sp=self.sp_size, ep=self.ep_size
+            )
         return self._layout
 
     @property
@@ -171,6 +182,8 @@ class HybridParallelPlugin(Plugin, SupportsNoSync, SupportsPipeline):
             if precision is not TrainPrecision.FP32:  # an fp32 batch into a half model
                 cast_floating_inputs(model, precision.dtype)
         wrapped: nn.Module = model
+        if self.ep_size > 1:
+            return self._configure_experts(request, model, names, built)
         if optimizer is not None:
             optimizer = rebuild_optimizer(optimizer, names, dict(model.named_parameters()))
         if self.zero_stage:
@@ -184,6 +197,54 @@ class HybridParallelPlugin(Plugin, SupportsNoSync, SupportsPipeline):
         step_policy = self.step_policy(precision)
         if self.tp_size > 1 and not self.options.parallel_output:
             model.register_forward_hook(_full_logits)
+        return request.boosted(wrapped, optimizer, module=model, step_policy=step_policy)
+
+    def _configure_experts(
+        self,
+        request: BoostRequest,
+        model: nn.Module,
+        names: dict[int, str],
+        built: dict[int, torch.Tensor],
+    ) -> Boosted:
+        """Expert parallelism [Note: expert-parallel optimizer]: the model
+        placed with its experts split over the ep group (``_place``), dense
+        gradients averaged over the data-parallel ranks (DDP ignoring the
+        experts, or ZeRO over the dense parameters), expert gradients over
+        the expert-data-parallel ranks (by the optimizer, or ZeRO over
+        them)."""
+        from pc_booster.plugins.experts import ExpertParallelOptimizer, split_optimizer
+        from pc_tensor import is_expert_parameter
+
+        layout = self.layout
+        experts = [p for p in model.parameters() if is_expert_parameter(p)]
+        wrapped: nn.Module = model
+        if not self.zero_stage and dist.get_world_size(layout.dp_group) > 1:
+            from pc_comm import DistributedDataParallel
+
+            o = self.options
+            wrapped = DistributedDataParallel(
+                model,
+                process_group=layout.dp_group,
+                bucket_cap_mb=o.ddp_bucket_cap_mb,
+                find_unused_parameters=o.find_unused_parameters,
+                gradient_as_bucket_view=o.gradient_as_bucket_view,
+                broadcast_buffers=o.broadcast_buffers,
+                ignored_parameters=experts,
+            )
+        optimizer: Optimizer | None = None
+        if request.optimizer is not None:
+            dense, expert = split_optimizer(request.optimizer, names, model, is_expert_parameter)
+            average_over = layout.expert_data_group
+            if self.zero_stage:
+                dense = self.zero_optimizer(dense)
+                expert = self.zero_optimizer(expert, group=layout.expert_data_group)
+                for zero in (dense, expert):
+                    masters_from_built(model, zero, built)
+                average_over = None  # ZeRO averages the experts' gradients itself
+            optimizer = ExpertParallelOptimizer(dense, expert, average_over)
+        elif self.zero_stage:
+            raise ValueError("zero_stage > 0 shards an optimizer: pass one to boost().")
+        step_policy = GradientStep("HybridParallelPlugin")
         return request.boosted(wrapped, optimizer, module=model, step_policy=step_policy)
 
     def _place(self, model: nn.Module) -> nn.Module:
@@ -208,6 +269,10 @@ class HybridParallelPlugin(Plugin, SupportsNoSync, SupportsPipeline):
             broadcast_module(model)
             if self.tp_size > 1:
                 shard_model(model, layout.tp_group, sequence_parallel=self.options.megatron_sp())
+        if self.ep_size > 1:  # every rank holds the same values here
+            from pc_tensor import shard_experts
+
+            shard_experts(model, layout.ep_group)
         if self.sp_size > 1:  # gradients averaged over dp x sp, so scaled by sp
             from pc_tensor import ring_model, ulysses_model
 
@@ -266,9 +331,15 @@ class HybridParallelPlugin(Plugin, SupportsNoSync, SupportsPipeline):
             groups.append(self.layout.pp_group)
         return groups
 
-    def zero_optimizer(self, optimizer: Optimizer, names: dict[int, str] | None = None) -> Any:
-        """ZeRO over the data-parallel ranks, clipping by (and deciding fp16
-        overflow on) the norm over the tensor and pipeline ranks too."""
+    def zero_optimizer(
+        self,
+        optimizer: Optimizer,
+        names: dict[int, str] | None = None,
+        group: dist.ProcessGroup | None = None,
+    ) -> Any:
+        """ZeRO over the data-parallel ranks (or ``group``: the expert-data-
+        parallel ones), clipping by (and deciding fp16 overflow on) the norm
+        over the tensor and pipeline ranks too."""
         from pc_zero import LowLevelZeroOptimizer
 
         o = self.options
@@ -276,7 +347,7 @@ class HybridParallelPlugin(Plugin, SupportsNoSync, SupportsPipeline):
         return LowLevelZeroOptimizer(
             optimizer,
             stage=o.zero_stage,
-            dp_process_group=self.layout.dp_group,
+            dp_process_group=group or self.layout.dp_group,
             model_parallel_groups=self.norm_groups(),
             counts_toward_norm=lambda p: self.counts_toward_norm(p, by_id.get(id(p))),
             max_norm=o.max_norm,

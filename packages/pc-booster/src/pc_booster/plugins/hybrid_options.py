@@ -221,6 +221,35 @@ def _sp_mode(o: HybridParallelOptions, setting: RunSetting) -> str | None:
     return None
 
 
+def _expert_parallel(o: HybridParallelOptions, setting: RunSetting) -> str | None:
+    if o.ep_size < 1:
+        return f"ep_size must be at least 1, got {o.ep_size}."
+    if o.ep_size == 1:
+        return None
+    if setting.world is not None and (setting.world // max(o.model_parallel(), 1)) % o.ep_size:
+        dp = setting.world // max(o.model_parallel(), 1)
+        return (
+            f"ep_size={o.ep_size} must divide the {dp} data-parallel ranks (world "
+            f"{setting.world} / tp {o.tp_size} / pp {o.pp_size}); choose an ep_size that does."
+        )
+    # Combinations whose expert parallelism pc does not have yet.
+    later = [
+        ("pp_size > 1", o.pp_size > 1),
+        ("tp_size > 1", o.tp_size > 1),
+        ("sequence parallelism", o.enable_sequence_parallelism),
+        ("max_norm > 0 (clipping)", o.max_norm > 0),
+        ("fp16", setting.precision is TrainPrecision.FP16),
+    ]
+    named = [name for name, given in later if given]
+    if named:
+        return (
+            f"ep_size={o.ep_size} with {' and '.join(named)}: pc's expert parallelism does not "
+            "combine with it yet. Use ep_size with data parallelism and zero_stage 0, 1 or 2 in "
+            "fp32 or bf16 without clipping, or ep_size=1 (experts replicated) for this layout."
+        )
+    return None
+
+
 def _refused_extras(o: HybridParallelOptions, setting: RunSetting) -> str | None:
     if o.cpu_offload and o.zero_stage == 0:
         return "cpu_offload offloads ZeRO's masters and moments: set zero_stage=1 or 2."
@@ -318,6 +347,12 @@ class HybridParallelOptions(PluginConfig, LossScaleOptions):
             ),
         ),
         Rule(
+            "ep_size not dividing the data-parallel ranks, or with pipelines, tensor or "
+            "sequence parallelism, clipping or fp16 (not yet)",
+            _expert_parallel,
+            ({"ep_size": 2, "pp_size": 2}, RunSetting()),
+        ),
+        Rule(
             "ZeRO's options without ZeRO, DDP's with it, or parallel_output=False with pipelines",
             _refused_extras,
             ({"cpu_offload": True, "zero_stage": 0}, RunSetting()),
@@ -327,6 +362,9 @@ class HybridParallelOptions(PluginConfig, LossScaleOptions):
     tp_size: int = 1
     pp_size: int = 1
     zero_stage: int = 0
+    # Experts of each MoE block split over ep_size data-parallel ranks
+    # (pc_tensor.shard_experts); 1: every rank holds every expert.
+    ep_size: int = 1
     num_microbatches: int | None = None
     pp_style: str = "1f1b"
     enable_sequence_parallelism: bool = False
@@ -377,7 +415,8 @@ class HybridParallelOptions(PluginConfig, LossScaleOptions):
 
     def describe(self) -> str:
         sp = " sp" if self.enable_sequence_parallelism else ""
-        return f"hybrid tp{self.tp_size} pp{self.pp_size} zero{self.zero_stage}{sp}"
+        ep = f" ep{self.ep_size}" if self.ep_size > 1 else ""
+        return f"hybrid tp{self.tp_size} pp{self.pp_size} zero{self.zero_stage}{sp}{ep}"
 
     def model_states(self, psi: float, dp: int, precision: TrainPrecision) -> StateBytes:
         return zero_states(

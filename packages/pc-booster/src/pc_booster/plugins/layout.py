@@ -30,11 +30,20 @@ class ParallelLayout:
     sp: int = 1
     sp_group: dist.ProcessGroup | None = None
     data_group: dist.ProcessGroup | None = None
+    # Expert parallelism: the data-parallel ranks split in blocks of ep
+    # consecutive ranks, each block holding every expert once (ep_group);
+    # the ranks at the same place in each block hold the same experts and
+    # average their gradients (expert_data_group).
+    ep: int = 1
+    ep_group: dist.ProcessGroup | None = None
+    expert_data_group: dist.ProcessGroup | None = None
 
     @staticmethod
-    def build(tp: int = 1, pp: int = 1, sp: int = 1) -> ParallelLayout:
+    def build(tp: int = 1, pp: int = 1, sp: int = 1, ep: int = 1) -> ParallelLayout:
         """Collective over the default group: every rank calls it with the same sizes."""
-        layout = ParallelLayout(make_subgroups(pp_size=pp, tp_size=tp), sp=sp)
+        layout = ParallelLayout(make_subgroups(pp_size=pp, tp_size=tp), sp=sp, ep=ep)
+        if ep > 1:
+            layout._expert_groups(ep)
         if sp > 1:
             if layout.dims.dp % sp:
                 raise ValueError(
@@ -54,6 +63,25 @@ class ParallelLayout:
                     if me in across:
                         layout.data_group = group
         return layout
+
+    def _expert_groups(self, ep: int) -> None:
+        if self.dims.dp % ep:
+            raise ValueError(
+                f"ep_size={ep} must divide the {self.dims.dp} data-parallel ranks of each model "
+                f"replica (world {self.dims.world_size} / tp {self.dims.tp} / pp {self.dims.pp})."
+            )
+        me = dist.get_rank()
+        for ranks in self.dims.groups("dp"):  # every rank makes every group, in order
+            for start in range(0, len(ranks), ep):
+                block = tuple(ranks[start : start + ep])
+                group = self.group_over(block)
+                if me in block:
+                    self.ep_group = group
+            for offset in range(ep):
+                across = tuple(ranks[offset::ep])
+                group = self.group_over(across)
+                if me in across:
+                    self.expert_data_group = group
 
     @property
     def dims(self) -> ParallelDims:
