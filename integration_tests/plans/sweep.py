@@ -45,8 +45,11 @@ STEPS, LR, BATCH, LABELS = 3, 0.1, 4, 3
 RTOL, ATOL = 1e-4, 1e-5
 # tp: tensor parallelism 2; sp: with sequence parallelism; pp: a 2-stage
 # 1F1B pipeline; cls: tp 2 and pp 2 with the family's sequence- and token-
-# classification heads; tp-pp: tp 2 x pp 2 at world 4 (its own group).
-MODES = ("tp", "sp", "pp", "cls")
+# classification heads; tp-pp: tp 2 x pp 2 at world 4 (its own group);
+# ep: expert parallelism 2 (mixture-of-experts families, the router's
+# auxiliary loss on).
+MODES = ("tp", "sp", "pp", "cls", "ep")
+MOE: dict[str, Any] = {"output_router_logits": True, "router_aux_loss_coef": 0.1}
 
 
 class Refused(Exception):  # noqa: N818  (a result, not an error)
@@ -162,6 +165,50 @@ def check_pp(family: Family, ref: Any, head: str = "causal", tp: int = 1) -> Non
     _compare(f"pp ({head}, tp {tp})" if tp > 1 else f"pp ({head})", losses, state, ref)
 
 
+def check_ep(family: Family) -> None:
+    """The experts split over 2 ranks (``pc_tensor.shard_experts``), every
+    rank given the whole batch: dense gradients are then the single
+    process's on each rank, and each expert's, summed over both ranks'
+    tokens and divided by ep, too; the expert rows gathered for the
+    comparison."""
+    from pc_tensor import (
+        ShardSpec,
+        find_experts,
+        is_expert_parameter,
+        shard_experts,
+        unshard_tensor,
+    )
+
+    probe = build(family, **MOE)
+    try:
+        if not find_experts(probe):
+            raise Skip("not a mixture-of-experts model (no experts module)")
+    except ValueError as error:
+        raise Refused(str(error)) from None
+    ref = _reference_with(family, MOE)
+    model = build(family, **MOE)
+    try:
+        shard_experts(model)
+    except ValueError as error:
+        raise Refused(str(error)) from None
+    losses = _train(model, "causal")
+    world = dist.group.WORLD
+    assert world is not None
+    state = {k: v.detach() for k, v in model.state_dict().items()}
+    for name, param in model.named_parameters():
+        if is_expert_parameter(param):
+            state[name] = unshard_tensor(param.detach(), ShardSpec(dim=0), world)
+    _compare("ep", losses, state, ref)
+
+
+def _reference_with(
+    family: Family, overrides: dict[str, Any]
+) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+    model = build(family, **overrides)
+    losses = _train(model, "causal")
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
 def check_classification(family: Family) -> str:
     """tp 2 and pp 2 with each classification head the family has."""
     done = []
@@ -201,9 +248,11 @@ def _run_family(family: Family, modes: tuple[str, ...]) -> dict[str, str]:
         for mode in modes:
             try:
                 result[mode] = "pass"
-                if mode in ("pp", "tp-pp") and head == "base":
+                if mode in ("pp", "tp-pp", "ep") and head == "base":
                     raise Skip("no causal-LM class; its base model was trained under tp")
-                if mode == "pp":
+                if mode == "ep":
+                    check_ep(family)
+                elif mode == "pp":
                     check_pp(family, ref)
                 elif mode == "cls":
                     result[mode] = check_classification(family)

@@ -165,11 +165,17 @@ def check_refusals() -> None:
         shard_experts(dense)
 
 
-def check_booster(name: str, zero: int, kind: str, precision: str = "fp32") -> None:
+def check_booster(
+    name: str, zero: int, kind: str, precision: str = "fp32", edge: bool = False
+) -> None:
     """HybridParallelPlugin(ep_size=2) at world 2 (ep 2) or 4 (ep 2 x dp 2):
     the same losses and parameters as single-process training of the
-    global batch (each rank's batch a 1/world share)."""
+    global batch (each rank's batch a 1/world share). ``edge``: through
+    Colossal-AI's call shape, MoeHybridParallelPlugin(tp_size, pp_size,
+    ep_size, ...) at the compatibility edge."""
     from pc_booster import Booster, HybridParallelPlugin
+    from pc_compat.colossalai.booster import Booster as EdgeBooster
+    from pc_compat.colossalai.booster.plugin import MoeHybridParallelPlugin
 
     rtol, atol = TOLERANCES[kind] if precision == "fp32" else (2e-2, 2e-2)
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -183,8 +189,13 @@ def check_booster(name: str, zero: int, kind: str, precision: str = "fp32") -> N
         optimizer.step()
         optimizer.zero_grad()
         want.append(loss.item())
-    plugin = HybridParallelPlugin(ep_size=2, zero_stage=zero, precision=precision)
-    booster = Booster(plugin=plugin)
+    plugin: HybridParallelPlugin
+    if edge:
+        plugin = MoeHybridParallelPlugin(1, 1, 2, zero_stage=zero, precision=precision)
+        booster: Booster = EdgeBooster(plugin=plugin)
+    else:
+        plugin = HybridParallelPlugin(ep_size=2, zero_stage=zero, precision=precision)
+        booster = Booster(plugin=plugin)
     model = _model(name)
     model, opt, *_ = booster.boost(model, _optimizer(kind, model.parameters()))
     assert plugin.ep_group is not None
@@ -209,6 +220,53 @@ def check_booster(name: str, zero: int, kind: str, precision: str = "fp32") -> N
         torch.testing.assert_close(param.detach().float(), expected, rtol=rtol, atol=atol)
 
 
+def _boosted(name: str, ep: int, zero: int) -> tuple[Any, nn.Module, torch.optim.Optimizer]:
+    from pc_booster import Booster, HybridParallelPlugin
+
+    booster = Booster(plugin=HybridParallelPlugin(ep_size=ep, zero_stage=zero, precision="fp32"))
+    model = _model(name)
+    model, opt, *_ = booster.boost(model, _optimizer("adamw", model.parameters()))
+    return booster, model, opt
+
+
+def _steps(booster: Any, model: nn.Module, opt: torch.optim.Optimizer, first: int) -> list[float]:
+    world, rank = dist.get_world_size(), dist.get_rank()
+    losses = []
+    for step in range(first, first + 2):
+        loss = _loss(model, _batch(step).chunk(world)[rank])
+        booster.backward(loss, opt)
+        opt.step()
+        opt.zero_grad()
+        whole = loss.detach().clone()
+        dist.all_reduce(whole)
+        losses.append(whole.item() / world)
+    return losses
+
+
+def check_checkpoint(name: str, zero: int, root: str, saved_ep: int, loads: list[int]) -> None:
+    """Saved at ``saved_ep``, sharded (DCP) and as single files, model and
+    optimizer: training goes on bitwise at the same ep, and at rtol 1e-5 at
+    each of ``loads`` (1: experts replicated, no expert parallelism)."""
+    path = Path(root) / f"{name}-{zero}-{saved_ep}"
+    booster, model, opt = _boosted(name, saved_ep, zero)
+    _steps(booster, model, opt, 0)
+    booster.save_model(model, path / "model", shard=True)
+    booster.save_optimizer(opt, path / "optim", shard=True)
+    booster.save_model(model, path / "single")
+    booster.save_optimizer(opt, path / "single-optim.pt")
+    want = _steps(booster, model, opt, 2)
+    for ep in [saved_ep, *loads]:
+        for model_path, optim_path in (("model", "optim"), ("single", "single-optim.pt")):
+            booster, model, opt = _boosted(name, ep, zero)
+            booster.load_model(model, path / model_path)
+            booster.load_optimizer(opt, path / optim_path)
+            got = _steps(booster, model, opt, 2)
+            if ep == saved_ep:
+                assert got == want, (ep, model_path, got, want)
+            else:
+                assert got == pytest.approx(want, rel=1e-5, abs=1e-6), (ep, model_path, got, want)
+
+
 def _loss_in(model: nn.Module, ids: torch.Tensor, precision: str) -> torch.Tensor:
     if precision == "bf16":
         with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -218,9 +276,12 @@ def _loss_in(model: nn.Module, ids: torch.Tensor, precision: str) -> torch.Tenso
 
 def check_case(case: str) -> None:
     kind, _, name = case.partition(":")
-    if kind.startswith("booster"):
-        _, zero, optimizer, precision = kind.split("-")
-        check_booster(name, int(zero), optimizer, precision)
+    if kind.startswith("checkpoint"):
+        _, zero, saved, *loads = kind.split("-")
+        check_checkpoint(name, int(zero), ROOT, int(saved), [int(x) for x in loads])
+    elif kind.startswith(("booster", "edge")):
+        where, zero, optimizer, precision = kind.split("-")
+        check_booster(name, int(zero), optimizer, precision, edge=where == "edge")
     elif kind == "capacity":
         check_capacity(name)
     elif kind == "refusals":
@@ -242,18 +303,31 @@ CASES = [
     "booster-2-adamw-fp32:qwen3_moe",
     "booster-0-sgd-bf16:mixtral",
     "booster-2-sgd-bf16:qwen2_moe",
+    "edge-1-sgd-fp32:olmoe",
+    "checkpoint-0-2-1:mixtral",
+    "checkpoint-2-2-1:qwen2_moe",
 ]
 # ep 2 x dp 2: each expert on two ranks, its gradient averaged over them.
 WORLD4 = [
     "booster-0-sgd-fp32:mixtral",
     "booster-1-sgd-fp32:ernie4_5_moe",
     "booster-2-adamw-fp32:granitemoeshared",
+    "checkpoint-1-2-1-4:mixtral",
 ]
 
 
-def test_expert_parallel_matches_single_process() -> None:
-    run_subtests(check_case, 2, {"case": CASES}, timeout=280)
+ROOT = ""  # the test's temporary directory, set in the ranks by run_subtests' args
 
 
-def test_expert_parallel_with_data_parallel_matches_single_process() -> None:
-    run_subtests(check_case, 4, {"case": WORLD4}, timeout=280)
+def _with_root(root: str, case: str) -> None:
+    global ROOT
+    ROOT = root
+    check_case(case)
+
+
+def test_expert_parallel_matches_single_process(tmp_path: Path) -> None:
+    run_subtests(_with_root, 2, {"case": CASES}, args=(str(tmp_path),), timeout=280)
+
+
+def test_expert_parallel_with_data_parallel_matches_single_process(tmp_path: Path) -> None:
+    run_subtests(_with_root, 4, {"case": WORLD4}, args=(str(tmp_path),), timeout=280)

@@ -96,6 +96,10 @@ class ExpertParallelOptimizer(Optimizer):
         else:
             loss.backward()  # type: ignore[no-untyped-call, unused-ignore]
 
+    def parts(self) -> tuple[Optimizer, Optimizer]:
+        """The dense optimizer and the experts'."""
+        return self.dense, self.experts
+
     def expert_parameters(self) -> list[torch.Tensor]:
         return [p for g in self.experts.param_groups for p in g["params"]]
 
@@ -142,11 +146,16 @@ class ExpertParallelOptimizer(Optimizer):
         self.experts.zero_grad(set_to_none=set_to_none)
 
     def state_dict(self) -> dict[str, Any]:
-        raise ValueError(
-            "saving the optimizer of an expert-parallel model (ep_size > 1) is not in pc yet: "
-            "its states live in two optimizers over different groups. Save the model "
-            "(booster.save_model) and train with ep_size=1 where you need optimizer checkpoints."
-        )
+        """This rank's states, per part (``booster.save_optimizer`` writes
+        the canonical form that loads at any ep size)."""
+        return {"dense": self.dense.state_dict(), "experts": self.experts.state_dict()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.state_dict()
+        if set(state_dict) != {"dense", "experts"}:
+            raise ValueError(
+                "an expert-parallel optimizer loads what its state_dict() gave on this rank "
+                f"(keys 'dense' and 'experts'), got keys {sorted(state_dict)[:5]}; for a "
+                "checkpoint from another layout use booster.load_optimizer."
+            )
+        self.dense.load_state_dict(state_dict["dense"])
+        self.experts.load_state_dict(state_dict["experts"])

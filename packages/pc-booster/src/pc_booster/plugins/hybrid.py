@@ -19,7 +19,7 @@ from torch.optim import Optimizer
 
 from pc_booster.canonical import CanonicalOptimizerState, names_by_id, rebuild_optimizer
 from pc_booster.plugin import Boosted, BoostRequest, Plugin, SupportsNoSync, SupportsPipeline
-from pc_booster.plugins import hybrid_pipeline, hybrid_state
+from pc_booster.plugins import hybrid_experts_state, hybrid_pipeline, hybrid_state
 from pc_booster.plugins.common import (
     autocast_forward,
     broadcast_module,
@@ -463,18 +463,26 @@ class HybridParallelPlugin(Plugin, SupportsNoSync, SupportsPipeline):
 
     def sharded_model_state(self, model: nn.Module, loading: bool = False) -> dict[str, Any]:
         boosted = self.boosted(model)
+        if self.ep_size > 1:
+            return hybrid_experts_state.sharded_model_state(self, boosted)
         share = self._share(boosted.module, loading)
         if self.zero_stage:
             return zero_sharded_model_state(boosted.module, sharded(boosted.optimizer), share)
         return whole_state(boosted.module, share)
 
     def after_sharded_model_load(self, model: nn.Module) -> None:
-        if self.zero_stage:
+        if self.ep_size > 1:
+            hybrid_experts_state.after_sharded_model_load(self, self.boosted(model))
+        elif self.zero_stage:
             sharded(self.boosted(model).optimizer).sync_params()
 
     def sharded_optimizer_state(
         self, optimizer: Optimizer, saved: dict[str, dict[str, bool]] | None
     ) -> dict[str, Any]:
+        if self.ep_size > 1:
+            return hybrid_experts_state.sharded_optimizer_state(
+                self, self.boosted(optimizer), saved
+            )
         module = self.boosted(optimizer).module
         share = self._share(module, loading=saved is not None)
         if self.zero_stage:
@@ -498,7 +506,9 @@ class HybridParallelPlugin(Plugin, SupportsNoSync, SupportsPipeline):
 
     def after_sharded_optimizer_load(self, optimizer: Optimizer, state: dict[str, Any]) -> None:
         module = self.boosted(optimizer).module
-        if self.zero_stage:
+        if self.ep_size > 1:
+            hybrid_experts_state.after_sharded_optimizer_load(self, self.boosted(optimizer), state)
+        elif self.zero_stage:
             zero_after_sharded_optimizer_load(module, sharded(optimizer), state)
         else:
             after_own_optimizer_load(module, optimizer, state)
@@ -506,17 +516,27 @@ class HybridParallelPlugin(Plugin, SupportsNoSync, SupportsPipeline):
     # -- canonical state ---------------------------------------------------------------
 
     def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        if self.ep_size > 1:
+            return hybrid_experts_state.model_state_dict(self, self.boosted(model))
         return hybrid_state.model_state_dict(self, model)
 
     def load_model_state_dict(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+        if self.ep_size > 1:
+            hybrid_experts_state.load_model_state_dict(self, self.boosted(model), state)
+            return
         hybrid_state.load_model_state_dict(self, model, state)
 
     def optimizer_state_dict(self, optimizer: Optimizer) -> CanonicalOptimizerState:
+        if self.ep_size > 1:
+            return hybrid_experts_state.optimizer_state_dict(self, self.boosted(optimizer))
         return hybrid_state.optimizer_state_dict(self, optimizer)
 
     def load_optimizer_state_dict(
         self, optimizer: Optimizer, state: CanonicalOptimizerState
     ) -> None:
+        if self.ep_size > 1:
+            hybrid_experts_state.load_optimizer_state_dict(self, self.boosted(optimizer), state)
+            return
         hybrid_state.load_optimizer_state_dict(self, optimizer, state)
 
 

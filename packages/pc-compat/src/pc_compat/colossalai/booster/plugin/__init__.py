@@ -27,11 +27,13 @@ from pc_compat.colossalai.booster.plugin._gemini import (
 from pc_compat.colossalai.booster.plugin._hybrid import (
     HYBRID_HANDLED,
     HYBRID_NO_EFFECT,
+    MOE_HANDLED,
     hybrid_to_pc,
+    moe_hybrid_to_pc,
 )
 from pc_compat.colossalai.booster.plugin._low_level import LOW_LEVEL_HANDLED, low_level_to_pc
 from pc_compat.colossalai.shardformer import GradientCheckpointConfig, enable_recomputation
-from pc_compat.surface import Translation, refused_class
+from pc_compat.surface import Translation
 
 __all__ = [
     "DDPPlugin",
@@ -204,15 +206,36 @@ class HybridParallelPlugin(DPPluginBase, _core.HybridParallelPlugin):
         return super().configure(request)
 
 
-MoeHybridParallelPlugin = refused_class(
-    _MODULE,
-    "MoeHybridParallelPlugin",
-    "pc has no expert parallelism yet, so expert weights cannot be split over an ep group. "
-    "Train the MoE model with HybridParallelPlugin (every expert replicated on every rank, "
-    "ZeRO sharding their optimizer states) or GeminiPlugin until it lands.",
-)
+class MoeHybridParallelPlugin(HybridParallelPlugin):
+    """Colossal-AI's ``MoeHybridParallelPlugin(tp_size, pp_size, ep_size,
+    ...)``: pc's HybridParallelPlugin with ``ep_size`` (the experts of each
+    MoE block split over ep data-parallel ranks, pc_tensor.shard_experts),
+    fp16 by default as the original; ``moe_dp_outside`` is ``dp_outside``'s
+    counterpart (True: pc's layout)."""
 
-_EDGES = (TorchDDPPlugin, TorchFSDPPlugin, LowLevelZeroPlugin, GeminiPlugin, HybridParallelPlugin)
+    TRANSLATION = Translation(
+        _MODULE,
+        "MoeHybridParallelPlugin",
+        no_effect={"overlap_p2p": _OVERLAP, "overlap_allgather": _OVERLAP, **HYBRID_NO_EFFECT},
+        handled={
+            "gradient_checkpoint_config": _checkpoint_config,
+            **dict.fromkeys(MOE_HANDLED, _together),
+        },
+        combine=moe_hybrid_to_pc,
+    )
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:  # its own, for its own signature
+        super().__init__(*args, **kwargs)
+
+
+_EDGES = (
+    TorchDDPPlugin,
+    TorchFSDPPlugin,
+    LowLevelZeroPlugin,
+    GeminiPlugin,
+    HybridParallelPlugin,
+    MoeHybridParallelPlugin,
+)
 for _edge in _EDGES:
     _install(_edge)
 

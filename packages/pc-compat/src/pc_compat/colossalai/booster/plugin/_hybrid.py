@@ -35,7 +35,7 @@ import torch
 
 from pc_compat.colossalai.pipeline.schedule.v_schedule import PcVSchedule
 
-__all__ = ["HYBRID_HANDLED", "HYBRID_NO_EFFECT", "hybrid_to_pc"]
+__all__ = ["HYBRID_HANDLED", "HYBRID_NO_EFFECT", "MOE_HANDLED", "hybrid_to_pc", "moe_hybrid_to_pc"]
 
 HYBRID_NO_EFFECT = {
     "enable_metadata_cache": (
@@ -124,3 +124,26 @@ def hybrid_to_pc(given: Mapping[str, Any], out: dict[str, Any]) -> dict[str, Any
     if given["cpu_offload"] and not given["zero_stage"]:
         out["cpu_offload"] = False  # ZeRO's states: none without ZeRO
     return out
+
+
+# MoeHybridParallelPlugin names dp_outside moe_dp_outside and has no
+# inner_ring_size; the rest is HybridParallelPlugin's.
+MOE_HANDLED = tuple(
+    "moe_dp_outside" if name == "dp_outside" else name
+    for name in HYBRID_HANDLED
+    if name != "inner_ring_size"
+)
+
+
+def moe_hybrid_to_pc(given: Mapping[str, Any], out: dict[str, Any]) -> dict[str, Any]:
+    """pc's HybridParallelPlugin keywords (``ep_size`` among them) from
+    Colossal-AI's MoeHybridParallelPlugin arguments."""
+    renamed = {**given, "dp_outside": given["moe_dp_outside"], "inner_ring_size": None}
+    try:
+        return hybrid_to_pc(renamed, out)
+    except ValueError as error:
+        raise ValueError(
+            str(error)
+            .replace("HybridParallelPlugin:", "MoeHybridParallelPlugin:", 1)
+            .replace("dp_outside", "moe_dp_outside")
+        ) from None

@@ -1,0 +1,251 @@
+"""Checkpoints of an expert-parallel model (``HybridParallelPlugin(ep_size>1)``)
+in the canonical form every plugin reads [Note: sharded canonical state].
+
+Each expert tensor is saved with its whole shape ``[E, ...]``: a rank's
+shard is rows ``[r E/ep, (r+1) E/ep)`` of it (a split along dim 0, placed
+as a tensor-parallel shard is, over the expert-parallel group). So a
+checkpoint saved at one ep size loads at another, and into a plugin
+without expert parallelism, and back. The optimizer is two optimizers
+[Note: expert-parallel optimizer]; their states and groups are saved under
+the same canonical keys as one optimizer's (each group's parameters, dense
+and expert, listed together).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.optim import Optimizer
+
+from pc_booster.canonical import CanonicalOptimizerState
+from pc_booster.plugin import Boosted
+from pc_booster.plugins.common import (
+    device,
+    load_cast,
+    sharded,
+    torch_load_optimizer,
+    torch_optimizer_state,
+)
+from pc_booster.plugins.experts import ExpertParallelOptimizer
+from pc_booster.plugins.low_level_zero import (
+    zero_after_sharded_optimizer_load,
+    zero_load_masters,
+    zero_load_optimizer,
+    zero_masters,
+    zero_optimizer_state,
+    zero_sharded_model_state,
+    zero_sharded_optimizer_state,
+)
+from pc_booster.plugins.sharded import (
+    GROUPS,
+    Share,
+    after_own_optimizer_load,
+    own_optimizer_state,
+    whole_state,
+)
+from pc_booster.wrappers import inner_optimizer
+
+if TYPE_CHECKING:
+    from pc_booster.plugins.hybrid import HybridParallelPlugin
+
+__all__ = [
+    "after_sharded_model_load",
+    "after_sharded_optimizer_load",
+    "load_model_state_dict",
+    "load_optimizer_state_dict",
+    "model_state_dict",
+    "optimizer_state_dict",
+    "sharded_model_state",
+    "sharded_optimizer_state",
+]
+
+
+def _rows() -> Any:
+    from pc_tensor import ShardSpec
+
+    return ShardSpec(dim=0)
+
+
+def _expert_names(module: nn.Module) -> set[str]:
+    from pc_tensor import is_expert_parameter
+
+    return {n for n, p in module.named_parameters() if is_expert_parameter(p)}
+
+
+def _share(plugin: HybridParallelPlugin, module: nn.Module) -> Share:
+    group = plugin.layout.ep_group
+    assert group is not None
+    specs = dict.fromkeys(_expert_names(module), _rows())
+    return Share(None, specs, dist.get_rank(group), dist.get_world_size(group))
+
+
+def _inner(optimizer: Any) -> ExpertParallelOptimizer:
+    inner = inner_optimizer(optimizer)
+    assert isinstance(inner, ExpertParallelOptimizer)
+    return inner
+
+
+def _parts(boosted: Boosted) -> tuple[Optimizer, ...]:
+    return () if boosted.optimizer is None else _inner(boosted.optimizer).parts()
+
+
+def _merge_groups(outs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each group's parameters from every part (the groups correspond)."""
+    first = outs[0][GROUPS]
+    return [
+        {**group, "params": [n for out in outs for n in out[GROUPS][i]["params"]]}
+        for i, group in enumerate(first)
+    ]
+
+
+# -- sharded (DCP) ------------------------------------------------------------------
+
+
+def sharded_model_state(plugin: HybridParallelPlugin, boosted: Boosted) -> dict[str, Any]:
+    module, share = boosted.module, _share(plugin, boosted.module)
+    if not plugin.zero_stage:
+        return whole_state(module, share)
+    out: dict[str, Any] = {}
+    for part in _parts(boosted):
+        out.update(zero_sharded_model_state(module, sharded(part), share))
+    return out
+
+
+def after_sharded_model_load(plugin: HybridParallelPlugin, boosted: Boosted) -> None:
+    if plugin.zero_stage:
+        for part in _parts(boosted):
+            sharded(part).sync_params()
+
+
+def sharded_optimizer_state(
+    plugin: HybridParallelPlugin, boosted: Boosted, saved: dict[str, dict[str, bool]] | None
+) -> dict[str, Any]:
+    module, share = boosted.module, _share(plugin, boosted.module)
+    outs = [
+        zero_sharded_optimizer_state(module, sharded(part), saved, share)
+        if plugin.zero_stage
+        else own_optimizer_state(module, part, saved, share)
+        for part in _parts(boosted)
+    ]
+    merged: dict[str, Any] = {}
+    for out in outs:
+        merged.update(out)
+    merged[GROUPS] = _merge_groups(outs)
+    return merged
+
+
+def after_sharded_optimizer_load(
+    plugin: HybridParallelPlugin, boosted: Boosted, state: dict[str, Any]
+) -> None:
+    for part in _parts(boosted):
+        if plugin.zero_stage:
+            zero_after_sharded_optimizer_load(boosted.module, sharded(part), state)
+        else:
+            after_own_optimizer_load(boosted.module, part, state)
+
+
+# -- one file (the canonical state gathered) -------------------------------------------
+
+
+def _gather(plugin: HybridParallelPlugin, value: torch.Tensor) -> torch.Tensor:
+    from pc_tensor import unshard_tensor
+
+    group = plugin.layout.ep_group
+    assert group is not None
+    return unshard_tensor(value.to(device()), _rows(), group).cpu()
+
+
+def _slice(plugin: HybridParallelPlugin, value: torch.Tensor, local: torch.Size) -> torch.Tensor:
+    group = plugin.layout.ep_group
+    assert group is not None
+    first = dist.get_rank(group) * local[0]
+    return value[first : first + local[0]]
+
+
+def model_state_dict(plugin: HybridParallelPlugin, boosted: Boosted) -> dict[str, torch.Tensor]:
+    module = boosted.module
+    state = {k: v.detach().float().cpu().clone() for k, v in module.state_dict().items()}
+    for part in _parts(boosted) if plugin.zero_stage else ():
+        state.update(zero_masters(module, sharded(part)))
+    for name in _expert_names(module):
+        state[name] = _gather(plugin, state[name])
+    return state
+
+
+def load_model_state_dict(
+    plugin: HybridParallelPlugin, boosted: Boosted, state: dict[str, torch.Tensor]
+) -> None:
+    module = boosted.module
+    local = dict(module.named_parameters())
+    mine = {
+        k: _slice(plugin, v, local[k].shape) if k in local and k in _expert_names(module) else v
+        for k, v in state.items()
+    }
+    load_cast(module, mine)
+    if plugin.zero_stage:
+        for part in _parts(boosted):
+            zero_load_masters(module, sharded(part), mine)
+
+
+def optimizer_state_dict(plugin: HybridParallelPlugin, boosted: Boosted) -> CanonicalOptimizerState:
+    module = boosted.module
+    parts = [
+        zero_optimizer_state(sharded(p), module)
+        if plugin.zero_stage
+        else torch_optimizer_state(p, module)
+        for p in _parts(boosted)
+    ]
+    experts = _expert_names(module)
+    state: dict[str, Any] = {}
+    for part in parts:
+        for name, entry in part["state"].items():
+            state[name] = {
+                k: _gather(plugin, v) if name in experts and _elementwise(v) else v
+                for k, v in entry.items()
+            }
+    groups = [
+        {**g, "params": [n for part in parts for n in part["param_groups"][i]["params"]]}
+        for i, g in enumerate(parts[0]["param_groups"])
+    ]
+    return {**parts[0], "state": state, "param_groups": groups}
+
+
+def _elementwise(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() > 0
+
+
+def load_optimizer_state_dict(
+    plugin: HybridParallelPlugin, boosted: Boosted, state: CanonicalOptimizerState
+) -> None:
+    module = boosted.module
+    local = dict(module.named_parameters())
+    experts = _expert_names(module)
+    for part in _parts(boosted):
+        params = sharded(part).params if plugin.zero_stage else _params(part)
+        by_id = {id(p): n for n, p in local.items()}
+        names = {by_id[id(p)] for p in params if id(p) in by_id}
+        entries = {
+            name: {
+                k: _slice(plugin, v, local[name].shape)
+                if name in experts and _elementwise(v)
+                else v
+                for k, v in entry.items()
+            }
+            for name, entry in state["state"].items()
+            if name in names
+        }
+        groups = [
+            {**g, "params": [n for n in g["params"] if n in names]} for g in state["param_groups"]
+        ]
+        mine: CanonicalOptimizerState = {**state, "state": entries, "param_groups": groups}
+        if plugin.zero_stage:
+            zero_load_optimizer(sharded(part), module, mine)
+        else:
+            torch_load_optimizer(part, module, mine)
+
+
+def _params(optimizer: Optimizer) -> list[torch.Tensor]:
+    return [p for g in optimizer.param_groups for p in g["params"]]
