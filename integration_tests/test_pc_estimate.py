@@ -4,6 +4,8 @@ paper's formulas at large sizes, and it recommends plugins by memory."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -33,16 +35,23 @@ CASES: dict[str, PluginOptions] = {
     "hybrid-tp2": PluginOptions(PluginKind.HYBRID, tp=2),
     "hybrid-pp2": PluginOptions(PluginKind.HYBRID, pp=2),
 }
+# Mixture of experts (mixtral-tiny), experts replicated (ep 1) or split (ep 2).
+MOE_CASES: dict[str, PluginOptions] = {
+    f"hybrid-zero{z}-ep{ep}": PluginOptions(PluginKind.HYBRID, zero_stage=z, ep=ep)
+    for z in (0, 1, 2)
+    for ep in (1, 2)
+}
 
 
 def _measure_case(model: str, plugin: str, precision: str) -> None:
-    options = CASES[plugin]
+    options = CASES[plugin] if plugin in CASES else MOE_CASES[plugin]
     try:
         options.check(dist.get_world_size(), precision)
     except ValueError:
         return  # a combination the plugin refuses (ddp in bf16): nothing to measure
     spec = resolve_model(model, 16)
-    made = options.make(max_norm=0.0 if options.pp > 1 or options.step_in_backward else 1.0)
+    no_clip = options.pp > 1 or options.step_in_backward or options.ep > 1
+    made = options.make(max_norm=0.0 if no_clip else 1.0)
     booster = Booster(plugin=made, mixed_precision=None if precision == "fp32" else precision)
     net = build_model(spec, seed=0)
     optimizer = torch.optim.AdamW(net.parameters(), lr=1e-3)
@@ -63,6 +72,29 @@ def _measure_case(model: str, plugin: str, precision: str) -> None:
         f"{model} {plugin} {precision}: predicted {predicted}, measured {int(held)} "
         f"(ratio {ratio:.3f})"
     )
+    if options.ep > 1:
+        _check_expert_share(net, optimizer, spec, options.ep)
+
+
+def _check_expert_share(net: torch.nn.Module, optimizer: Any, spec: Any, ep: int) -> None:
+    """This rank's expert parameters and their optimizer states (Adam's two
+    moments, fp32) are 1/ep of the whole model's, within 2 %."""
+    from pc_tensor import expert_parameters
+
+    whole = model_shape(spec).expert_params
+    local = sum(p.numel() for p in expert_parameters(net))
+    assert abs(local * ep / whole - 1) <= 0.02, (local, whole, ep)
+    experts = optimizer.parts()[1]
+    if hasattr(experts, "memory"):  # ZeRO over the ranks holding the same experts
+        states = experts.memory().optimizer_states
+    else:
+        states = sum(
+            v.numel() * v.element_size()
+            for s in experts.state.values()
+            for v in s.values()
+            if isinstance(v, torch.Tensor) and v.dim() > 0
+        )
+    assert abs(states * ep / (8 * whole) - 1) <= 0.02, (states, whole, ep)
 
 
 def test_estimate_matches_measured_model_states() -> None:
@@ -75,6 +107,15 @@ def test_estimate_matches_measured_model_states() -> None:
             "precision": ["fp32", "bf16"],
         },
         timeout=540,
+    )
+
+
+def test_estimate_matches_measured_model_states_of_experts() -> None:
+    run_subtests(
+        _measure_case,
+        2,
+        {"model": ["mixtral-tiny"], "plugin": list(MOE_CASES), "precision": ["fp32", "bf16"]},
+        timeout=300,
     )
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -34,6 +35,14 @@ PLUGINS: dict[str, dict[str, object]] = {
     # Checkpoints written in the background while training goes on.
     "zero2-async": {"plugin": "zero2", "async_save": True},
     "hybrid-tp2-async": {"plugin": "hybrid", "tp": 2, "zero_stage": 1, "async_save": True},
+    # Mixture of experts, its experts split over both ranks (expert parallelism 2).
+    "hybrid-ep2": {
+        "model": "mixtral-tiny",
+        "plugin": "hybrid",
+        "ep": 2,
+        "zero_stage": 1,
+        "clip_norm": 0.0,
+    },
 }
 
 
@@ -46,11 +55,12 @@ def _context() -> DistContext:
 def _resume_case(root: str, plugin: str) -> None:
     torch.use_deterministic_algorithms(True)
     out = str(Path(root) / plugin)
-    config = TrainConfig(
-        model="gpt2-tiny", steps=4, global_batch_size=4, seq_len=16, corpus_bytes=20_000,
-        checkpoint_every=2, keep_last=3, eval_every=0, log_every=2, tensorboard=False,
-        progress=False, output_dir=out, **PLUGINS[plugin],  # type: ignore[arg-type]
-    )  # fmt: skip
+    settings: dict[str, Any] = {
+        "model": "gpt2-tiny", "steps": 4, "global_batch_size": 4, "seq_len": 16,
+        "corpus_bytes": 20_000, "checkpoint_every": 2, "keep_last": 3, "eval_every": 0,
+        "log_every": 2, "tensorboard": False, "progress": False, "output_dir": out,
+    }  # fmt: skip
+    config = TrainConfig(**{**settings, **PLUGINS[plugin]})
     expected = train(config, _context())["loss"]
     saved = Path(out) / "checkpoints" / "step-000002"
     # A load that missed anything would train on from step 0's weights.

@@ -142,6 +142,8 @@ def tiny_config(family: Family, **overrides: Any) -> Any:
     if isinstance(getattr(config, "layer_types", None), list):
         config.layer_types = config.layer_types[:LAYERS]
     config._attn_implementation = "eager"
+    if hasattr(config, "use_cache"):  # training: no key/value cache (hybrid linear-attention
+        config.use_cache = False  # families' caches refuse a training forward)
     return config
 
 

@@ -66,10 +66,10 @@ def _expect(row: dict[str, str], family: str, modes: tuple[str, ...]) -> None:
 
 
 def test_plan_sample_at_world_2() -> None:
-    rows = sweep.sweep(list(SAMPLE), sweep.MODES)
+    rows = sweep.sweep(list(SAMPLE), sweep.EP_MODES)
     assert [r["family"] for r in rows] == list(SAMPLE)
     for row in rows:
-        _expect(row, row["family"], sweep.MODES)
+        _expect(row, row["family"], sweep.EP_MODES)
 
 
 def test_plan_sample_tp2_pp2_at_world_4() -> None:

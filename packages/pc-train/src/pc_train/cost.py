@@ -39,7 +39,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from pc_booster.rules import TrainPrecision
+from pc_booster.rules import StateBytes, TrainPrecision
 from pc_train.hardware import DeviceInfo, GiB
 from pc_train.models import ModelSpec, build_model
 from pc_train.options import PluginKind, PluginOptions
@@ -68,9 +68,16 @@ class ModelShape:
     stage_params: tuple[int, ...]  # parameters of each of `layers` blocks
     embed_params: int  # first pipeline stage's extra parameters
     head_params: int  # last stage's (a tied head counts again)
+    expert_params: int = 0  # mixture-of-experts blocks' experts (expert parallelism splits them)
+
+    def experts_per_rank(self, options: PluginOptions) -> int:
+        """Expert parameters one rank holds (1/ep of them)."""
+        return math.ceil(self.expert_params / options.ep)
 
     def per_rank(self, options: PluginOptions) -> int:
-        """Parameters one rank's model part holds."""
+        """Parameters one rank's model part holds (its experts included)."""
+        if options.ep > 1:  # pc's expert parallelism: no pipeline or tensor parallelism
+            return self.params - self.expert_params + self.experts_per_rank(options)
         if options.pp > 1:
             per_stage = self.layers // options.pp
             blocks = [
@@ -133,6 +140,12 @@ def model_shape(spec: ModelSpec) -> ModelShape:
         pass
     config = spec.config
     heads = int(getattr(config, "num_attention_heads", getattr(config, "n_head", 1)))
+    from pc_tensor import find_experts
+
+    try:
+        experts = sum(_numel(m) for _, m in find_experts(model))
+    except ValueError:  # experts pc cannot split: counted as dense
+        experts = 0
     return ModelShape(
         params=params,
         hidden=spec.hidden,
@@ -143,6 +156,7 @@ def model_shape(spec: ModelSpec) -> ModelShape:
         stage_params=per_block,
         embed_params=embed,
         head_params=head,
+        expert_params=experts,
     )
 
 
@@ -236,6 +250,21 @@ def estimate(
     # The plugin states its own memory model; ZeRO shards over the data-
     # and sequence-parallel ranks together.
     states = plugin.model_states(psi, n * options.sp, TrainPrecision.parse(precision))
+    if options.ep > 1 and shape.expert_params:
+        # [Note: expert-parallel optimizer]: dense states over the data-
+        # parallel ranks, the experts' over the ranks holding the same ones.
+        local = shape.experts_per_rank(options)
+        dense = plugin.model_states(psi - local, n, TrainPrecision.parse(precision))
+        expert = plugin.model_states(
+            local, max(n // options.ep, 1), TrainPrecision.parse(precision)
+        )
+        states = StateBytes(
+            dense.parameters + expert.parameters,
+            dense.gradients + expert.gradients,
+            dense.masters + expert.masters,
+            dense.optimizer + expert.optimizer,
+            dense.host + expert.host,
+        )
     params, grads = states.parameters, states.gradients
     master, host = states.masters, states.host
     states_bytes = states.optimizer
@@ -463,9 +492,13 @@ def measured_model_state_bytes(model: nn.Module, optimizer: Optimizer) -> int:
             if local.numel():
                 seen[local.data_ptr()] = local.numel() * local.element_size()
 
+    inner = getattr(optimizer, "inner", optimizer)
+    parts: tuple[Any, ...] = inner.parts() if hasattr(inner, "parts") else (inner,)
+    if len(parts) > 1 and all(hasattr(part, "memory") for part in parts):  # ep: ZeRO twice
+        return int(sum(part.memory().total for part in parts))
     params = list(model.parameters())
     count(params)
     count(p.grad for p in params if p.grad is not None)
-    inner = getattr(optimizer, "inner", optimizer)
-    count(v for s in inner.state.values() for v in s.values() if isinstance(v, torch.Tensor))
+    for part in parts:
+        count(v for s in part.state.values() for v in s.values() if isinstance(v, torch.Tensor))
     return sum(seen.values())

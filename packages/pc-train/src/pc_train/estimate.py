@@ -93,6 +93,9 @@ def _parser() -> argparse.ArgumentParser:
         default="all_to_all",
         help="with --sp: all_to_all (Ulysses) or ring_attn (ring attention)",
     )
+    parser.add_argument(
+        "--ep", type=int, default=1, help="expert-parallel size (with --plugin hybrid, MoE models)"
+    )
     parser.add_argument("--zero-stage", type=int, default=1)
     parser.add_argument(
         "--device-memory-gib",
@@ -135,6 +138,7 @@ def _estimate_plugin(args: argparse.Namespace, shape: ModelShape, device: Device
         zero_stage=args.zero_stage,
         sp=args.sp,
         sp_mode=args.sp_mode,
+        ep=args.ep,
     )
     if args.step_in_backward:
         options = replace(options, step_in_backward=True)

@@ -1,6 +1,7 @@
 """The models ``pc-train`` and ``pc-estimate`` know: ``transformers`` causal
-LMs by family and size (``gpt2-small``, ``llama-1b`` ...), or a local
-config file / ``save_pretrained`` directory.
+LMs by family and size (``gpt2-small``, ``llama-1b`` ..., and the
+mixture-of-experts ``mixtral-tiny`` / ``-small`` / ``-8x7b``, the router's
+auxiliary loss on), or a local config file / ``save_pretrained`` directory.
 
 The small presets (``tiny``, ``small``, ``medium``) use a byte vocabulary
 (256) so they train on the default corpus without a tokenizer; the
@@ -51,7 +52,14 @@ _SHAPES: dict[str, tuple[str, int, int, int, int, int, int]] = {
     "opt-1.3b": ("opt", 2048, 24, 32, 32, 8192, 50272),
     "bloom-560m": ("bloom", 1024, 24, 16, 16, 4096, 250880),
 }
-MODEL_PRESETS: tuple[str, ...] = tuple(_SHAPES)
+# Mixture-of-experts presets: name -> (hidden, layers, heads, kv heads,
+# expert ffn, vocab, experts, experts per token); Mixtral's own layout.
+_MOE_SHAPES: dict[str, tuple[int, int, int, int, int, int, int, int]] = {
+    "mixtral-tiny": (64, 2, 4, 2, 128, 256, 4, 2),
+    "mixtral-small": (128, 4, 4, 2, 256, 256, 8, 2),
+    "mixtral-8x7b": (4096, 32, 32, 8, 14336, 32000, 8, 2),
+}
+MODEL_PRESETS: tuple[str, ...] = (*_SHAPES, *_MOE_SHAPES)
 
 
 @dataclass(frozen=True)
@@ -96,7 +104,20 @@ def _transformers() -> Any:
     return transformers
 
 
+def _moe_config(name: str, seq_len: int) -> Any:
+    h, n, a, kv, ffn, vocab, experts, top = _MOE_SHAPES[name]
+    return _transformers().MixtralConfig(
+        vocab_size=vocab, hidden_size=h, intermediate_size=ffn, num_hidden_layers=n,
+        num_attention_heads=a, num_key_value_heads=kv, max_position_embeddings=max(seq_len, 1024),
+        num_local_experts=experts, num_experts_per_tok=top, output_router_logits=True,
+        router_aux_loss_coef=0.01, tie_word_embeddings=False, bos_token_id=0, eos_token_id=0,
+        pad_token_id=None, use_cache=False,
+    )  # fmt: skip
+
+
 def _preset_config(name: str, seq_len: int) -> Any:
+    if name in _MOE_SHAPES:
+        return _moe_config(name, seq_len)
     tf = _transformers()
     family, h, n, a, kv, ffn, vocab = _SHAPES[name]
     positions = max(seq_len, 1024 if vocab > 256 else seq_len)
@@ -126,7 +147,7 @@ def _preset_config(name: str, seq_len: int) -> Any:
 def resolve_model(model: str, seq_len: int) -> ModelSpec:
     """A preset name, a config ``.json`` file, or a directory with a
     ``config.json`` (and weights, which are then loaded)."""
-    if model in _SHAPES:
+    if model in MODEL_PRESETS:
         return ModelSpec(model, _preset_config(model, seq_len))
     path = Path(model)
     looks_like_path = path.suffix == ".json" or "/" in model or path.exists()

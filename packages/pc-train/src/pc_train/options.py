@@ -39,6 +39,7 @@ _FLAGS = {
     "step_in_backward": "--step-in-backward",
     "enable_sequence_parallelism": "--sequence-parallel",
     "sp_size": "--sp",
+    "ep_size": "--ep",
     "sequence_parallelism_mode": "--sp-mode",
     "offload_param_frac": "--offload-frac",
     "no_sync": "--accumulation",
@@ -65,6 +66,8 @@ class PluginOptions:
       bytes per parameter of model states instead of 16).
     - ``sp`` / ``sp_mode``: sequence parallelism over ``sp`` ranks of its
       own (hybrid; ``all_to_all``: Ulysses).
+    - ``ep``: expert parallelism (hybrid, mixture-of-experts models): each
+      MoE block's experts split over ``ep`` data-parallel ranks.
     """
 
     kind: PluginKind
@@ -78,6 +81,7 @@ class PluginOptions:
     step_in_backward: bool = False
     sp: int = 1
     sp_mode: str = "all_to_all"
+    ep: int = 1
 
     @property
     def name(self) -> str:
@@ -95,6 +99,7 @@ class PluginOptions:
             return f"{self.name}{extra}"
         sp = " sp" if self.sequence_parallel else ""
         sp += f" {self.sp_mode} sp{self.sp}" if self.sp > 1 else ""
+        sp += f" ep{self.ep}" if self.ep > 1 else ""
         return f"hybrid tp{self.tp} pp{self.pp} zero{self.zero_stage}{sp}"
 
     def flags(self) -> str:
@@ -104,6 +109,7 @@ class PluginOptions:
             out += [f"--tp {self.tp}", f"--pp {self.pp}", f"--zero-stage {self.zero_stage}"]
             out += ["--sequence-parallel"] if self.sequence_parallel else []
             out += [f"--sp {self.sp}", f"--sp-mode {self.sp_mode}"] if self.sp > 1 else []
+            out += [f"--ep {self.ep}"] if self.ep > 1 else []
         if self.offload_frac:
             out.append(f"--offload-frac {self.offload_frac:g}")
         if self.cpu_offload:
@@ -146,16 +152,19 @@ class PluginOptions:
             enable_sequence_parallelism=self.sequence_parallel or self.sp > 1,
             sequence_parallelism_mode=self.sp_mode if self.sp > 1 else None,
             sp_size=self.sp if self.sp > 1 else None,
+            ep_size=self.ep,
             max_norm=max_norm,
             pp_timeout=timeout,
         )
 
     def check_flags(self) -> None:
         """Raise ValueError for a flag of another plugin than the one chosen."""
-        for name in ("tp", "pp", "sp"):
+        for name in ("tp", "pp", "sp", "ep"):
             value = getattr(self, name)
             if value < 1:
                 raise ValueError(f"--{name} must be at least 1, got {value}.")
+        if self.ep > 1 and self.kind is not PluginKind.HYBRID:
+            raise ValueError(f"--ep {self.ep} needs --plugin hybrid.")
         if self.sp > 1 and self.kind is not PluginKind.HYBRID:
             raise ValueError(f"--sp {self.sp} needs --plugin hybrid.")
         if self.sp > 1 and self.sequence_parallel:

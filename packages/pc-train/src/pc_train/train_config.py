@@ -54,6 +54,7 @@ class TrainConfig:
     step_in_backward: bool = False
     sp: int = 1
     sp_mode: str = "all_to_all"
+    ep: int = 1
     precision: str = "fp32"
     corpus: str | None = None
     corpus_bytes: int = 2_000_000
@@ -151,6 +152,8 @@ _HELP = {
     "microbatches": "pipeline micro-batches per step (default: pp)",
     "sp": "sequence-parallel size of its own (hybrid): each sequence split over sp ranks",
     "sp_mode": "sequence parallelism with --sp: all_to_all (Ulysses) or ring_attn (ring attention)",
+    "ep": "expert-parallel size (hybrid, mixture-of-experts models such as mixtral-tiny): "
+    "each MoE block's experts split over ep data-parallel ranks",
     "offload_frac": "share of Gemini's chunks kept on the host",
     "cpu_offload": "ZeRO-1/2 optimizer step on the host",
     "step_in_backward": "Gemini: step each chunk as soon as its gradients are reduced (12 "
