@@ -166,7 +166,7 @@ def check_pp(family: Family, ref: Any, head: str = "causal", tp: int = 1) -> Non
     _compare(f"pp ({head}, tp {tp})" if tp > 1 else f"pp ({head})", losses, state, ref)
 
 
-def check_ep(family: Family) -> str:
+def check_ep(family: Family, head: str = "causal") -> str:
     """The experts split over 2 ranks (``pc_tensor.shard_experts``), every
     rank given the whole batch: dense gradients are then the single
     process's on each rank, and each expert's, summed over both ranks'
@@ -181,25 +181,25 @@ def check_ep(family: Family) -> str:
         unshard_tensor,
     )
 
-    probe = build(family, **MOE)
+    probe = build(family, head=head, **MOE)
     try:
         if not find_experts(probe):
             raise Skip("not a mixture-of-experts model (no experts module)")
     except ValueError as error:
         raise Refused(str(error)) from None
-    overrides, note = MOE, ""
+    overrides, note = MOE, " (base model)" if head == "base" else ""
     try:
-        ref = _reference_with(family, MOE)
+        ref = _reference_with(family, MOE, head)
     except Exception as error:  # the model's own auxiliary loss, in one process
         overrides = {}
         note = f" (aux loss off: in one process it fails, {type(error).__name__}: {error})"
-        ref = _reference_with(family, overrides)
-    model = build(family, **overrides)
+        ref = _reference_with(family, overrides, head)
+    model = build(family, head=head, **overrides)
     try:
         shard_experts(model)
     except ValueError as error:
         raise Refused(str(error)) from None
-    losses = _train(model, "causal")
+    losses = _train(model, head)
     world = dist.group.WORLD
     assert world is not None
     state = {k: v.detach() for k, v in model.state_dict().items()}
@@ -211,10 +211,10 @@ def check_ep(family: Family) -> str:
 
 
 def _reference_with(
-    family: Family, overrides: dict[str, Any]
+    family: Family, overrides: dict[str, Any], head: str = "causal"
 ) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
-    model = build(family, **overrides)
-    losses = _train(model, "causal")
+    model = build(family, head=head, **overrides)
+    losses = _train(model, head)
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
@@ -257,10 +257,10 @@ def _run_family(family: Family, modes: tuple[str, ...]) -> dict[str, str]:
         for mode in modes:
             try:
                 result[mode] = "pass"
-                if mode in ("pp", "tp-pp", "ep") and head == "base":
+                if mode in ("pp", "tp-pp") and head == "base":
                     raise Skip("no causal-LM class; its base model was trained under tp")
                 if mode == "ep":
-                    result[mode] = check_ep(family)
+                    result[mode] = check_ep(family, head)
                 elif mode == "pp":
                     check_pp(family, ref)
                 elif mode == "cls":
