@@ -201,7 +201,7 @@ def test_reads_no_other_packages_underscore_attributes(module: str) -> None:
 PLUGIN_MODULES = ROOT / "packages" / "pc-booster" / "src" / "pc_booster" / "plugins"
 HELPER_MODULES = {
     "common", "rules", "hybrid_options", "hybrid_pipeline", "hybrid_state", "layout",
-    "optimizations", "sharded",
+    "optimizations", "sharded", "experts", "hybrid_experts_state",
 }  # fmt: skip
 
 
