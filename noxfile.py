@@ -296,7 +296,8 @@ def plans(session: nox.Session) -> None:
     against single-process training or refused with the reason. Rewrites
     docs/plan-sweep.md (`tests` runs a sample of it); then the same for
     the families without a plan that have a causal LM, with pc's inferred
-    plan and pipeline cut (docs/plan-sweep-inferred.md)."""
+    plan and pipeline cut (docs/plan-sweep-inferred.md); then expert
+    parallelism 2 over every family with experts (docs/plan-sweep-ep.md)."""
     _install_workspace(session, *TEST_DEPS)
     session.run(
         "python", "integration_tests/plans/sweep.py", "--write", "docs/plan-sweep.md",
@@ -306,6 +307,11 @@ def plans(session: nox.Session) -> None:
     session.run(
         "python", "integration_tests/plans/sweep.py", "--inferred",
         "--write", "docs/plan-sweep-inferred.md", *session.posargs,
+    )  # fmt: skip
+    # Expert parallelism over every family that has experts (docs/plan-sweep-ep.md).
+    session.run(
+        "python", "integration_tests/plans/sweep.py", "--all", "--modes", "ep",
+        "--write", "docs/plan-sweep-ep.md", *session.posargs,
     )  # fmt: skip
 
 
