@@ -84,13 +84,14 @@ def _check_expert_share(net: torch.nn.Module, optimizer: Any, spec: Any, ep: int
     whole = model_shape(spec).expert_params
     local = sum(p.numel() for p in expert_parameters(net))
     assert abs(local * ep / whole - 1) <= 0.02, (local, whole, ep)
-    experts = optimizer.parts()[1]
-    if hasattr(experts, "memory"):  # ZeRO over the ranks holding the same experts
-        states = experts.memory().optimizer_states
-    else:
+    if hasattr(optimizer, "parts"):  # ZeRO over the ranks holding the same experts
+        states = optimizer.parts()[1].memory().optimizer_states
+    else:  # the user's optimizer over every parameter: the expert shards' states
+        shards = {id(p) for p in expert_parameters(net)}
         states = sum(
             v.numel() * v.element_size()
-            for s in experts.state.values()
+            for p, s in optimizer.state.items()
+            if id(p) in shards
             for v in s.values()
             if isinstance(v, torch.Tensor) and v.dim() > 0
         )

@@ -1,19 +1,36 @@
-"""The optimizer of an expert-parallel model: one over the dense
-parameters (ZeRO over the data-parallel ranks, or the user's optimizer
-rebuilt), one over this rank's expert shards, stepped as one.
+"""The gradients and optimizer of an expert-parallel model.
+
+Without ZeRO, the user's optimizer is rebuilt over every parameter (dense
+and expert shards), and :class:`ExpertGradientSync` averages the experts'
+gradients over the expert-data-parallel ranks at the end of each backward
+[Note: expert gradients without ZeRO]. With ZeRO, two ZeRO optimizers, one
+over the dense parameters (data-parallel ranks) and one over this rank's
+expert shards (expert-data-parallel ranks), are stepped as one
+(:class:`ExpertParallelOptimizer`).
+
+[Note: expert gradients without ZeRO]
+pc-comm DDP averages the dense gradients over the data-parallel ranks and
+ignores the experts. Their gradients arrive on their rank already divided by
+ep [Note: expert gradients]. At the end of every backward (a callback the
+first expert gradient queues on autograd's engine, as DDP's reducer does),
+each expert shard without a gradient gets zeros. Then, where the
+expert-data-parallel group has more than one rank, the gradients are
+averaged over it. The zeros match the unsplit model, whose packed tensor
+has a gradient whenever any expert got a token. Averaging after each
+backward of an accumulation is the same as averaging once, since the
+average is linear. So the clip, the fp16 unscale and the step that follow
+see every gradient at its final value, whichever runs first.
 
 [Note: expert-parallel optimizer]
-Dense gradients are averaged over the data-parallel ranks (pc-comm DDP
-ignoring the experts, or ZeRO); expert gradients arrive on their rank
-already divided by ep [Note: expert gradients] and are averaged here over
-the expert-data-parallel group (the ranks holding the same experts) when it
-has more than one rank. Both inner optimizers are the user's class with the
-user's param groups (each group's dense parameters in one, its expert
-parameters in the other). The dense optimizer's groups are this
-optimizer's ``param_groups``: what an LR scheduler or the user changes
-there is copied into the experts' groups (every key but ``params``) before
-each step, so one schedule drives both. Expert optimizer states are 1/ep of
-the whole, like the shards.
+With ZeRO, the user's optimizer is rebuilt twice, with the user's class
+and param groups: each group's dense parameters go to a ZeRO optimizer
+over the data-parallel ranks, its expert shards to one over the
+expert-data-parallel ranks (the ranks holding the same experts), which
+averages their gradients (already divided by ep [Note: expert gradients]).
+The dense optimizer's groups are this optimizer's ``param_groups``. What an
+LR scheduler or the user changes there is copied into the experts' groups
+(every key but ``params``) before each step, so one schedule drives both.
+Expert optimizer states are 1/ep of the whole, like the shards.
 """
 
 from __future__ import annotations
@@ -29,7 +46,49 @@ from torch.optim import Optimizer
 
 from pc_booster.canonical import rebuild_optimizer
 
-__all__ = ["ExpertParallelOptimizer", "split_optimizer"]
+__all__ = ["ExpertGradientSync", "ExpertParallelOptimizer", "split_optimizer"]
+
+
+class ExpertGradientSync:
+    """[Note: expert gradients without ZeRO]: zeros for experts no token
+    reached, then the average over ``group``, at the end of each backward.
+    The hooks are on pc's own expert shards (made by ``shard_experts``)."""
+
+    def __init__(self, params: list[nn.Parameter], group: dist.ProcessGroup | None) -> None:
+        self.params = [p for p in params if p.requires_grad]
+        self.group = group if group is not None and dist.get_world_size(group) > 1 else None
+        self._queued = False
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(self._arrived)  # type: ignore[no-untyped-call]
+            for p in self.params
+        ]
+
+    def _arrived(self, _: torch.Tensor) -> None:
+        if not self._queued:
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+
+    @torch.no_grad()
+    def _finish(self) -> None:
+        self._queued = False
+        for param in self.params:
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+        if self.group is None:
+            return
+        grads = [p.grad for p in self.params if p.grad is not None]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=self.group)
+        flat /= dist.get_world_size(self.group)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+    def remove(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
 
 
 def split_optimizer(
@@ -51,15 +110,12 @@ class ExpertParallelOptimizer(Optimizer):
     """Dense and expert optimizers stepped as one [Note: expert-parallel
     optimizer]."""
 
-    def __init__(
-        self, dense: Optimizer, experts: Optimizer, expert_data_group: dist.ProcessGroup | None
-    ) -> None:
+    def __init__(self, dense: Optimizer, experts: Optimizer) -> None:
         # Optimizer.__init__ is not called: the groups are the dense
         # optimizer's own (schedulers write them); the step hooks' tables
         # torch's register_step_* methods use are made here.
         self.dense: Optimizer = dense
         self.experts = experts
-        self.expert_data_group = expert_data_group
         self.defaults = dense.defaults
         self._optimizer_step_pre_hooks: OrderedDict[int, Any] = OrderedDict()
         self._optimizer_step_post_hooks: OrderedDict[int, Any] = OrderedDict()
@@ -103,21 +159,6 @@ class ExpertParallelOptimizer(Optimizer):
     def expert_parameters(self) -> list[torch.Tensor]:
         return [p for g in self.experts.param_groups for p in g["params"]]
 
-    def _average_expert_gradients(self) -> None:
-        group = self.expert_data_group
-        if group is None or dist.get_world_size(group) == 1:
-            return
-        grads = [p.grad for p in self.expert_parameters() if p.grad is not None]
-        if not grads:
-            return
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=group)
-        flat /= dist.get_world_size(group)
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
-
     def _sync_hyperparameters(self) -> None:
         for mine, theirs in zip(self.dense.param_groups, self.experts.param_groups, strict=True):
             for key, value in mine.items():
@@ -130,12 +171,6 @@ class ExpertParallelOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        # A rank none of whose experts got a token this step still steps them
-        # (a zero gradient), as the unsplit model steps its whole tensor.
-        for param in self.expert_parameters():
-            if param.requires_grad and param.grad is None:
-                param.grad = torch.zeros_like(param)
-        self._average_expert_gradients()
         self._sync_hyperparameters()
         self.dense.step()
         self.experts.step()

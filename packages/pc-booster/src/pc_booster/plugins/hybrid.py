@@ -212,13 +212,30 @@ class HybridParallelPlugin(Plugin, SupportsNoSync, SupportsPipeline):
         experts, or ZeRO over the dense parameters), expert gradients over
         the expert-data-parallel ranks (by the optimizer, or ZeRO over
         them)."""
-        from pc_booster.plugins.experts import ExpertParallelOptimizer, split_optimizer
+        from pc_booster.plugins.experts import (
+            ExpertGradientSync,
+            ExpertParallelOptimizer,
+            split_optimizer,
+        )
         from pc_tensor import is_expert_parameter
 
         layout = self.layout
         experts = [p for p in model.parameters() if is_expert_parameter(p)]
+        if self.zero_stage:
+            if request.optimizer is None:
+                raise ValueError("zero_stage > 0 shards an optimizer: pass one to boost().")
+            dense, expert = split_optimizer(request.optimizer, names, model, is_expert_parameter)
+            dense = self.zero_optimizer(dense)
+            expert = self.zero_optimizer(expert, group=layout.expert_data_group)
+            for zero in (dense, expert):
+                masters_from_built(model, zero, built)
+            both = ExpertParallelOptimizer(dense, expert)
+            step_policy = GradientStep("HybridParallelPlugin")
+            return request.boosted(model, both, module=model, step_policy=step_policy)
+        # [Note: expert gradients without ZeRO]
+        ExpertGradientSync(experts, layout.expert_data_group)
         wrapped: nn.Module = model
-        if not self.zero_stage and dist.get_world_size(layout.dp_group) > 1:
+        if dist.get_world_size(layout.dp_group) > 1:
             from pc_comm import DistributedDataParallel
 
             o = self.options
@@ -231,21 +248,12 @@ class HybridParallelPlugin(Plugin, SupportsNoSync, SupportsPipeline):
                 broadcast_buffers=o.broadcast_buffers,
                 ignored_parameters=experts,
             )
-        optimizer: Optimizer | None = None
-        if request.optimizer is not None:
-            dense, expert = split_optimizer(request.optimizer, names, model, is_expert_parameter)
-            average_over = layout.expert_data_group
-            if self.zero_stage:
-                dense = self.zero_optimizer(dense)
-                expert = self.zero_optimizer(expert, group=layout.expert_data_group)
-                for zero in (dense, expert):
-                    masters_from_built(model, zero, built)
-                average_over = None  # ZeRO averages the experts' gradients itself
-            optimizer = ExpertParallelOptimizer(dense, expert, average_over)
-        elif self.zero_stage:
-            raise ValueError("zero_stage > 0 shards an optimizer: pass one to boost().")
-        step_policy = GradientStep("HybridParallelPlugin")
-        return request.boosted(wrapped, optimizer, module=model, step_policy=step_policy)
+        optimizer = request.optimizer
+        if optimizer is not None:
+            optimizer = rebuild_optimizer(optimizer, names, dict(model.named_parameters()))
+        return request.boosted(
+            wrapped, optimizer, module=model, step_policy=self.step_policy(request.precision)
+        )
 
     def _place(self, model: nn.Module) -> nn.Module:
         """The model on the device, every rank from the same values, split
@@ -311,6 +319,8 @@ class HybridParallelPlugin(Plugin, SupportsNoSync, SupportsPipeline):
         layout = self.layout
         if self.tp_size > 1 and not self._tp_counts(param):
             return False
+        if self.ep_size > 1 and not self._ep_counts(param):
+            return False
         if self.pp_size > 1 and name is not None:
             return self.stage.stage_of.get(name, layout.coord.pp) == layout.coord.pp
         return True
@@ -323,8 +333,19 @@ class HybridParallelPlugin(Plugin, SupportsNoSync, SupportsPipeline):
 
         return counts_under_tensor_parallel(self.layout.tp_group)
 
+    def _ep_counts(self, param: torch.Tensor) -> bool:
+        """Under expert parallelism the norm is summed over the ep group: an
+        expert shard counts on every rank, a dense weight (the same on every
+        rank after DDP) on ep rank 0."""
+        from pc_tensor import is_expert_parameter
+
+        group = self.layout.ep_group
+        return is_expert_parameter(param) or group is None or dist.get_rank(group) == 0
+
     def norm_groups(self) -> list[dist.ProcessGroup]:
         groups = []
+        if self.ep_size > 1 and self.layout.ep_group is not None:
+            groups.append(self.layout.ep_group)
         if self.tp_size > 1:
             groups.append(self.layout.tp_group)
         if self.pp_size > 1:

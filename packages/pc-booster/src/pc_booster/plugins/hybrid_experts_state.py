@@ -5,7 +5,7 @@ Each expert tensor is saved with its whole shape ``[E, ...]``: a rank's
 shard is rows ``[r E/ep, (r+1) E/ep)`` of it (a split along dim 0, placed
 as a tensor-parallel shard is, over the expert-parallel group). So a
 checkpoint saved at one ep size loads at another, and into a plugin
-without expert parallelism, and back. The optimizer is two optimizers
+without expert parallelism, and back. With ZeRO the optimizer is two optimizers
 [Note: expert-parallel optimizer]; their states and groups are saved under
 the same canonical keys as one optimizer's (each group's parameters, dense
 and expert, listed together).
@@ -82,14 +82,12 @@ def _share(plugin: HybridParallelPlugin, module: nn.Module) -> Share:
     return Share(None, specs, dist.get_rank(group), dist.get_world_size(group))
 
 
-def _inner(optimizer: Any) -> ExpertParallelOptimizer:
-    inner = inner_optimizer(optimizer)
-    assert isinstance(inner, ExpertParallelOptimizer)
-    return inner
-
-
 def _parts(boosted: Boosted) -> tuple[Optimizer, ...]:
-    return () if boosted.optimizer is None else _inner(boosted.optimizer).parts()
+    """The optimizers holding the state: ZeRO's two, or the user's rebuilt one."""
+    if boosted.optimizer is None:
+        return ()
+    inner = inner_optimizer(boosted.optimizer)
+    return inner.parts() if isinstance(inner, ExpertParallelOptimizer) else (inner,)
 
 
 def _merge_groups(outs: list[dict[str, Any]]) -> list[dict[str, Any]]:

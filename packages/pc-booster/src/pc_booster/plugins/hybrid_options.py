@@ -237,15 +237,16 @@ def _expert_parallel(o: HybridParallelOptions, setting: RunSetting) -> str | Non
         ("pp_size > 1", o.pp_size > 1),
         ("tp_size > 1", o.tp_size > 1),
         ("sequence parallelism", o.enable_sequence_parallelism),
-        ("max_norm > 0 (clipping)", o.max_norm > 0),
-        ("fp16", setting.precision is TrainPrecision.FP16),
+        ("zero_stage > 0 and max_norm > 0 (clipping)", o.zero_stage > 0 and o.max_norm > 0),
+        ("zero_stage > 0 and fp16", o.zero_stage > 0 and setting.precision is TrainPrecision.FP16),
     ]
     named = [name for name, given in later if given]
     if named:
         return (
             f"ep_size={o.ep_size} with {' and '.join(named)}: pc's expert parallelism does not "
-            "combine with it yet. Use ep_size with data parallelism and zero_stage 0, 1 or 2 in "
-            "fp32 or bf16 without clipping, or ep_size=1 (experts replicated) for this layout."
+            "combine with it yet. Use ep_size with data parallelism: zero_stage 0 in any "
+            "precision, with clipping, or zero_stage 1 / 2 in fp32 or bf16 without clipping; "
+            "or ep_size=1 (experts replicated) for this layout."
         )
     return None
 
@@ -348,7 +349,7 @@ class HybridParallelOptions(PluginConfig, LossScaleOptions):
         ),
         Rule(
             "ep_size not dividing the data-parallel ranks, or with pipelines, tensor or "
-            "sequence parallelism, clipping or fp16 (not yet)",
+            "sequence parallelism, or with ZeRO and clipping or fp16 (not yet)",
             _expert_parallel,
             ({"ep_size": 2, "pp_size": 2}, RunSetting()),
         ),

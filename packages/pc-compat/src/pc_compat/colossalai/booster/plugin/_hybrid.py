@@ -16,7 +16,10 @@ not take become pc's options [Note: edges from signatures in pc_compat.surface].
   the loss, so the values are the same.
 - what Colossal-AI ignores in the mode asked, the edge ignores too:
   ``sequence_parallelism_mode`` without ``enable_sequence_parallelism``,
-  ``cpu_offload`` with ``zero_stage=0`` (it offloads ZeRO's states);
+  ``cpu_offload`` with ``zero_stage=0`` (it offloads ZeRO's states), and
+  ``overlap_communication`` / ``zero_bucket_size_in_m`` with
+  ``zero_stage=0`` (ZeRO's buckets; MoeHybridParallelPlugin defaults
+  ``overlap_communication`` to False);
 - ``scheduler_nodes``: ``PipelineGraph(...).get_v_schedule()`` with
   ``pp_style="zbv"`` has no effect (pc builds its own ZB-V schedule from the
   stage and micro-batch counts);
@@ -121,8 +124,11 @@ def hybrid_to_pc(given: Mapping[str, Any], out: dict[str, Any]) -> dict[str, Any
         out["enable_flash_attention"] = out["enable_fused_normalization"] = True
     mode = given["sequence_parallelism_mode"] if given["enable_sequence_parallelism"] else None
     out["sequence_parallelism_mode"] = "split_gather" if mode == "ring" else mode
-    if given["cpu_offload"] and not given["zero_stage"]:
-        out["cpu_offload"] = False  # ZeRO's states: none without ZeRO
+    if not given["zero_stage"]:  # ZeRO's settings have no effect without ZeRO
+        if given["cpu_offload"]:
+            out["cpu_offload"] = False
+        out.pop("overlap_communication", None)
+        out.pop("zero_bucket_size_in_m", None)
     return out
 
 
