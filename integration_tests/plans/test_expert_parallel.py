@@ -55,8 +55,8 @@ FAMILIES = ["mixtral", "qwen2_moe", "olmoe", "ernie4_5_moe", "qwen3_moe", "grani
 MOE: dict[str, Any] = {"output_router_logits": True, "router_aux_loss_coef": 0.1}
 
 
-def _model(name: str, dtype: torch.dtype = torch.float32) -> nn.Module:
-    model = build(family(name), **MOE).to(dtype)
+def _model(name: str, dtype: torch.dtype = torch.float32, aux: bool = True) -> nn.Module:
+    model = build(family(name), **(MOE if aux else {})).to(dtype)
     if dtype == torch.float64:  # torch's grouped matrix multiply has no fp64 kernel
         config: Any = model.config
         config._experts_implementation = "eager"
@@ -285,6 +285,52 @@ def check_checkpoint(name: str, zero: int, root: str, saved_ep: int, loads: list
                 assert got == pytest.approx(want, rel=1e-5, abs=1e-6), (ep, model_path, got, want)
 
 
+def check_pipeline(name: str, kind: str, max_norm: float = 0.0) -> None:
+    """ep 2 x pp 2 (world 4, zero_stage 0): the experts of each stage split
+    over its two data-parallel ranks, 1F1B over 2 micro-batches; losses and
+    the whole gathered state (the plugin's model_state_dict) against single-
+    process training. The auxiliary loss is off: a pipeline refuses it
+    (its last stage does not hold every layer's router logits)."""
+    from pc_booster import Booster, HybridParallelPlugin
+
+    rtol, atol = TOLERANCES[kind]
+    reference = _model(name, aux=False)
+    optimizer = _optimizer(kind, reference.parameters())
+    want = []
+    for step in range(STEPS):
+        parts = [_loss(reference, part) for part in _batch(step).chunk(2)]
+        loss = torch.stack(parts).mean()
+        loss.backward()  # type: ignore[no-untyped-call]
+        if max_norm:
+            nn.utils.clip_grad_norm_(reference.parameters(), max_norm)
+        optimizer.step()
+        optimizer.zero_grad()
+        want.append(loss.item())
+    plugin = HybridParallelPlugin(pp_size=2, ep_size=2, zero_stage=0, max_norm=max_norm)
+    booster = Booster(plugin=plugin)
+    refused = _model(name)
+    with pytest.raises(ValueError, match="output_router_logits=True"):
+        booster.boost(refused, _optimizer(kind, refused.parameters()))
+    booster = Booster(plugin=HybridParallelPlugin(pp_size=2, ep_size=2, max_norm=max_norm))
+    model = _model(name, aux=False)
+    pipe, opt, *_ = booster.boost(model, _optimizer(kind, model.parameters()))
+    plugin = booster.plugin  # type: ignore[assignment]
+    dp_rank = dist.get_rank(plugin.dp_group)
+    losses = []
+    for step in range(STEPS):
+        ids = _batch(step).chunk(2)[dp_rank]
+        out = booster.execute_pipeline(iter([{"input_ids": ids, "labels": ids}]), pipe, None, opt)
+        opt.step()
+        opt.zero_grad()
+        whole = out["loss"].detach().reshape(()).clone()
+        dist.all_reduce(whole, group=plugin.dp_group)
+        losses.append(whole.item() / 2)
+    assert losses == pytest.approx(want, rel=rtol, abs=atol), (losses, want)
+    state = plugin.model_state_dict(pipe)
+    for key, value in reference.state_dict().items():
+        torch.testing.assert_close(state[key].float(), value.float(), rtol=rtol, atol=atol)
+
+
 def _loss_in(model: nn.Module, ids: torch.Tensor, precision: str) -> torch.Tensor:
     if precision == "bf16":
         with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -294,7 +340,10 @@ def _loss_in(model: nn.Module, ids: torch.Tensor, precision: str) -> torch.Tenso
 
 def check_case(case: str) -> None:
     kind, _, name = case.partition(":")
-    if kind.startswith("checkpoint"):
+    if kind.startswith("pipeline"):
+        _, optimizer, *clip = kind.split("-")
+        check_pipeline(name, optimizer, CLIP if clip else 0.0)
+    elif kind.startswith("checkpoint"):
         _, zero, saved, *loads = kind.split("-")
         check_checkpoint(name, int(zero), ROOT, int(saved), [int(x) for x in loads])
     elif kind.startswith(("booster", "edge")):
@@ -335,6 +384,8 @@ WORLD4 = [
     "booster-1-sgd-fp32:ernie4_5_moe",
     "booster-2-adamw-fp32:granitemoeshared",
     "booster-0-adamw-fp32-clip:qwen3_moe",
+    "pipeline-sgd:mixtral",
+    "pipeline-sgd-clip:qwen2_moe",
     "checkpoint-1-2-1-4:mixtral",
 ]
 

@@ -459,6 +459,14 @@ class HybridParallelPlugin(Plugin, SupportsNoSync, SupportsPipeline):
 
     # -- sharded checkpoints [Note: sharded canonical state] -----------------------------
 
+    def stage_share(self, module: nn.Module, loading: bool) -> Share:
+        """The tensors this rank writes (its stage's under pipelines), whole."""
+        return Share(self._share(module, loading).names)
+
+    def every_stage_groups(self, mine: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The param groups with every pipeline stage's parameter names."""
+        return self._every_stage_groups(mine)
+
     def _share(self, module: nn.Module, loading: bool) -> Share:
         """What this rank writes: its stage's tensors (a weight tied across
         stages from the stage that trains it; every holder reads it back),
@@ -485,7 +493,7 @@ class HybridParallelPlugin(Plugin, SupportsNoSync, SupportsPipeline):
     def sharded_model_state(self, model: nn.Module, loading: bool = False) -> dict[str, Any]:
         boosted = self.boosted(model)
         if self.ep_size > 1:
-            return hybrid_experts_state.sharded_model_state(self, boosted)
+            return hybrid_experts_state.sharded_model_state(self, boosted, loading)
         share = self._share(boosted.module, loading)
         if self.zero_stage:
             return zero_sharded_model_state(boosted.module, sharded(boosted.optimizer), share)

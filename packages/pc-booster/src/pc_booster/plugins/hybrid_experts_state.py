@@ -30,6 +30,7 @@ from pc_booster.plugins.common import (
     torch_optimizer_state,
 )
 from pc_booster.plugins.experts import ExpertParallelOptimizer
+from pc_booster.plugins.hybrid_state import every_stage, from_owning_stages
 from pc_booster.plugins.low_level_zero import (
     zero_after_sharded_optimizer_load,
     zero_load_masters,
@@ -75,11 +76,14 @@ def _expert_names(module: nn.Module) -> set[str]:
     return {n for n, p in module.named_parameters() if is_expert_parameter(p)}
 
 
-def _share(plugin: HybridParallelPlugin, module: nn.Module) -> Share:
+def _share(plugin: HybridParallelPlugin, module: nn.Module, loading: bool = False) -> Share:
+    """The plugin's share (under pipelines: this stage's tensors), with the
+    expert shards placed as rows of the whole tensors."""
     group = plugin.layout.ep_group
     assert group is not None
+    names = plugin.stage_share(module, loading).names
     specs = dict.fromkeys(_expert_names(module), _rows())
-    return Share(None, specs, dist.get_rank(group), dist.get_world_size(group))
+    return Share(names, specs, dist.get_rank(group), dist.get_world_size(group))
 
 
 def _parts(boosted: Boosted) -> tuple[Optimizer, ...]:
@@ -102,8 +106,10 @@ def _merge_groups(outs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 # -- sharded (DCP) ------------------------------------------------------------------
 
 
-def sharded_model_state(plugin: HybridParallelPlugin, boosted: Boosted) -> dict[str, Any]:
-    module, share = boosted.module, _share(plugin, boosted.module)
+def sharded_model_state(
+    plugin: HybridParallelPlugin, boosted: Boosted, loading: bool = False
+) -> dict[str, Any]:
+    module, share = boosted.module, _share(plugin, boosted.module, loading)
     if not plugin.zero_stage:
         return whole_state(module, share)
     out: dict[str, Any] = {}
@@ -121,7 +127,7 @@ def after_sharded_model_load(plugin: HybridParallelPlugin, boosted: Boosted) -> 
 def sharded_optimizer_state(
     plugin: HybridParallelPlugin, boosted: Boosted, saved: dict[str, dict[str, bool]] | None
 ) -> dict[str, Any]:
-    module, share = boosted.module, _share(plugin, boosted.module)
+    module, share = boosted.module, _share(plugin, boosted.module, saved is not None)
     outs = [
         zero_sharded_optimizer_state(module, sharded(part), saved, share)
         if plugin.zero_stage
@@ -132,6 +138,8 @@ def sharded_optimizer_state(
     for out in outs:
         merged.update(out)
     merged[GROUPS] = _merge_groups(outs)
+    if plugin.pp_size > 1 and saved is None:
+        merged[GROUPS] = plugin.every_stage_groups(merged[GROUPS])
     return merged
 
 
@@ -170,7 +178,7 @@ def model_state_dict(plugin: HybridParallelPlugin, boosted: Boosted) -> dict[str
         state.update(zero_masters(module, sharded(part)))
     for name in _expert_names(module):
         state[name] = _gather(plugin, state[name])
-    return state
+    return from_owning_stages(plugin, state)
 
 
 def load_model_state_dict(
@@ -208,7 +216,7 @@ def optimizer_state_dict(plugin: HybridParallelPlugin, boosted: Boosted) -> Cano
         {**g, "params": [n for part in parts for n in part["param_groups"][i]["params"]]}
         for i, g in enumerate(parts[0]["param_groups"])
     ]
-    return {**parts[0], "state": state, "param_groups": groups}
+    return every_stage(plugin, {**parts[0], "state": state, "param_groups": groups})
 
 
 def _elementwise(value: Any) -> bool:

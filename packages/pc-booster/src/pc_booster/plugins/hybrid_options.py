@@ -234,7 +234,7 @@ def _expert_parallel(o: HybridParallelOptions, setting: RunSetting) -> str | Non
         )
     # Combinations whose expert parallelism pc does not have yet.
     later = [
-        ("pp_size > 1", o.pp_size > 1),
+        ("zero_stage > 0 and pp_size > 1", o.zero_stage > 0 and o.pp_size > 1),
         ("tp_size > 1", o.tp_size > 1),
         ("sequence parallelism", o.enable_sequence_parallelism),
         ("zero_stage > 0 and max_norm > 0 (clipping)", o.zero_stage > 0 and o.max_norm > 0),
@@ -245,8 +245,8 @@ def _expert_parallel(o: HybridParallelOptions, setting: RunSetting) -> str | Non
         return (
             f"ep_size={o.ep_size} with {' and '.join(named)}: pc's expert parallelism does not "
             "combine with it yet. Use ep_size with data parallelism: zero_stage 0 in any "
-            "precision, with clipping, or zero_stage 1 / 2 in fp32 or bf16 without clipping; "
-            "or ep_size=1 (experts replicated) for this layout."
+            "precision, with clipping and pipelines, or zero_stage 1 / 2 in fp32 or bf16 "
+            "without clipping or pipelines; or ep_size=1 (experts replicated) for this layout."
         )
     return None
 
@@ -348,10 +348,10 @@ class HybridParallelOptions(PluginConfig, LossScaleOptions):
             ),
         ),
         Rule(
-            "ep_size not dividing the data-parallel ranks, or with pipelines, tensor or "
-            "sequence parallelism, or with ZeRO and clipping or fp16 (not yet)",
+            "ep_size not dividing the data-parallel ranks, or with tensor or sequence "
+            "parallelism, or with ZeRO and pipelines, clipping or fp16 (not yet)",
             _expert_parallel,
-            ({"ep_size": 2, "pp_size": 2}, RunSetting()),
+            ({"ep_size": 2, "tp_size": 2}, RunSetting()),
         ),
         Rule(
             "ZeRO's options without ZeRO, DDP's with it, or parallel_output=False with pipelines",

@@ -135,6 +135,7 @@ def configure_pipeline(
 
     model, optimizer, precision = request.model, request.optimizer, request.precision
     layout, o = plugin.layout, plugin.options
+    _refuse_router_loss(model)
     if o.tp_size > 1:
         _shard_tensor_parallel(plugin, model)
     sequence, balance = _stage_layout(plugin, model)
@@ -159,6 +160,22 @@ def configure_pipeline(
         own_names = {}
     step_policy = plugin.step_policy(precision, own_names)
     return request.boosted(pipe, optimizer, module=model, step_policy=step_policy)
+
+
+def _refuse_router_loss(model: nn.Module) -> None:
+    """A mixture-of-experts model's auxiliary (load-balancing) loss sums the
+    router logits of every layer into the loss; a pipeline's last stage has
+    only its own layers' (the loss is the head's), so it would train without
+    it. Refused rather than dropped."""
+    config = getattr(model, "config", None)
+    if getattr(config, "output_router_logits", False) is True:
+        raise ValueError(
+            f"{type(model).__name__} has output_router_logits=True: its auxiliary load-balancing "
+            "loss adds up the router logits of every layer, and a pipeline stage holds only its "
+            "own layers, so pc's pipeline loss would leave it out. Set "
+            "model.config.output_router_logits = False to train the pipeline without it, or "
+            "train with pp_size=1 (expert and data parallelism keep it)."
+        )
 
 
 def _shard_tensor_parallel(plugin: HybridParallelPlugin, model: nn.Module) -> None:
@@ -192,6 +209,12 @@ def _place_stage(
             module.to(device())
             # The ranks of this stage start from its first data-parallel rank's values.
             broadcast_module(module, plugin.layout.dp_group)
+    if o.ep_size > 1:  # this stage's experts split over its ep ranks
+        from pc_tensor import find_experts, shard_experts
+
+        for module in mine:
+            if find_experts(module):
+                shard_experts(module, plugin.layout.ep_group)
     built = values_a_cast_rounds(mine, precision.dtype) if o.zero_stage else {}
     amp = not o.zero_stage and precision is not TrainPrecision.FP32
     for module in mine:
@@ -237,8 +260,14 @@ def _schedule(plugin: HybridParallelPlugin, mine: list[nn.Module]) -> nn.Module:
     data-parallel ranks without ZeRO."""
     from pc_comm import DistributedDataParallel
     from pc_pipeline import Interleaved1F1B, PipeDream, ZeroBubble
+    from pc_tensor import is_expert_parameter
 
     layout, o = plugin.layout, plugin.options
+    experts = [p for m in mine for p in m.parameters() if is_expert_parameter(p)]
+    if experts:  # [Note: expert gradients without ZeRO]
+        from pc_booster.plugins.experts import ExpertGradientSync
+
+        ExpertGradientSync(experts, layout.expert_data_group)
     if not o.zero_stage and dist.get_world_size(layout.dp_group) > 1:
         # Buffers are synchronised once, at placement: re-broadcasting them
         # every micro-batch would overwrite tensors earlier micro-batches'
@@ -251,6 +280,7 @@ def _schedule(plugin: HybridParallelPlugin, mine: list[nn.Module]) -> nn.Module:
                 bucket_cap_mb=o.ddp_bucket_cap_mb,
                 find_unused_parameters=o.find_unused_parameters,
                 gradient_as_bucket_view=o.gradient_as_bucket_view,
+                ignored_parameters=[p for p in m.parameters() if is_expert_parameter(p)],
             )
             for m in mine
         ]

@@ -32,6 +32,8 @@ if TYPE_CHECKING:
     from pc_booster.plugins.hybrid import HybridParallelPlugin
 
 __all__ = [
+    "every_stage",
+    "from_owning_stages",
     "load_model_state_dict",
     "load_optimizer_state_dict",
     "model_state_dict",
@@ -40,8 +42,15 @@ __all__ = [
 
 
 def model_state_dict(plugin: HybridParallelPlugin, model: nn.Module) -> dict[str, torch.Tensor]:
-    state = _local_model_state(plugin, model)
-    if plugin.pp_size > 1:  # each weight from the stage that trains it
+    return from_owning_stages(plugin, _local_model_state(plugin, model))
+
+
+def from_owning_stages(
+    plugin: HybridParallelPlugin, state: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """Under pipelines, each weight from the stage that trains it
+    (collective over the pipeline ranks); ``state`` itself otherwise."""
+    if plugin.pp_size > 1:
         group = plugin.layout.pp_group
         for key in sorted(state):
             owner = plugin.stage.stage_of.get(key, 0)
@@ -141,7 +150,15 @@ def optimizer_state_dict(
             for key, value in entry.items():
                 if isinstance(value, torch.Tensor) and value.dim() > 0:
                     entry[key] = unshard_tensor(value.to(device()), spec, info.group).cpu()
-    if plugin.pp_size > 1:  # every stage's part, on every rank
+    return every_stage(plugin, canonical)
+
+
+def every_stage(
+    plugin: HybridParallelPlugin, canonical: CanonicalOptimizerState
+) -> CanonicalOptimizerState:
+    """Under pipelines, every stage's part of the canonical optimizer state,
+    on every rank (collective over the pipeline ranks)."""
+    if plugin.pp_size > 1:
         parts: list[Any] = [None] * plugin.pp_size
         dist.all_gather_object(parts, canonical, group=plugin.layout.pp_group)
         merged: dict[str, Any] = {}
