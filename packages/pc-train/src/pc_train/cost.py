@@ -71,24 +71,31 @@ class ModelShape:
     expert_params: int = 0  # mixture-of-experts blocks' experts (expert parallelism splits them)
 
     def experts_per_rank(self, options: PluginOptions) -> int:
-        """Expert parameters one rank holds (1/ep of them)."""
-        return math.ceil(self.expert_params / options.ep)
+        """Expert parameters one rank holds: its stage's share, 1/ep of them."""
+        stage = self.expert_params
+        if options.pp > 1:  # the experts spread over the blocks like the rest
+            stage = round(self.expert_params * self._stage_total(options) / self.params)
+        return math.ceil(stage / options.ep)
+
+    def _stage_total(self, options: PluginOptions) -> int:
+        per_stage = self.layers // options.pp
+        blocks = [
+            sum(self.stage_params[i : i + per_stage]) for i in range(0, self.layers, per_stage)
+        ]
+        blocks[0] += self.embed_params
+        blocks[-1] += self.head_params
+        return max(blocks)
 
     def per_rank(self, options: PluginOptions) -> int:
         """Parameters one rank's model part holds (its experts included)."""
-        if options.ep > 1:  # pc's expert parallelism: no pipeline or tensor parallelism
-            return self.params - self.expert_params + self.experts_per_rank(options)
         if options.pp > 1:
-            per_stage = self.layers // options.pp
-            blocks = [
-                sum(self.stage_params[i : i + per_stage]) for i in range(0, self.layers, per_stage)
-            ]
-            blocks[0] += self.embed_params
-            blocks[-1] += self.head_params
-            total = max(blocks)
+            total = self._stage_total(options)
             sharded = round(self.tp_sharded * total / self.params)
         else:
             total, sharded = self.params, self.tp_sharded
+        if options.ep > 1:  # pc's expert parallelism: no tensor parallelism with it
+            stage_experts = self.experts_per_rank(options) * options.ep
+            return total - stage_experts + self.experts_per_rank(options)
         return total - sharded + math.ceil(sharded / options.tp)
 
 
@@ -129,15 +136,19 @@ def model_shape(spec: ModelSpec) -> ModelShape:
                 if id(param) not in seen:
                     seen.add(id(param))
                     sharded += param.numel()
-    per_block = tuple(_numel(b) for b in blocks) or (params,)
-    embed, head = params - sum(per_block), 0
-    try:  # the pipeline's first and last layers, where pipelines support the family
+    layers: list[nn.Module] = []
+    try:  # the pipeline's layers, where pipelines support the family
         from pc_booster.pipeline import pipeline_layers
 
         layers, _ = pipeline_layers(model)
-        embed, head = _numel(layers[0]), _numel(layers[-1])
     except (TypeError, ValueError):
         pass
+    if not blocks and len(layers) > 2:  # no tp plan (mixture of experts): the pipeline's blocks
+        blocks = layers[1:-1]
+    per_block = tuple(_numel(b) for b in blocks) or (params,)
+    embed, head = params - sum(per_block), 0
+    if layers:
+        embed, head = _numel(layers[0]), _numel(layers[-1])
     config = spec.config
     heads = int(getattr(config, "num_attention_heads", getattr(config, "n_head", 1)))
     from pc_tensor import find_experts
