@@ -173,26 +173,29 @@ def check_booster(
     precision: str = "fp32",
     edge: bool = False,
     max_norm: float = 0.0,
+    tp: int = 1,
 ) -> None:
     """HybridParallelPlugin(ep_size=2) at world 2 (ep 2) or 4 (ep 2 x dp 2):
     the same losses and parameters as single-process training of the
     global batch (each rank's batch a 1/world share). ``edge``: through
     Colossal-AI's call shape, MoeHybridParallelPlugin(tp_size, pp_size,
     ep_size, ...) at the compatibility edge. ``max_norm``: clipping by the
-    global norm (the reference clips its whole gradient)."""
+    global norm (the reference clips its whole gradient). ``tp``: the
+    attention split over tp ranks too (world 4: tp 2 x ep 2), the experts
+    kept whole there and split over ep."""
     from pc_booster import Booster, HybridParallelPlugin
     from pc_compat.colossalai.booster import Booster as EdgeBooster
     from pc_compat.colossalai.booster.plugin import MoeHybridParallelPlugin
 
     rtol, atol = TOLERANCES[kind] if precision == "fp32" else (2e-2, 2e-2)
+    data = dist.get_world_size() // tp  # the ranks reading different batches
     if precision == "fp16":  # fp16's 10-bit mantissa against an fp32 reference
         rtol, atol = 5e-2, 5e-2
-    world, rank = dist.get_world_size(), dist.get_rank()
     reference = _model(name)
     optimizer = _optimizer(kind, reference.parameters())
     want = []
     for step in range(STEPS):
-        parts = [_loss_in(reference, part, precision) for part in _batch(step).chunk(world)]
+        parts = [_loss_in(reference, part, precision) for part in _batch(step).chunk(data)]
         loss = torch.stack(parts).mean()
         loss.backward()  # type: ignore[no-untyped-call]
         if max_norm:
@@ -209,22 +212,28 @@ def check_booster(
         booster: Booster = EdgeBooster(plugin=plugin)
     else:
         plugin = HybridParallelPlugin(
-            ep_size=2, zero_stage=zero, precision=precision, max_norm=max_norm
+            tp_size=tp, ep_size=2, zero_stage=zero, precision=precision, max_norm=max_norm
         )
         booster = Booster(plugin=plugin)
     model = _model(name)
     model, opt, *_ = booster.boost(model, _optimizer(kind, model.parameters()))
     assert plugin.ep_group is not None
     losses = []
+    data_rank = dist.get_rank(plugin.dp_group)
     for step in range(STEPS):
-        loss = _loss(model, _batch(step).chunk(world)[rank])
+        loss = _loss(model, _batch(step).chunk(data)[data_rank])
         booster.backward(loss, opt)
         opt.step()
         opt.zero_grad()
         whole = loss.detach().float().clone()
-        dist.all_reduce(whole)
-        losses.append(whole.item() / world)
+        dist.all_reduce(whole, group=plugin.dp_group)
+        losses.append(whole.item() / data)
     assert losses == pytest.approx(want, rel=rtol, abs=atol), (losses, want)
+    if tp > 1:  # the whole state, gathered over tp and ep
+        state = plugin.model_state_dict(model)
+        for key, value in reference.state_dict().items():
+            torch.testing.assert_close(state[key].float(), value.float(), rtol=rtol, atol=atol)
+        return
     theirs = dict(reference.named_parameters())
     inner = model
     while hasattr(inner, "module"):  # the wrappers (DDP, the edge's) around the model
@@ -238,17 +247,21 @@ def check_booster(
         torch.testing.assert_close(param.detach().float(), expected, rtol=rtol, atol=atol)
 
 
-def _boosted(name: str, ep: int, zero: int) -> tuple[Any, nn.Module, torch.optim.Optimizer]:
+def _boosted(
+    name: str, ep: int, zero: int, tp: int = 1, aux: bool = True
+) -> tuple[Any, nn.Module, torch.optim.Optimizer]:
     from pc_booster import Booster, HybridParallelPlugin
 
-    booster = Booster(plugin=HybridParallelPlugin(ep_size=ep, zero_stage=zero, precision="fp32"))
-    model = _model(name)
+    plugin = HybridParallelPlugin(tp_size=tp, ep_size=ep, zero_stage=zero, precision="fp32")
+    booster = Booster(plugin=plugin)
+    model = _model(name, aux=aux)
     model, opt, *_ = booster.boost(model, _optimizer("adamw", model.parameters()))
     return booster, model, opt
 
 
 def _steps(booster: Any, model: nn.Module, opt: torch.optim.Optimizer, first: int) -> list[float]:
-    world, rank = dist.get_world_size(), dist.get_rank()
+    group = booster.plugin.dp_group  # the ranks reading different batches
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
     losses = []
     for step in range(first, first + 2):
         loss = _loss(model, _batch(step).chunk(world)[rank])
@@ -256,30 +269,38 @@ def _steps(booster: Any, model: nn.Module, opt: torch.optim.Optimizer, first: in
         opt.step()
         opt.zero_grad()
         whole = loss.detach().clone()
-        dist.all_reduce(whole)
+        dist.all_reduce(whole, group=group)
         losses.append(whole.item() / world)
     return losses
 
 
-def check_checkpoint(name: str, zero: int, root: str, saved_ep: int, loads: list[int]) -> None:
-    """Saved at ``saved_ep``, sharded (DCP) and as single files, model and
-    optimizer: training goes on bitwise at the same ep, and at rtol 1e-5 at
-    each of ``loads`` (1: experts replicated, no expert parallelism)."""
-    path = Path(root) / f"{name}-{zero}-{saved_ep}"
-    booster, model, opt = _boosted(name, saved_ep, zero)
+def check_checkpoint(
+    name: str, zero: int, root: str, saved_ep: int, loads: list[int], tp: int = 1
+) -> None:
+    """Saved at ``saved_ep`` (and ``tp``), sharded (DCP) and as single
+    files, model and optimizer: training goes on bitwise at the same
+    layout, and at rtol 1e-5 at each ep of ``loads`` without tensor
+    parallelism (1: experts replicated, no expert parallelism). Saved under
+    tp, the loads read different shares of the batch (world / tp data-
+    parallel ranks before, world after), which changes the auxiliary loss
+    (a function of each rank's tokens): that case trains without it."""
+    path = Path(root) / f"{name}-{zero}-{saved_ep}-{tp}"
+    aux = tp == 1
+    booster, model, opt = _boosted(name, saved_ep, zero, tp, aux)
     _steps(booster, model, opt, 0)
     booster.save_model(model, path / "model", shard=True)
     booster.save_optimizer(opt, path / "optim", shard=True)
     booster.save_model(model, path / "single")
     booster.save_optimizer(opt, path / "single-optim.pt")
     want = _steps(booster, model, opt, 2)
-    for ep in [saved_ep, *loads]:
+    layouts = [(saved_ep, tp), *((ep, 1) for ep in loads)]
+    for ep, layout_tp in layouts:
         for model_path, optim_path in (("model", "optim"), ("single", "single-optim.pt")):
-            booster, model, opt = _boosted(name, ep, zero)
+            booster, model, opt = _boosted(name, ep, zero, layout_tp, aux)
             booster.load_model(model, path / model_path)
             booster.load_optimizer(opt, path / optim_path)
             got = _steps(booster, model, opt, 2)
-            if ep == saved_ep:
+            if (ep, layout_tp) == (saved_ep, tp):
                 assert got == want, (ep, model_path, got, want)
             else:
                 assert got == pytest.approx(want, rel=1e-5, abs=1e-6), (ep, model_path, got, want)
@@ -345,11 +366,14 @@ def check_case(case: str) -> None:
         check_pipeline(name, optimizer, CLIP if clip else 0.0)
     elif kind.startswith("checkpoint"):
         _, zero, saved, *loads = kind.split("-")
-        check_checkpoint(name, int(zero), ROOT, int(saved), [int(x) for x in loads])
+        tp = 2 if "tp2" in loads else 1
+        ints = [int(x) for x in loads if x != "tp2"]
+        check_checkpoint(name, int(zero), ROOT, int(saved), ints, tp)
     elif kind.startswith(("booster", "edge")):
-        where, zero, optimizer, precision, *clip = kind.split("-")
-        max_norm = CLIP if clip else 0.0
-        check_booster(name, int(zero), optimizer, precision, where == "edge", max_norm)
+        where, zero, optimizer, precision, *flags = kind.split("-")
+        max_norm = CLIP if "clip" in flags else 0.0
+        tp = 2 if "tp2" in flags else 1
+        check_booster(name, int(zero), optimizer, precision, where == "edge", max_norm, tp)
     elif kind == "capacity":
         check_capacity(name)
     elif kind == "refusals":
@@ -384,9 +408,13 @@ WORLD4 = [
     "booster-1-sgd-fp32:ernie4_5_moe",
     "booster-2-adamw-fp32:granitemoeshared",
     "booster-0-adamw-fp32-clip:qwen3_moe",
+    "booster-0-sgd-fp32-tp2:mixtral",
+    "booster-1-sgd-fp32-tp2:qwen2_moe",
+    "booster-0-sgd-fp32-clip-tp2:olmoe",
     "pipeline-sgd:mixtral",
     "pipeline-sgd-clip:qwen2_moe",
     "checkpoint-1-2-1-4:mixtral",
+    "checkpoint-0-2-2-4-tp2:olmoe",
 ]
 
 

@@ -95,7 +95,10 @@ class VocabParallelLossForward:
     through ``loss_function``), and the loss is computed here from the
     sharded logits, as ``transformers`` defines it: next-token (labels
     shifted by one) for causal models, position-wise for masked ones;
-    ``-100`` ignored; ``num_items_in_batch`` and ``shift_labels`` honoured."""
+    ``-100`` ignored; ``num_items_in_batch`` and ``shift_labels`` honoured.
+    A mixture-of-experts model's auxiliary loss (``aux_loss`` in its output,
+    computed from the router logits without the labels) is added with the
+    model's coefficient, as its own forward adds it to the loss."""
 
     def __init__(self, forward: Any, group: dist.ProcessGroup, causal: bool) -> None:
         self.forward, self.group, self.causal = forward, group, causal
@@ -119,6 +122,30 @@ class VocabParallelLossForward:
             self.group,
             num_items=num_items,
         )
+        aux = out.get("aux_loss") if isinstance(out, dict) else None
+        if aux is not None:
+            loss = loss + _aux_coefficient(self.forward) * aux.to(loss.device)
         if isinstance(out, tuple):
             return (loss, *out)
         return type(out)(loss=loss, **{k: v for k, v in out.items() if k != "loss"})
+
+
+def _aux_coefficient(forward: Any) -> float:
+    """The weight a model gives its auxiliary loss (transformers' MoE models
+    keep it as ``router_aux_loss_coef``, a few as ``aux_loss_coef``)."""
+    model = getattr(forward, "__self__", None)
+    config = getattr(model, "config", None)
+    for owner, name in (
+        (model, "router_aux_loss_coef"),
+        (model, "aux_loss_coef"),
+        (config, "router_aux_loss_coef"),
+    ):
+        value = getattr(owner, name, None)
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+    raise ValueError(
+        f"{type(model).__name__} returns an aux_loss but pc finds no coefficient for it "
+        "(router_aux_loss_coef or aux_loss_coef on the model or its config), so the "
+        "vocabulary-parallel loss cannot add it as the model would; set "
+        "config.output_router_logits = False to train without it."
+    )

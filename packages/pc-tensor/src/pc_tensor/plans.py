@@ -119,9 +119,16 @@ def _get(root: Any, path: str) -> Any:
     return root
 
 
-def _refuse_plan(plan: Mapping[str, str] | None, kind: Any, label: str) -> Mapping[str, str]:
+def _is_expert_key(key: str, style: str) -> bool:
+    return style.startswith("moe") or ".experts" in f".{key}" or key.endswith("experts")
+
+
+def _refuse_plan(
+    plan: Mapping[str, str] | None, kind: Any, label: str, skip_experts: bool = False
+) -> Mapping[str, str]:
     """``plan``, where pc follows it as a whole: errors for no plan, a
-    family pc refuses, mixture-of-experts blocks."""
+    family pc refuses, mixture-of-experts blocks (``skip_experts``: their
+    entries left out, the experts kept whole for expert parallelism)."""
     if plan is None:
         raise ValueError(
             f"{label} has no tensor-parallel plan in its config "
@@ -129,16 +136,35 @@ def _refuse_plan(plan: Mapping[str, str] | None, kind: Any, label: str) -> Mappi
         )
     if kind in _DIFFERS:
         raise ValueError(f"{label}: {_DIFFERS[kind]}.")
+    if skip_experts:
+        return {k: v for k, v in plan.items() if not _is_expert_key(k, v)}
     for key, style in plan.items():
-        if style.startswith("moe") or ".experts" in f".{key}" or key.endswith("experts"):
+        if _is_expert_key(key, style):
             block = key.split(".experts")[0] if ".experts" in key else key
             raise ValueError(
                 f"{label} has mixture-of-experts blocks "
                 f"({block!r}: {key!r} is {style!r} in its tensor-parallel plan); pc has no "
-                "expert parallelism yet, so tensor parallelism refuses it. Train it with "
-                "data parallelism, ZeRO or a pipeline (pp_size) instead."
+                "tensor parallelism of experts, so it refuses it. Split the experts by expert "
+                "parallelism (HybridParallelPlugin(ep_size=...), which shards the rest with "
+                "tp_size), or train it with data parallelism, ZeRO or a pipeline (pp_size)."
             )
     return plan
+
+
+def _in_some_block(base: nn.Module, plan: Mapping[str, str]) -> Mapping[str, str]:
+    """The plan's block entries that name a module in at least one block
+    (Qwen2-MoE's plan also names the dense MLP of layers it builds without
+    experts; a model whose layers all hold experts has none)."""
+    kept = {}
+    for key, style in plan.items():
+        prefix, _, inner = key.partition(".*.")
+        blocks = _get(base, prefix) if inner else None
+        if isinstance(blocks, nn.ModuleList) and not any(
+            _get(block, inner) is not None for block in blocks
+        ):
+            continue
+        kept[key] = style
+    return kept
 
 
 @dataclass
@@ -270,17 +296,21 @@ def _output_layer(model: nn.Module, name: str) -> tuple[dict[str, str], Any]:
     return lm_heads, loss
 
 
-def plan_policy(model: nn.Module) -> Policy:
+def plan_policy(model: nn.Module, skip_experts: bool = False) -> Policy:
     """The :class:`Policy` that ``model``'s ``config.base_model_tp_plan``
     describes (see the module docstring). Raises ``ValueError`` naming the
     key and the reason for a plan pc cannot follow (mixture-of-experts
-    blocks, styles it does not implement)."""
+    blocks, styles it does not implement). ``skip_experts``: the plan's
+    expert entries left out, the experts kept whole on every tensor-
+    parallel rank (expert parallelism splits them, ``shard_experts``)."""
     config: Any = getattr(model, "config", None)
     kind = getattr(config, "model_type", None)
     name = type(model).__name__
     label = f"{name} (model_type={kind!r})"
-    plan = _refuse_plan(_plan(config), kind, label)
+    plan = _refuse_plan(_plan(config), kind, label, skip_experts)
     base: nn.Module = getattr(model, "base_model", model)
+    if skip_experts:
+        plan = _in_some_block(base, plan)
     embedding = _path_of(base, _ask(base, "get_input_embeddings"))
     blocks = _read_plan(plan, embedding, label)
     path = _check_blocks(base, plan, blocks, embedding, label)

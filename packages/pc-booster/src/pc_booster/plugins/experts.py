@@ -37,7 +37,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -45,8 +45,70 @@ from torch import nn
 from torch.optim import Optimizer
 
 from pc_booster.canonical import rebuild_optimizer
+from pc_booster.plugin import Boosted, BoostRequest
+from pc_booster.plugins.low_level_zero import masters_from_built
+from pc_booster.step_policies import GradientStep
 
-__all__ = ["ExpertGradientSync", "ExpertParallelOptimizer", "split_optimizer"]
+if TYPE_CHECKING:
+    from pc_booster.plugins.hybrid import HybridParallelPlugin
+
+__all__ = [
+    "ExpertGradientSync",
+    "ExpertParallelOptimizer",
+    "configure_experts",
+    "split_optimizer",
+]
+
+
+def configure_experts(
+    plugin: HybridParallelPlugin,
+    request: BoostRequest,
+    model: nn.Module,
+    names: dict[int, str],
+    built: dict[int, torch.Tensor],
+) -> Boosted:
+    """HybridParallelPlugin's boost under expert parallelism (without
+    pipelines), the model placed with its experts split over the ep group:
+    dense gradients averaged over the data-parallel ranks (DDP ignoring the
+    experts, or ZeRO over the dense parameters), expert gradients over the
+    expert-data-parallel ranks ([Note: expert gradients without ZeRO], or
+    ZeRO over them [Note: expert-parallel optimizer])."""
+    from pc_tensor import is_expert_parameter
+
+    layout = plugin.layout
+    experts = [p for p in model.parameters() if is_expert_parameter(p)]
+    if plugin.zero_stage:
+        if request.optimizer is None:
+            raise ValueError("zero_stage > 0 shards an optimizer: pass one to boost().")
+        dense, expert = split_optimizer(request.optimizer, names, model, is_expert_parameter)
+        dense = plugin.zero_optimizer(dense)
+        expert = plugin.zero_optimizer(expert, group=layout.expert_data_group)
+        for zero in (dense, expert):
+            masters_from_built(model, zero, built)
+        both = ExpertParallelOptimizer(dense, expert)
+        step_policy = GradientStep("HybridParallelPlugin")
+        return request.boosted(model, both, module=model, step_policy=step_policy)
+    ExpertGradientSync(experts, layout.expert_data_group)
+    wrapped: nn.Module = model
+    if dist.get_world_size(layout.dp_group) > 1:
+        from pc_comm import DistributedDataParallel
+
+        o = plugin.options
+        wrapped = DistributedDataParallel(
+            model,
+            process_group=layout.dp_group,
+            bucket_cap_mb=o.ddp_bucket_cap_mb,
+            find_unused_parameters=o.find_unused_parameters,
+            gradient_as_bucket_view=o.gradient_as_bucket_view,
+            broadcast_buffers=o.broadcast_buffers,
+            ignored_parameters=experts,
+        )
+    optimizer = request.optimizer
+    if optimizer is not None:
+        optimizer = rebuild_optimizer(optimizer, names, dict(model.named_parameters()))
+    return request.boosted(
+        wrapped, optimizer, module=model, step_policy=plugin.step_policy(request.precision)
+    )
 
 
 class ExpertGradientSync:

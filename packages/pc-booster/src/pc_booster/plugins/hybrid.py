@@ -33,6 +33,7 @@ from pc_booster.plugins.common import (
     sharded,
     values_a_cast_rounds,
 )
+from pc_booster.plugins.experts import configure_experts
 from pc_booster.plugins.hybrid_options import OWN_SP_MODES, HybridParallelOptions
 from pc_booster.plugins.layout import ParallelLayout, PipelineStageManager
 from pc_booster.plugins.low_level_zero import (
@@ -183,7 +184,7 @@ class HybridParallelPlugin(Plugin, SupportsNoSync, SupportsPipeline):
                 cast_floating_inputs(model, precision.dtype)
         wrapped: nn.Module = model
         if self.ep_size > 1:
-            return self._configure_experts(request, model, names, built)
+            return configure_experts(self, request, model, names, built)
         if optimizer is not None:
             optimizer = rebuild_optimizer(optimizer, names, dict(model.named_parameters()))
         if self.zero_stage:
@@ -199,62 +200,6 @@ class HybridParallelPlugin(Plugin, SupportsNoSync, SupportsPipeline):
             model.register_forward_hook(_full_logits)
         return request.boosted(wrapped, optimizer, module=model, step_policy=step_policy)
 
-    def _configure_experts(
-        self,
-        request: BoostRequest,
-        model: nn.Module,
-        names: dict[int, str],
-        built: dict[int, torch.Tensor],
-    ) -> Boosted:
-        """Expert parallelism [Note: expert-parallel optimizer]: the model
-        placed with its experts split over the ep group (``_place``), dense
-        gradients averaged over the data-parallel ranks (DDP ignoring the
-        experts, or ZeRO over the dense parameters), expert gradients over
-        the expert-data-parallel ranks (by the optimizer, or ZeRO over
-        them)."""
-        from pc_booster.plugins.experts import (
-            ExpertGradientSync,
-            ExpertParallelOptimizer,
-            split_optimizer,
-        )
-        from pc_tensor import is_expert_parameter
-
-        layout = self.layout
-        experts = [p for p in model.parameters() if is_expert_parameter(p)]
-        if self.zero_stage:
-            if request.optimizer is None:
-                raise ValueError("zero_stage > 0 shards an optimizer: pass one to boost().")
-            dense, expert = split_optimizer(request.optimizer, names, model, is_expert_parameter)
-            dense = self.zero_optimizer(dense)
-            expert = self.zero_optimizer(expert, group=layout.expert_data_group)
-            for zero in (dense, expert):
-                masters_from_built(model, zero, built)
-            both = ExpertParallelOptimizer(dense, expert)
-            step_policy = GradientStep("HybridParallelPlugin")
-            return request.boosted(model, both, module=model, step_policy=step_policy)
-        # [Note: expert gradients without ZeRO]
-        ExpertGradientSync(experts, layout.expert_data_group)
-        wrapped: nn.Module = model
-        if dist.get_world_size(layout.dp_group) > 1:
-            from pc_comm import DistributedDataParallel
-
-            o = self.options
-            wrapped = DistributedDataParallel(
-                model,
-                process_group=layout.dp_group,
-                bucket_cap_mb=o.ddp_bucket_cap_mb,
-                find_unused_parameters=o.find_unused_parameters,
-                gradient_as_bucket_view=o.gradient_as_bucket_view,
-                broadcast_buffers=o.broadcast_buffers,
-                ignored_parameters=experts,
-            )
-        optimizer = request.optimizer
-        if optimizer is not None:
-            optimizer = rebuild_optimizer(optimizer, names, dict(model.named_parameters()))
-        return request.boosted(
-            wrapped, optimizer, module=model, step_policy=self.step_policy(request.precision)
-        )
-
     def _place(self, model: nn.Module) -> nn.Module:
         """The model on the device, every rank from the same values, split
         over the tensor-parallel ranks and wrapped for sequence parallelism."""
@@ -267,6 +212,7 @@ class HybridParallelPlugin(Plugin, SupportsNoSync, SupportsPipeline):
             shard_model(
                 model,
                 layout.tp_group,
+                self._tp_policy(model),
                 sequence_parallel=self.options.megatron_sp(),
                 materialize=materializer(device()),
             )
@@ -276,7 +222,12 @@ class HybridParallelPlugin(Plugin, SupportsNoSync, SupportsPipeline):
             model = model.to(device())
             broadcast_module(model)
             if self.tp_size > 1:
-                shard_model(model, layout.tp_group, sequence_parallel=self.options.megatron_sp())
+                shard_model(
+                    model,
+                    layout.tp_group,
+                    self._tp_policy(model),
+                    sequence_parallel=self.options.megatron_sp(),
+                )
         if self.ep_size > 1:  # every rank holds the same values here
             from pc_tensor import shard_experts
 
@@ -292,6 +243,17 @@ class HybridParallelPlugin(Plugin, SupportsNoSync, SupportsPipeline):
             )
             wrap(model, layout.sp_group, grad_scale=float(self.sp_size))
         return model
+
+    def _tp_policy(self, model: nn.Module) -> Any:
+        """The tensor-parallel policy (None: shard_model's default). Under
+        expert parallelism, the family's plan without its expert entries:
+        attention and dense layers split over tp, experts kept whole there
+        and split over ep instead."""
+        if self.ep_size == 1:
+            return None
+        from pc_tensor import plan_policy
+
+        return plan_policy(model, skip_experts=True)
 
     def _data_parallel(self, model: nn.Module) -> nn.Module:
         """Without ZeRO: the model in DDP over the data-parallel ranks."""
@@ -460,8 +422,9 @@ class HybridParallelPlugin(Plugin, SupportsNoSync, SupportsPipeline):
     # -- sharded checkpoints [Note: sharded canonical state] -----------------------------
 
     def stage_share(self, module: nn.Module, loading: bool) -> Share:
-        """The tensors this rank writes (its stage's under pipelines), whole."""
-        return Share(self._share(module, loading).names)
+        """The tensors this rank writes (its stage's under pipelines) and
+        where its tensor-parallel shards sit [Note: sharded canonical state]."""
+        return self._share(module, loading)
 
     def every_stage_groups(self, mine: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """The param groups with every pipeline stage's parameter names."""

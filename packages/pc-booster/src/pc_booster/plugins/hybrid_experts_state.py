@@ -70,7 +70,7 @@ def _rows() -> Any:
     return ShardSpec(dim=0)
 
 
-def _expert_names(module: nn.Module) -> set[str]:
+def _expert_names(module: nn.Module) -> set[str]:  # a set: sort it before any collective
     from pc_tensor import is_expert_parameter
 
     return {n for n, p in module.named_parameters() if is_expert_parameter(p)}
@@ -81,9 +81,16 @@ def _share(plugin: HybridParallelPlugin, module: nn.Module, loading: bool = Fals
     expert shards placed as rows of the whole tensors."""
     group = plugin.layout.ep_group
     assert group is not None
-    names = plugin.stage_share(module, loading).names
-    specs = dict.fromkeys(_expert_names(module), _rows())
-    return Share(names, specs, dist.get_rank(group), dist.get_world_size(group))
+    base = plugin.stage_share(module, loading)
+    experts = _expert_names(module)
+    place = (dist.get_rank(group), dist.get_world_size(group))
+    return Share(
+        base.names,
+        {**base.tp_specs, **dict.fromkeys(experts, _rows())},
+        base.tp_rank,
+        base.tp_world,
+        dict.fromkeys(experts, place),
+    )
 
 
 def _parts(boosted: Boosted) -> tuple[Optimizer, ...]:
@@ -173,10 +180,22 @@ def _slice(plugin: HybridParallelPlugin, value: torch.Tensor, local: torch.Size)
 
 def model_state_dict(plugin: HybridParallelPlugin, boosted: Boosted) -> dict[str, torch.Tensor]:
     module = boosted.module
-    state = {k: v.detach().float().cpu().clone() for k, v in module.state_dict().items()}
+    masters: dict[str, torch.Tensor] = {}
     for part in _parts(boosted) if plugin.zero_stage else ():
-        state.update(zero_masters(module, sharded(part)))
-    for name in _expert_names(module):
+        masters.update(zero_masters(module, sharded(part)))
+    if plugin.tp_size > 1:  # the tensor-parallel shards gathered (experts stay whole there)
+        from pc_tensor import full_state_dict, shard_info, unshard_tensor
+
+        state = {k: v.float().cpu() for k, v in full_state_dict(module).items()}
+        info = shard_info(module)
+        for name, value in masters.items():
+            spec = info.specs.get(name)
+            if spec is not None:
+                masters[name] = unshard_tensor(value.to(device()), spec, info.group).cpu()
+    else:
+        state = {k: v.detach().float().cpu().clone() for k, v in module.state_dict().items()}
+    state.update(masters)
+    for name in sorted(_expert_names(module)):  # the same order on every rank: collectives
         state[name] = _gather(plugin, state[name])
     return from_owning_stages(plugin, state)
 
@@ -205,11 +224,16 @@ def optimizer_state_dict(plugin: HybridParallelPlugin, boosted: Boosted) -> Cano
         for p in _parts(boosted)
     ]
     experts = _expert_names(module)
+    whole = _tp_whole(plugin, module)
     state: dict[str, Any] = {}
     for part in parts:
         for name, entry in part["state"].items():
             state[name] = {
-                k: _gather(plugin, v) if name in experts and _elementwise(v) else v
+                k: _gather(plugin, v)
+                if name in experts and _elementwise(v)
+                else whole(name, v)
+                if _elementwise(v)
+                else v
                 for k, v in entry.items()
             }
     groups = [
@@ -217,6 +241,38 @@ def optimizer_state_dict(plugin: HybridParallelPlugin, boosted: Boosted) -> Cano
         for i, g in enumerate(parts[0]["param_groups"])
     ]
     return every_stage(plugin, {**parts[0], "state": state, "param_groups": groups})
+
+
+def _tp_whole(plugin: HybridParallelPlugin, module: nn.Module) -> Any:
+    """A tensor-parallel shard's value gathered whole (others as they are)."""
+    if plugin.tp_size == 1:
+        return lambda name, value: value
+    from pc_tensor import shard_info, unshard_tensor
+
+    info = shard_info(module)
+
+    def whole(name: str, value: torch.Tensor) -> torch.Tensor:
+        spec = info.specs.get(name)
+        if spec is None:
+            return value
+        return unshard_tensor(value.to(device()), spec, info.group).cpu()
+
+    return whole
+
+
+def _tp_piece(plugin: HybridParallelPlugin, module: nn.Module) -> Any:
+    """This rank's tensor-parallel piece of a whole value (others as given)."""
+    if plugin.tp_size == 1:
+        return lambda name, value, shape: value
+    from pc_tensor import shard_info, shard_tensor
+
+    info = shard_info(module)
+
+    def piece(name: str, value: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+        spec = info.specs.get(name)
+        return shard_tensor(value, spec, info.group, shape) if spec is not None else value
+
+    return piece
 
 
 def _elementwise(value: Any) -> bool:
@@ -233,10 +289,13 @@ def load_optimizer_state_dict(
         params = sharded(part).params if plugin.zero_stage else _params(part)
         by_id = {id(p): n for n, p in local.items()}
         names = {by_id[id(p)] for p in params if id(p) in by_id}
+        piece = _tp_piece(plugin, module)
         entries = {
             name: {
                 k: _slice(plugin, v, local[name].shape)
                 if name in experts and _elementwise(v)
+                else piece(name, v, local[name].shape)
+                if _elementwise(v)
                 else v
                 for k, v in entry.items()
             }

@@ -84,13 +84,21 @@ class Share:
     tp_specs: Mapping[str, ShardSpec] = field(default_factory=dict)
     tp_rank: int = 0
     tp_world: int = 1
+    # Tensors split over another group than the tensor-parallel one (expert
+    # shards over the expert-parallel ranks): name -> (rank, size) there.
+    groups: Mapping[str, tuple[int, int]] = field(default_factory=dict)
 
     def holds(self, name: str) -> bool:
         return self.names is None or name in self.names
 
+    def _where(self, name: str) -> tuple[int, int]:
+        """This rank's place and the group's size for ``name``'s split."""
+        return self.groups.get(name, (self.tp_rank, self.tp_world))
+
     def full_shape(self, name: str, local_shape: torch.Size) -> torch.Size:
         spec = self.tp_specs.get(name)
-        return full_shape(spec, local_shape, self.tp_world) if spec is not None else local_shape
+        world = self._where(name)[1]
+        return full_shape(spec, local_shape, world) if spec is not None else local_shape
 
     def pieces(self, name: str, local_shape: torch.Size) -> Pieces:
         """An empty fp32 :class:`~pc_zero.Pieces` of the full tensor."""
@@ -113,7 +121,7 @@ class Share:
         for box in flat_range_boxes(local_shape, start, start + values.numel()):
             lo = box.flat_start - start
             view = values[lo : lo + box.numel].view(box.sizes)
-            self._add_box(target, spec, local_shape, box.offsets, view)
+            self._add_box(target, name, spec, local_shape, box.offsets, view)
 
     def whole(self, name: str, tensor: torch.Tensor) -> Any:
         """This rank's whole tensor (a tensor-parallel shard: its place in
@@ -121,22 +129,22 @@ class Share:
         spec = self.tp_specs.get(name)
         if spec is None:
             return tensor.detach()
-        target = Pieces(full_shape(spec, tensor.shape, self.tp_world), tensor.dtype)
-        self._add_box(target, spec, tensor.shape, (0,) * tensor.dim(), tensor.detach())
+        target = Pieces(self.full_shape(name, tensor.shape), tensor.dtype)
+        self._add_box(target, name, spec, tensor.shape, (0,) * tensor.dim(), tensor.detach())
         return target
 
     def _add_box(
         self,
         target: Pieces,
+        name: str,
         spec: ShardSpec,
         local_shape: torch.Size,
         offsets: Sequence[int],
         values: torch.Tensor,
     ) -> None:
         offsets = tuple(offsets)
-        placed = place_local_box(
-            spec, local_shape, self.tp_rank, self.tp_world, offsets, tuple(values.shape)
-        )
+        rank, world = self._where(name)
+        placed = place_local_box(spec, local_shape, rank, world, offsets, tuple(values.shape))
         for full_offsets, local_offsets, local_sizes in placed:
             part = values
             for dim, (lo, size) in enumerate(zip(local_offsets, local_sizes, strict=True)):
