@@ -124,13 +124,13 @@ class VocabParallelLossForward:
         )
         aux = out.get("aux_loss") if isinstance(out, dict) else None
         if aux is not None:
-            loss = loss + _aux_coefficient(self.forward) * aux.to(loss.device)
+            loss = loss + aux_loss_coefficient(self.forward) * aux.to(loss.device)
         if isinstance(out, tuple):
             return (loss, *out)
         return type(out)(loss=loss, **{k: v for k, v in out.items() if k != "loss"})
 
 
-def _aux_coefficient(forward: Any) -> float:
+def aux_loss_coefficient(forward: Any) -> float:
     """The weight a model gives its auxiliary loss (transformers' MoE models
     keep it as ``router_aux_loss_coef``, a few as ``aux_loss_coef``)."""
     model = getattr(forward, "__self__", None)

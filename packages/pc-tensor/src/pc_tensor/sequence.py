@@ -273,8 +273,25 @@ class _SequenceForward:
         out = self.forward(
             **local, labels=targets, shift_labels=targets, num_items_in_batch=count, **kwargs
         )
-        out["loss"] = _SumOverGroup.apply(out["loss"], self.group, self.grad_scale)  # type: ignore[no-untyped-call, unused-ignore]
+        part = out["loss"]
+        aux = out.get("aux_loss") if isinstance(out, dict) else None
+        if aux is not None:  # [Note: auxiliary loss under sequence parallelism]
+            from pc_tensor.hooks import aux_loss_coefficient
+
+            size = dist.get_world_size(self.group)
+            part = part - aux_loss_coefficient(self.forward) * aux.to(part.device) * (1 - 1 / size)
+        out["loss"] = _SumOverGroup.apply(part, self.group, self.grad_scale)  # type: ignore[no-untyped-call, unused-ignore]
         return out
+
+
+# [Note: auxiliary loss under sequence parallelism]
+# A mixture-of-experts model adds to its loss its auxiliary (load-
+# balancing) loss, a function of the router's choices for the tokens it
+# saw: under sequence parallelism, this rank's share of the sequence. The
+# language-model parts are summed over the group (each is already divided
+# by the whole sequence's targets); the auxiliary losses are averaged over
+# it, as data parallelism averages each rank's, so the loss counts the
+# auxiliary term once, not once per rank.
 
 
 def sync_sequence_grads(model: nn.Module, group: dist.ProcessGroup | None = None) -> None:

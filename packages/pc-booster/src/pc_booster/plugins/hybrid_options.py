@@ -236,7 +236,7 @@ def _expert_parallel(o: HybridParallelOptions, setting: RunSetting) -> str | Non
     later = [
         ("zero_stage > 0 and pp_size > 1", o.zero_stage > 0 and o.pp_size > 1),
         ("tp_size > 1 and pp_size > 1", o.tp_size > 1 and o.pp_size > 1),
-        ("sequence parallelism", o.enable_sequence_parallelism),
+        ("Megatron's sequence parallelism (inside tp)", o.megatron_sp()),
         ("zero_stage > 0 and max_norm > 0 (clipping)", o.zero_stage > 0 and o.max_norm > 0),
         ("zero_stage > 0 and fp16", o.zero_stage > 0 and setting.precision is TrainPrecision.FP16),
     ]
@@ -348,10 +348,10 @@ class HybridParallelOptions(PluginConfig, LossScaleOptions):
             ),
         ),
         Rule(
-            "ep_size not dividing the data-parallel ranks, or with sequence parallelism, "
-            "tp x pp, or ZeRO and pipelines, clipping or fp16 (not yet)",
+            "ep_size not dividing the data-parallel ranks, or with Megatron's sequence "
+            "parallelism, tp x pp, or ZeRO and pipelines, clipping or fp16 (not yet)",
             _expert_parallel,
-            ({"ep_size": 2, "enable_sequence_parallelism": True}, RunSetting()),
+            ({"ep_size": 2, "tp_size": 2, "enable_sequence_parallelism": True}, RunSetting()),
         ),
         Rule(
             "ZeRO's options without ZeRO, DDP's with it, or parallel_output=False with pipelines",
