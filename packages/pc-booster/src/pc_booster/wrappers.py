@@ -31,7 +31,7 @@ from torch.optim import Optimizer
 
 from pc_booster.step_policies import GradientStep
 
-__all__ = ["BoostedOptimizer", "StepOwner", "inner_optimizer"]
+__all__ = ["BoostedOptimizer", "OptimizerView", "StepOwner", "inner_optimizer"]
 
 
 class StepOwner(Protocol):
@@ -40,23 +40,17 @@ class StepOwner(Protocol):
     def backward(self, loss: torch.Tensor, optimizer: Optimizer) -> None: ...
 
 
-class BoostedOptimizer(Optimizer):
-    """The optimizer ``boost`` returns [Note: boosted optimizer]:
-    ``param_groups``, ``state`` and ``defaults`` are the inner optimizer's
-    (not copies), ``step`` runs the plugin's policy, and ``backward``,
-    ``clip_grad_by_norm`` and ``unwrap`` are here. Any other attribute reads through to the inner
-    optimizer (a pc-zero optimizer's ``memory()``, ``loss_scale``)."""
+class OptimizerView(Optimizer):
+    """An optimizer object whose ``param_groups``, ``state`` and
+    ``defaults`` are another optimizer's (``viewed()``; not copies: LR
+    schedulers write them there). ``Optimizer.__init__`` is not called, as
+    it would register the parameters again in new param groups; what it
+    sets that torch's ``register_step_*`` hooks use is set here."""
 
-    def __init__(self, inner: Optimizer, plugin: StepOwner, policy: GradientStep) -> None:
-        # Optimizer.__init__ is not called: it would register the
-        # parameters again in new param groups, and LR schedulers must
-        # write the inner optimizer's. What it sets that the step hooks
-        # use (torch's register_step_* methods write these) is set here.
-        object.__setattr__(self, "inner", inner)
-        # The plugin that boosted it: backward goes through it.
-        self.plugin = plugin
-        # The step: scale, unscale, clip, skip or step [Note: one step policy].
-        self.policy = policy
+    def viewed(self) -> Optimizer:
+        raise NotImplementedError
+
+    def _hook_tables(self) -> None:
         self._optimizer_step_pre_hooks: OrderedDict[int, Any] = OrderedDict()
         self._optimizer_step_post_hooks: OrderedDict[int, Any] = OrderedDict()
         self._optimizer_state_dict_pre_hooks: OrderedDict[int, Any] = OrderedDict()
@@ -64,33 +58,51 @@ class BoostedOptimizer(Optimizer):
         self._optimizer_load_state_dict_pre_hooks: OrderedDict[int, Any] = OrderedDict()
         self._optimizer_load_state_dict_post_hooks: OrderedDict[int, Any] = OrderedDict()
 
-    # -- the inner optimizer's groups, state and defaults ----------------------------
-
     @property
     def param_groups(self) -> list[dict[str, Any]]:
-        groups: list[dict[str, Any]] = self.inner.param_groups
+        groups: list[dict[str, Any]] = self.viewed().param_groups
         return groups
 
     @param_groups.setter
     def param_groups(self, groups: list[dict[str, Any]]) -> None:
-        self.inner.param_groups = groups
+        self.viewed().param_groups = groups
 
     @property
     def state(self) -> Any:
-        return self.inner.state
+        return self.viewed().state
 
     @state.setter
     def state(self, state: Any) -> None:
-        self.inner.state = state
+        self.viewed().state = state
 
     @property
     def defaults(self) -> dict[str, Any]:
-        defaults: dict[str, Any] = self.inner.defaults
+        defaults: dict[str, Any] = self.viewed().defaults
         return defaults
 
     @defaults.setter
     def defaults(self, defaults: dict[str, Any]) -> None:
-        self.inner.defaults = defaults
+        self.viewed().defaults = defaults
+
+
+class BoostedOptimizer(OptimizerView):
+    """The optimizer ``boost`` returns [Note: boosted optimizer]:
+    ``param_groups``, ``state`` and ``defaults`` are the inner optimizer's
+    (not copies), ``step`` runs the plugin's policy, and ``backward``,
+    ``clip_grad_by_norm`` and ``unwrap`` are here. Any other attribute reads through to the inner
+    optimizer (a pc-zero optimizer's ``memory()``, ``loss_scale``)."""
+
+    def __init__(self, inner: Optimizer, plugin: StepOwner, policy: GradientStep) -> None:
+        object.__setattr__(self, "inner", inner)
+        # The plugin that boosted it: backward goes through it.
+        self.plugin = plugin
+        # The step: scale, unscale, clip, skip or step [Note: one step policy].
+        self.policy = policy
+        self._hook_tables()
+
+    def viewed(self) -> Optimizer:
+        inner: Optimizer = self.inner
+        return inner
 
     def __getattr__(self, name: str) -> Any:
         # Only reached when normal lookup fails: the inner optimizer's own

@@ -35,7 +35,6 @@ Expert optimizer states are 1/ep of the whole, like the shards.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -48,6 +47,7 @@ from pc_booster.canonical import rebuild_optimizer
 from pc_booster.plugin import Boosted, BoostRequest
 from pc_booster.plugins.low_level_zero import masters_from_built
 from pc_booster.step_policies import GradientStep
+from pc_booster.wrappers import OptimizerView
 
 if TYPE_CHECKING:
     from pc_booster.plugins.hybrid import HybridParallelPlugin
@@ -168,40 +168,18 @@ def split_optimizer(
     )
 
 
-class ExpertParallelOptimizer(Optimizer):
+class ExpertParallelOptimizer(OptimizerView):
     """Dense and expert optimizers stepped as one [Note: expert-parallel
-    optimizer]."""
+    optimizer]; the groups, state and defaults shown are the dense one's
+    (schedulers write them)."""
 
     def __init__(self, dense: Optimizer, experts: Optimizer) -> None:
-        # Optimizer.__init__ is not called: the groups are the dense
-        # optimizer's own (schedulers write them); the step hooks' tables
-        # torch's register_step_* methods use are made here.
         self.dense: Optimizer = dense
         self.experts = experts
-        self.defaults = dense.defaults
-        self._optimizer_step_pre_hooks: OrderedDict[int, Any] = OrderedDict()
-        self._optimizer_step_post_hooks: OrderedDict[int, Any] = OrderedDict()
-        self._optimizer_state_dict_pre_hooks: OrderedDict[int, Any] = OrderedDict()
-        self._optimizer_state_dict_post_hooks: OrderedDict[int, Any] = OrderedDict()
-        self._optimizer_load_state_dict_pre_hooks: OrderedDict[int, Any] = OrderedDict()
-        self._optimizer_load_state_dict_post_hooks: OrderedDict[int, Any] = OrderedDict()
+        self._hook_tables()
 
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        groups: list[dict[str, Any]] = self.dense.param_groups
-        return groups
-
-    @param_groups.setter
-    def param_groups(self, groups: list[dict[str, Any]]) -> None:
-        self.dense.param_groups = groups
-
-    @property
-    def state(self) -> Any:
-        return self.dense.state
-
-    @state.setter
-    def state(self, state: Any) -> None:
-        self.dense.state = state
+    def viewed(self) -> Optimizer:
+        return self.dense
 
     def __repr__(self) -> str:
         return f"ExpertParallelOptimizer(dense={self.dense!r}, experts={self.experts!r})"

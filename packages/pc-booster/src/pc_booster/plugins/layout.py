@@ -43,45 +43,37 @@ class ParallelLayout:
         """Collective over the default group: every rank calls it with the same sizes."""
         layout = ParallelLayout(make_subgroups(pp_size=pp, tp_size=tp), sp=sp, ep=ep)
         if ep > 1:
-            layout._expert_groups(ep)
+            layout.ep_group, layout.expert_data_group = layout._blocks("ep_size", ep)
         if sp > 1:
-            if layout.dims.dp % sp:
-                raise ValueError(
-                    f"sp_size={sp} must divide the {layout.dims.dp} data-parallel ranks of each "
-                    f"model replica (world {layout.dims.world_size} / tp {tp} / pp {pp})."
-                )
-            me = dist.get_rank()
-            for ranks in layout.dims.groups("dp"):  # every rank makes every group, in order
-                for start in range(0, len(ranks), sp):
-                    block = tuple(ranks[start : start + sp])
-                    group = layout.group_over(block)  # collective: every rank makes it
-                    if me in block:
-                        layout.sp_group = group
-                for offset in range(sp):
-                    across = tuple(ranks[offset::sp])
-                    group = layout.group_over(across)
-                    if me in across:
-                        layout.data_group = group
+            layout.sp_group, layout.data_group = layout._blocks("sp_size", sp)
         return layout
 
-    def _expert_groups(self, ep: int) -> None:
-        if self.dims.dp % ep:
+    def _blocks(
+        self, what: str, size: int
+    ) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
+        """This rank's groups when each model replica's data-parallel ranks
+        are split in blocks of ``size`` consecutive ranks: its block, and
+        the ranks at its place in every block. Collective: every rank makes
+        every group, in the same order."""
+        if self.dims.dp % size:
             raise ValueError(
-                f"ep_size={ep} must divide the {self.dims.dp} data-parallel ranks of each model "
-                f"replica (world {self.dims.world_size} / tp {self.dims.tp} / pp {self.dims.pp})."
+                f"{what}={size} must divide the {self.dims.dp} data-parallel ranks of each "
+                f"model replica (world {self.dims.world_size} / tp {self.dims.tp} / pp "
+                f"{self.dims.pp})."
             )
-        me = dist.get_rank()
-        for ranks in self.dims.groups("dp"):  # every rank makes every group, in order
-            for start in range(0, len(ranks), ep):
-                block = tuple(ranks[start : start + ep])
+        me, block_group, across_group = dist.get_rank(), None, None
+        for ranks in self.dims.groups("dp"):
+            for start in range(0, len(ranks), size):
+                block = tuple(ranks[start : start + size])
                 group = self.group_over(block)
                 if me in block:
-                    self.ep_group = group
-            for offset in range(ep):
-                across = tuple(ranks[offset::ep])
+                    block_group = group
+            for offset in range(size):
+                across = tuple(ranks[offset::size])
                 group = self.group_over(across)
                 if me in across:
-                    self.expert_data_group = group
+                    across_group = group
+        return block_group, across_group
 
     @property
     def dims(self) -> ParallelDims:
