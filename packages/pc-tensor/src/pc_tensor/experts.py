@@ -22,9 +22,10 @@ family.
 wraps the module's call with a forward pre-hook and a forward hook:
 
 - dispatch: each (token, choice) pair goes to the rank holding its expert,
-  sorted by expert; the counts are exchanged, then the hidden rows and the
-  routing weights by a differentiable all-to-all (uneven splits), with the
-  expert indices made local;
+  sorted by expert; the rows per expert are exchanged (each rank learns how
+  many rows of each of its experts every rank sends, which also gives the
+  received rows' local expert indices), then the hidden rows and the
+  routing weights by a differentiable all-to-all (uneven splits);
 - the module's own forward then runs on the rows it received, one choice
   each (``top_k_index [M, 1]``), so its computation (eager loop, grouped
   matrix multiply, biases, activations) is the model's;
@@ -195,8 +196,7 @@ def _shard_one(
     count = int(module.num_experts)  # type: ignore[arg-type]
     local = count // size
     first = rank * local
-    names = []
-    info_key = module.__class__.__name__
+    names, shards = [], []
     for name, param in list(module.named_parameters()):
         owner_path, _, leaf = name.rpartition(".")
         owner = module.get_submodule(owner_path) if owner_path else module
@@ -206,11 +206,13 @@ def _shard_one(
         if shard.requires_grad and size > 1:
             shard.register_hook(lambda g, s=size: g / s)  # type: ignore[no-untyped-call]  # [Note: expert gradients]
         setattr(owner, leaf, shard)
-        _EXPERT_PARAMS[shard] = info_key
         names.append(name)
+        shards.append(shard)
     setattr(module, "num_experts", local)  # noqa: B010 (as shard_model divides head counts)
     info = ExpertShard(group, size, count, first, local, capacity_factor, tuple(names))
     _SHARDS[module] = info
+    for shard in shards:
+        _EXPERT_PARAMS[shard] = info
     plans: list[_Route] = []
     module.register_forward_pre_hook(
         lambda m, args, kwargs: _dispatch(info, plans, args, kwargs), with_kwargs=True
@@ -292,14 +294,17 @@ def _dispatch(
     if info.capacity_factor is not None:
         order = _within_capacity(order, experts, info, hidden.shape[0] * k)
     experts, tokens = experts[order], tokens[order]
-    owners = torch.div(experts, info.local, rounding_mode="floor")
-    send_counts = torch.bincount(owners, minlength=info.size)
-    recv_counts = torch.empty_like(send_counts)
-    dist.all_to_all_single(recv_counts, send_counts, group=info.group)
-    send, recv = send_counts.tolist(), recv_counts.tolist()
+    # Rows per expert: chunk r (rank r's experts) goes to rank r, which
+    # receives, from every rank, its rows per local expert, in that order.
+    sent = torch.bincount(experts, minlength=info.num_experts)
+    received = torch.empty_like(sent)
+    dist.all_to_all_single(received, sent, group=info.group)
+    send = sent.view(info.size, info.local).sum(1).tolist()
+    recv = received.view(info.size, info.local).sum(1).tolist()
     rows = _move(hidden[tokens], send, recv, info.group)
     routed = _move(weights.reshape(-1)[order], send, recv, info.group)
-    local = _exchange(experts - owners * info.local, send, recv, info.group)
+    ids = torch.arange(info.local, device=received.device).repeat(info.size)
+    local = ids.repeat_interleave(received)
     plans.append(_Route(tokens, send, recv, shape, hidden.dtype))
     return (rows, local[:, None], routed[:, None]), {}
 

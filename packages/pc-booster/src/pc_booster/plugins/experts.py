@@ -86,7 +86,14 @@ def configure_experts(
         for zero in (dense, expert):
             masters_from_built(model, zero, built)
         both = ExpertParallelOptimizer(dense, expert)
-        step_policy = GradientStep("HybridParallelPlugin")
+        step_policy = GradientStep(
+            "HybridParallelPlugin",
+            no_clip=(
+                "with ep_size > 1 and zero_stage 1 or 2 the dense and the expert gradients sit "
+                "in two ZeRO optimizers, with no global norm across them yet; clip with "
+                "zero_stage=0, or train without clipping"
+            ),
+        )
         return request.boosted(model, both, module=model, step_policy=step_policy)
     ExpertGradientSync(experts, layout.expert_data_group)
     wrapped: nn.Module = model
@@ -195,9 +202,6 @@ class ExpertParallelOptimizer(OptimizerView):
     def parts(self) -> tuple[Optimizer, Optimizer]:
         """The dense optimizer and the experts'."""
         return self.dense, self.experts
-
-    def expert_parameters(self) -> list[torch.Tensor]:
-        return [p for g in self.experts.param_groups for p in g["params"]]
 
     def _sync_hyperparameters(self) -> None:
         for mine, theirs in zip(self.dense.param_groups, self.experts.param_groups, strict=True):

@@ -205,8 +205,9 @@ def load_model_state_dict(
 ) -> None:
     module = boosted.module
     local = dict(module.named_parameters())
+    experts = _expert_names(module)
     mine = {
-        k: _slice(plugin, v, local[k].shape) if k in local and k in _expert_names(module) else v
+        k: _slice(plugin, v, local[k].shape) if k in local and k in experts else v
         for k, v in state.items()
     }
     load_cast(module, mine)
