@@ -190,6 +190,7 @@ def sequence_lm_loss(
     *,
     zigzag: bool,
     grad_scale: float = 1.0,
+    rank_term: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The next-token loss of the whole sequence from this rank's share of
     the logits (``[batch, share, vocab]``, the positions of
@@ -197,7 +198,10 @@ def sequence_lm_loss(
     (``[batch, total]``, -100 ignored): the labels are shifted before the
     split, the sum is divided by the whole sequence's targets, and the
     result is summed over ``group`` (every rank gets the whole loss;
-    backward gives each rank its own part, times ``grad_scale``)."""
+    backward gives each rank its own part, times ``grad_scale``).
+    ``rank_term``, a term of this rank's tokens alone (a mixture-of-experts
+    model's weighted auxiliary loss), is averaged over the group and added
+    [Note: auxiliary loss under sequence parallelism]."""
     total = labels.shape[1]
     mine = sequence_positions(total, group, zigzag=zigzag, device=labels.device)
     shifted = nn.functional.pad(labels, (0, 1), value=-100)[:, 1:]
@@ -205,6 +209,8 @@ def sequence_lm_loss(
     targets = shifted.index_select(1, mine).reshape(-1)
     flat = logits.reshape(-1, logits.shape[-1]).float()
     part = nn.functional.cross_entropy(flat, targets, ignore_index=-100, reduction="sum") / count
+    if rank_term is not None:
+        part = part + rank_term.to(part.device) / dist.get_world_size(group)
     loss: torch.Tensor = _SumOverGroup.apply(part, group, grad_scale)  # type: ignore[no-untyped-call, unused-ignore]
     return loss
 

@@ -19,6 +19,6 @@ pipeline.
 """
 
 from pc_booster.pipeline.cut import pipeline_layers
-from pc_booster.pipeline.stages import SequenceShare, feed_inputs
+from pc_booster.pipeline.stages import SequenceShare, feed_inputs, router_recorder
 
-__all__ = ["SequenceShare", "feed_inputs", "pipeline_layers"]
+__all__ = ["SequenceShare", "feed_inputs", "pipeline_layers", "router_recorder"]

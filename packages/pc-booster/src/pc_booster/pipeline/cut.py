@@ -19,6 +19,7 @@ from pc_booster.pipeline.stages import (
     _PlanContext,
     _PlanEmbed,
     _PlanHead,
+    router_recorder,
 )
 
 __all__ = ["pipeline_layers"]
@@ -32,6 +33,22 @@ _HEADS = {
     "ForTokenClassification": "token",
     "ForImageClassification": "pooled",
 }
+
+
+def _context(
+    model: nn.Module,
+    base: nn.Module,
+    blocks: nn.ModuleList,
+    share: SequenceShare | None,
+    kind: str,
+) -> _PlanContext:
+    """What the layers share; a causal mixture-of-experts model's routers
+    recorded for its auxiliary loss [Note: router logits through a pipeline]."""
+    context = _PlanContext(model, base, blocks, share)
+    spec = router_recorder(model) if kind == "causal" else None
+    if spec is not None:
+        context.record_routers(spec)
+    return context
 
 
 def _plan_layers(
@@ -65,7 +82,7 @@ def _plan_layers(
             f"pipeline parallelism: {type(model).__name__} is a base model without a head; "
             "give it one (ForCausalLM, ForSequenceClassification, ...)."
         )
-    context = _PlanContext(model, base, blocks, share)
+    context = _context(model, base, blocks, share, kind)
     first = _PlanEmbed(context, {**before, **shared})
     middle = [_PlanBlock(context, i, b, shared) for i, b in enumerate(blocks)]
     pooled = kind == "sequence"
@@ -156,7 +173,7 @@ def _inferred_layers(
     shared = {n: m for n, m in others.items() if not any(True for _ in m.parameters())}
     owning = {n: m for n, m in others.items() if n not in shared}
     heads = {n: m for n, m in model.named_children() if m is not base}
-    context = _PlanContext(model, base, blocks, share)
+    context = _context(model, base, blocks, share, kind)
     first = _PlanEmbed(context, {**owning, **shared})
     middle = [_PlanBlock(context, i, b, shared) for i, b in enumerate(blocks)]
     capture = None

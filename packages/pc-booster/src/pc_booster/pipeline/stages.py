@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = []
+__all__ = ["router_recorder"]
 
 
 class _GPT2Embed(nn.Module):
@@ -105,12 +105,22 @@ class _Recorder(nn.Module):
     the arguments the base model passes it (masks, position embeddings)
     and passes the hidden states on, or stops the forward."""
 
-    def __init__(self, index: int, calls: list[Any], stop: bool, value: Any = None) -> None:
+    def __init__(
+        self,
+        index: int,
+        calls: list[Any],
+        stop: bool,
+        value: Any = None,
+        router_logits: tuple[torch.Tensor, ...] = (),
+    ) -> None:
         super().__init__()
         self.index, self.calls, self.stop, self.value = index, calls, stop, value
+        self.router_logits = router_logits  # [Note: router logits through a pipeline]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self.calls[self.index] = (args[1:], kwargs)
+        if self.router_logits:
+            _hand_router_logits(self.router_logits)
         if self.stop:
             raise _Stop(args[0] if args else kwargs.get("hidden_states"))
         return args[0] if self.value is None else self.value
@@ -158,6 +168,28 @@ class _PlanContext:
         # [Note: blocks passed nothing but the hidden states]
         self.plain_blocks = "inputs_embeds" not in accepted
         self.takes_cache = "use_cache" in accepted
+        # [Note: router logits through a pipeline]: the router logits each
+        # block's routers give while a block runs, or None when not recorded.
+        self.routed: list[torch.Tensor] | None = None
+        self.router_layers = 0  # how many routers the blocks hold
+
+    def record_routers(self, spec: tuple[type[nn.Module], int, str | None]) -> None:
+        """Record the output ``spec[1]`` of every module of class ``spec[0]``
+        in the blocks (under the dotted ``spec[2]`` when given) while a block
+        runs as a pipeline layer."""
+        router_class, index, where = spec
+
+        def record(module: nn.Module, args: Any, output: Any) -> None:
+            if self.routed is not None:
+                self.routed.append(output[index] if isinstance(output, tuple) else output)
+
+        for block in self.blocks:
+            for name, module in block.named_modules():
+                if isinstance(module, router_class) and (
+                    where is None or f".{where.strip('.')}." in f".{name}."
+                ):
+                    module.register_forward_hook(record)
+                    self.router_layers += 1
 
     def positions(self, local: int, device: torch.device) -> dict[str, torch.Tensor]:
         """Under sequence parallelism, ``position_ids`` of this rank's
@@ -300,14 +332,23 @@ class _PlanBlock(nn.Module):
         self.block = block
         self.shared = nn.ModuleDict(shared)  # parameter-free: rotary embeddings
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, *routed: torch.Tensor) -> Any:
         args, kwargs = self.context.block_arguments(hidden)[self.index]
-        out = self.block(hidden, *args, **kwargs)
+        context = self.context
+        if context.router_layers:  # [Note: router logits through a pipeline]
+            context.routed = []
+        try:
+            out = self.block(hidden, *args, **kwargs)
+            mine, context.routed = context.routed or [], None
+        finally:
+            context.routed = None
         if isinstance(out, (tuple, list)):  # OpenAI GPT's blocks return a list
-            self.context.block_returns_tuple = True
+            context.block_returns_tuple = True
             out = out[0]
         result: torch.Tensor = out
-        return result
+        if not routed and not mine:
+            return result
+        return result, torch.cat([*routed, *mine])
 
 
 class _PlanHead(nn.Module):
@@ -332,13 +373,16 @@ class _PlanHead(nn.Module):
         # [Note: classifiers that pool their own way]).
         self.capture = capture
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, *routed: torch.Tensor) -> Any:
         if self.pooled:
             for module in self.parts.values():
                 hidden = module(hidden)
             return hidden
         handed = (hidden,) if self.context.block_returns_tuple else hidden
         last = len(self.context.blocks) - 1
+        layers: tuple[torch.Tensor, ...] = ()
+        if routed:  # [Note: router logits through a pipeline]
+            layers = routed[0].chunk(self.context.router_layers)
         calls: list[Any] = [None] * len(self.context.blocks)
         taken: list[torch.Tensor] = []
         handle = (
@@ -361,9 +405,13 @@ class _PlanHead(nn.Module):
                 embeds = hidden.new_zeros((*hidden.shape[:-1], width))  # its values are dropped
             feed = {"inputs_embeds": embeds, "use_cache": False}
         try:
-            with self.context.swapped(
-                lambda i: _Recorder(i, calls, stop=False, value=handed if i == last else None)
-            ):
+
+            def stand_in(i: int) -> _Recorder:
+                if i != last:
+                    return _Recorder(i, calls, stop=False)
+                return _Recorder(i, calls, stop=False, value=handed, router_logits=layers)
+
+            with self.context.swapped(stand_in):
                 out = self.context.model(**feed)
         finally:
             if handle is not None:
@@ -372,7 +420,62 @@ class _PlanHead(nn.Module):
             return taken[-1]
         logits = out["logits"] if isinstance(out, dict) else out[0]
         result: torch.Tensor = logits
+        aux = out.get("aux_loss") if isinstance(out, dict) and layers else None
+        if isinstance(aux, torch.Tensor):  # one per micro-batch, concatenated as outputs
+            return result, aux.reshape(1)
         return result
+
+
+def router_recorder(model: nn.Module) -> tuple[type[nn.Module], int, str | None] | None:
+    """Where a ``transformers`` mixture-of-experts model records its router
+    logits for its auxiliary loss (the class of its routers, the index of
+    the logits in their output, the dotted name they sit under), when its
+    config has ``output_router_logits`` on; None otherwise."""
+    if getattr(getattr(model, "config", None), "output_router_logits", False) is not True:
+        return None
+    base = getattr(model, "base_model", model)
+    specs = getattr(type(base), "_can_record_outputs", None) or {}
+    spec = specs.get("router_logits") if isinstance(specs, dict) else None
+    spec = spec[0] if isinstance(spec, list) and len(spec) == 1 else spec
+    if isinstance(spec, type) and issubclass(spec, nn.Module):
+        return spec, 1, None  # transformers' default index for outputs other than hidden states
+    target = getattr(spec, "target_class", None)
+    if isinstance(target, type) and issubclass(target, nn.Module):
+        return target, int(getattr(spec, "index", 0)), getattr(spec, "layer_name", None)
+    raise ValueError(
+        f"{type(model).__name__} has output_router_logits=True, and pc cannot tell from its "
+        f"_can_record_outputs ({spec!r}) which modules give the router logits its auxiliary "
+        "loss adds up, so a pipeline would leave the loss out. Set "
+        "model.config.output_router_logits = False to train the pipeline without it, or "
+        "train with pp_size=1."
+    )
+
+
+def _hand_router_logits(layers: tuple[torch.Tensor, ...]) -> None:
+    """Inside the model's own forward on the last stage, give its output
+    recorder the router logits of every layer, carried through the pipeline
+    [Note: router logits through a pipeline]."""
+    from transformers.utils import output_capturing
+
+    collector = output_capturing._active_collector.get()
+    if collector is None or "router_logits" not in collector:
+        raise AssertionError("the model's forward is not recording router logits")
+    collector["router_logits"].extend(layers)
+
+
+# [Note: router logits through a pipeline]
+# A mixture-of-experts model adds to its loss an auxiliary (load-balancing)
+# loss computed from the router logits of every layer, which a pipeline's
+# last stage does not hold. The blocks' routers are hooked (the classes
+# the model's own output recorder names); each block passes on, beside the
+# hidden states, the logits of every router so far, concatenated, so the
+# tensor crossing each stage boundary grows by one [tokens, experts] per
+# router (a few percent of the hidden states for 8 to 64 experts). On the
+# last stage the model's own forward runs after the last block with those
+# logits handed to its recorder, so the auxiliary loss is the model's
+# function of them, as in one process; the head returns it beside the
+# logits, and its gradient flows back through the boundaries to every
+# stage's routers.
 
 
 # [Note: blocks passed nothing but the hidden states]

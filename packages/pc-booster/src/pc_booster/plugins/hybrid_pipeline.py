@@ -18,7 +18,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from pc_booster.canonical import rebuild_optimizer
-from pc_booster.pipeline import SequenceShare, feed_inputs, pipeline_layers
+from pc_booster.pipeline import SequenceShare, feed_inputs, pipeline_layers, router_recorder
 from pc_booster.plugin import Boosted, BoostRequest
 from pc_booster.plugins.common import (
     autocast_forward,
@@ -56,6 +56,8 @@ class PipelineStage:
     stage_params: frozenset[str] | None = None
     #: weights tied across stages, each with the group that sums its gradient
     tied: list[tuple[nn.Parameter, dist.ProcessGroup]] = field(default_factory=list)
+    #: the weight of a mixture-of-experts model's auxiliary loss in its loss
+    aux_coefficient: float = 0.0
 
 
 class StageOutput:
@@ -63,11 +65,20 @@ class StageOutput:
     micro-batch, shaped like a ``transformers`` model output: ``logits``
     (vocabulary-parallel under tensor parallelism), and ``loss``, the
     model's own loss on the micro-batch's ``labels`` (its ``input_ids``
-    when it has none), computed when first read."""
+    when it has none), computed when first read, with a mixture-of-experts
+    model's auxiliary loss added as the model adds it (``aux_loss``)."""
 
-    def __init__(self, logits: torch.Tensor, loss: Callable[[], torch.Tensor]) -> None:
+    def __init__(
+        self,
+        logits: torch.Tensor,
+        loss: Callable[[], torch.Tensor],
+        aux_loss: torch.Tensor | None = None,
+    ) -> None:
         self.logits = logits
         self._compute_loss = loss
+        #: a mixture-of-experts model's auxiliary loss of the micro-batch
+        #: (included in ``loss`` with the model's coefficient), else None
+        self.aux_loss = aux_loss
 
     @cached_property
     def loss(self) -> torch.Tensor:
@@ -112,6 +123,10 @@ def _stage_layout(plugin: HybridParallelPlugin, model: nn.Module) -> tuple[Any, 
         sequence_attention(model, plugin.layout.sp_group, mode)
     layers, plugin.stage.loss_kind = pipeline_layers(model, share)
     plugin.stage.loss_config = getattr(model, "config", None)
+    if plugin.stage.loss_kind == "causal" and router_recorder(model) is not None:
+        from pc_tensor.hooks import aux_loss_coefficient
+
+        plugin.stage.aux_coefficient = aux_loss_coefficient(model.forward)
     o = plugin.options
     stages = o.pp_size * o.chunks_per_rank()
     blocks = len(layers) - 2
@@ -135,7 +150,6 @@ def configure_pipeline(
 
     model, optimizer, precision = request.model, request.optimizer, request.precision
     layout, o = plugin.layout, plugin.options
-    _refuse_router_loss(model)
     if o.tp_size > 1:
         _shard_tensor_parallel(plugin, model)
     sequence, balance = _stage_layout(plugin, model)
@@ -160,22 +174,6 @@ def configure_pipeline(
         own_names = {}
     step_policy = plugin.step_policy(precision, own_names)
     return request.boosted(pipe, optimizer, module=model, step_policy=step_policy)
-
-
-def _refuse_router_loss(model: nn.Module) -> None:
-    """A mixture-of-experts model's auxiliary (load-balancing) loss sums the
-    router logits of every layer into the loss; a pipeline's last stage has
-    only its own layers' (the loss is the head's), so it would train without
-    it. Refused rather than dropped."""
-    config = getattr(model, "config", None)
-    if getattr(config, "output_router_logits", False) is True:
-        raise ValueError(
-            f"{type(model).__name__} has output_router_logits=True: its auxiliary load-balancing "
-            "loss adds up the router logits of every layer, and a pipeline stage holds only its "
-            "own layers, so pc's pipeline loss would leave it out. Set "
-            "model.config.output_router_logits = False to train the pipeline without it, or "
-            "train with pp_size=1 (expert and data parallelism keep it)."
-        )
 
 
 def _shard_tensor_parallel(plugin: HybridParallelPlugin, model: nn.Module) -> None:
@@ -328,12 +326,17 @@ def pooled(plugin: HybridParallelPlugin, logits: torch.Tensor, ids: torch.Tensor
 
 
 def lm_loss(
-    plugin: HybridParallelPlugin, logits: torch.Tensor, labels: torch.Tensor
+    plugin: HybridParallelPlugin,
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    aux: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The model's own loss: causal (shifted) or masked LM, vocabulary-
-    parallel under tensor parallelism; sequence classification on the
-    pooled logits, token classification per position, as transformers
+    parallel under tensor parallelism, with a mixture-of-experts model's
+    auxiliary loss ``aux`` times its coefficient; sequence classification on
+    the pooled logits, token classification per position, as transformers
     computes them (regression, single- or multi-label by the config)."""
+    term = None if aux is None else plugin.stage.aux_coefficient * aux.reshape(()).float()
     if plugin.stage.loss_kind in ("sequence", "pooled", "token"):
         from transformers.loss.loss_utils import (
             ForSequenceClassificationLoss,
@@ -358,6 +361,7 @@ def lm_loss(
             group,
             zigzag=plugin.options.sequence_parallelism_mode == "ring_attn",
             grad_scale=float(plugin.sp_size),
+            rank_term=term,  # [Note: auxiliary loss under sequence parallelism]
         )
     if plugin.stage.loss_kind == "causal":
         logits, labels = logits[:, :-1], labels[:, 1:]
@@ -365,8 +369,19 @@ def lm_loss(
     if plugin.tp_size > 1:
         from pc_tensor import vocab_parallel_cross_entropy
 
-        return vocab_parallel_cross_entropy(flat, target, plugin.layout.tp_group)
-    return nn.functional.cross_entropy(flat.float(), target)
+        loss = vocab_parallel_cross_entropy(flat, target, plugin.layout.tp_group)
+    else:
+        loss = nn.functional.cross_entropy(flat.float(), target)
+    return loss if term is None else loss + term
+
+
+def _split_output(output: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The last stage's output: the logits, and a mixture-of-experts
+    model's auxiliary loss when it has one [Note: router logits through a
+    pipeline]."""
+    if isinstance(output, tuple):
+        return output[0], output[1]
+    return output, None
 
 
 def execute_pipeline(
@@ -410,12 +425,13 @@ def execute_pipeline(
         scaler = policy.amp.scaler
     scale = float(scaler.scale) if scaler is not None else 1.0
 
-    def loss_fn(logits: torch.Tensor, *parts: torch.Tensor) -> torch.Tensor:
+    def loss_fn(output: Any, *parts: torch.Tensor) -> torch.Tensor:
         micro = dict(zip(keys, parts, strict=True))
         labels = micro["labels"] if "labels" in micro else micro[main]
+        logits, aux = _split_output(output)
         if plugin.stage.loss_kind == "sequence":
             logits = pooled(plugin, logits, micro[main])
-        out = StageOutput(logits, lambda: lm_loss(plugin, logits, labels))
+        out = StageOutput(logits, lambda: lm_loss(plugin, logits, labels, aux), aux)
         loss = user(out, micro)
         return loss * scale if scale != 1.0 else loss
 
@@ -430,6 +446,8 @@ def execute_pipeline(
             return_outputs=return_outputs,
         )
     _sum_tied_gradients(plugin, zero)
+    if outputs is not None:
+        outputs = _split_output(outputs)[0]
     loss = (
         losses.detach().float().mean() / scale
         if losses is not None
@@ -492,7 +510,8 @@ def _evaluate(
 ) -> dict[str, Any]:
     """execute_pipeline's forward-only pass (evaluation)."""
     with torch.no_grad():
-        logits = model(inputs[main])  # the last stage's output, None elsewhere
+        output = model(inputs[main])  # the last stage's output, None elsewhere
+        logits, aux = _split_output(output)
         loss = torch.zeros((), device=device())
         if logits is not None:
             batch = {k: inputs[k] for k in keys}
@@ -500,7 +519,9 @@ def _evaluate(
             if plugin.stage.loss_kind == "sequence":
                 logits = pooled(plugin, logits, batch[main])
             final = logits
-            out = StageOutput(final, lambda: lm_loss(plugin, final, labels))
+            if aux is not None:  # one per micro-batch: the model's on each, averaged
+                aux = aux.float().mean()
+            out = StageOutput(final, lambda: lm_loss(plugin, final, labels, aux), aux)
             loss = user(out, batch).detach().float().to(loss.device)
     layout = plugin.layout
     last = dist.get_global_rank(layout.pp_group, plugin.pp_size - 1)
