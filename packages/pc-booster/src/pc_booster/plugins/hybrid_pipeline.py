@@ -276,7 +276,10 @@ def _schedule(plugin: HybridParallelPlugin, mine: list[nn.Module]) -> nn.Module:
                 process_group=layout.dp_group,
                 broadcast_buffers=False,
                 bucket_cap_mb=o.ddp_bucket_cap_mb,
-                find_unused_parameters=o.find_unused_parameters,
+                # A module held by several stages (a cut inferred from the
+                # module tree puts the final norm on the first stage too) may
+                # go unused on some: its gradient comes from the tie's sum.
+                find_unused_parameters=o.find_unused_parameters or bool(plugin.stage.tied),
                 gradient_as_bucket_view=o.gradient_as_bucket_view,
                 ignored_parameters=[p for p in m.parameters() if is_expert_parameter(p)],
             )
