@@ -259,8 +259,22 @@ def _boosted(
     return booster, model, opt
 
 
+def _boosted_elsewhere(
+    name: str, plugin_name: str, aux: bool = True
+) -> tuple[Any, nn.Module, torch.optim.Optimizer]:
+    """A plugin without expert parallelism: torch DDP ("ddp") or ZeRO-1
+    ("zero1"), every expert on every rank."""
+    from pc_booster import Booster, LowLevelZeroPlugin, TorchDDPPlugin
+
+    plugin: Any = TorchDDPPlugin() if plugin_name == "ddp" else LowLevelZeroPlugin(stage=1)
+    booster = Booster(plugin=plugin)
+    model = _model(name, aux=aux)
+    model, opt, *_ = booster.boost(model, _optimizer("adamw", model.parameters()))
+    return booster, model, opt
+
+
 def _steps(booster: Any, model: nn.Module, opt: torch.optim.Optimizer, first: int) -> list[float]:
-    group = booster.plugin.dp_group  # the ranks reading different batches
+    group = getattr(booster.plugin, "dp_group", None)  # the ranks reading different batches
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     losses = []
     for step in range(first, first + 2):
@@ -275,12 +289,13 @@ def _steps(booster: Any, model: nn.Module, opt: torch.optim.Optimizer, first: in
 
 
 def check_checkpoint(
-    name: str, zero: int, root: str, saved_ep: int, loads: list[int], tp: int = 1
+    name: str, zero: int, root: str, saved_ep: int, loads: list[int | str], tp: int = 1
 ) -> None:
     """Saved at ``saved_ep`` (and ``tp``), sharded (DCP) and as single
     files, model and optimizer: training goes on bitwise at the same
     layout, and at rtol 1e-5 at each ep of ``loads`` without tensor
-    parallelism (1: experts replicated, no expert parallelism). Saved under
+    parallelism (1: experts replicated, no expert parallelism) and in each
+    plugin named there without expert parallelism ("ddp", "zero1"). Saved under
     tp, the loads read different shares of the batch (world / tp data-
     parallel ranks before, world after), which changes the auxiliary loss
     (a function of each rank's tokens): that case trains without it."""
@@ -293,10 +308,13 @@ def check_checkpoint(
     booster.save_model(model, path / "single")
     booster.save_optimizer(opt, path / "single-optim.pt")
     want = _steps(booster, model, opt, 2)
-    layouts = [(saved_ep, tp), *((ep, 1) for ep in loads)]
+    layouts: list[tuple[int | str, int]] = [(saved_ep, tp), *((ep, 1) for ep in loads)]
     for ep, layout_tp in layouts:
         for model_path, optim_path in (("model", "optim"), ("single", "single-optim.pt")):
-            booster, model, opt = _boosted(name, ep, zero, layout_tp, aux)
+            if isinstance(ep, str):
+                booster, model, opt = _boosted_elsewhere(name, ep, aux)
+            else:
+                booster, model, opt = _boosted(name, ep, zero, layout_tp, aux)
             booster.load_model(model, path / model_path)
             booster.load_optimizer(opt, path / optim_path)
             got = _steps(booster, model, opt, 2)
@@ -434,8 +452,8 @@ def check_case(case: str) -> None:
     elif kind.startswith("checkpoint"):
         _, zero, saved, *loads = kind.split("-")
         tp = 2 if "tp2" in loads else 1
-        ints = [int(x) for x in loads if x != "tp2"]
-        check_checkpoint(name, int(zero), ROOT, int(saved), ints, tp)
+        where = [x if x in ("ddp", "zero1") else int(x) for x in loads if x != "tp2"]
+        check_checkpoint(name, int(zero), ROOT, int(saved), where, tp)
     elif kind.startswith(("booster", "edge")):
         where, zero, optimizer, precision, *flags = kind.split("-")
         max_norm = CLIP if "clip" in flags else 0.0
@@ -469,8 +487,8 @@ CASES = [
     "booster-0-sgd-fp32-clip:mixtral",
     "booster-0-sgd-fp16-clip:qwen2_moe",
     "edge-0-sgd-fp16:olmoe",
-    "checkpoint-0-2-1:mixtral",
-    "checkpoint-2-2-1:qwen2_moe",
+    "checkpoint-0-2-1-ddp:mixtral",
+    "checkpoint-2-2-1-zero1:qwen2_moe",
 ]
 # ep 2 x dp 2: each expert on two ranks, its gradient averaged over them.
 WORLD4 = [
