@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from step_peak import step_peak
 
 from pc_booster import Booster
 from pc_comm.testing import run_subtests
@@ -40,6 +41,9 @@ MOE_CASES: dict[str, PluginOptions] = {
     f"hybrid-zero{z}-ep{ep}": PluginOptions(PluginKind.HYBRID, zero_stage=z, ep=ep)
     for z in (0, 1, 2)
     for ep in (1, 2)
+}
+PIPELINE_MOE_CASE = {
+    "hybrid-zero0-ep2-pp2": PluginOptions(PluginKind.HYBRID, zero_stage=0, ep=2, pp=2)
 }
 
 
@@ -118,6 +122,55 @@ def test_estimate_matches_measured_model_states_of_experts() -> None:
         {"model": ["mixtral-tiny"], "plugin": list(MOE_CASES), "precision": ["fp32", "bf16"]},
         timeout=300,
     )
+
+
+def _peak_case(plugin: str, precision: str) -> None:
+    """pc-estimate's per-rank peak (model states, activations, ZeRO-2's
+    gradient bucket in flight) against the bytes a rank holds at its peak
+    in a training step (:mod:`step_peak`), within 10 %."""
+    options = {**MOE_CASES, **PIPELINE_MOE_CASE}[plugin]
+    pp = options.pp
+    spec = resolve_model("mixtral-small", 128)
+    batch = 2
+
+    def build() -> Any:
+        made = options.make(max_norm=0.0)
+        booster = Booster(plugin=made, mixed_precision=None if precision == "fp32" else precision)
+        net = build_model(spec, seed=0, lazy=True)  # as pc-train builds it
+        optimizer = torch.optim.AdamW(net.parameters(), lr=1e-3)
+        net, optimizer, *_ = booster.boost(net, optimizer)
+        ids = torch.randint(0, 256, (batch, 128), generator=torch.Generator().manual_seed(0))
+
+        def step() -> None:
+            if pp > 1:
+                booster.execute_pipeline(iter([{"input_ids": ids}]), net, None, optimizer)
+            else:
+                booster.backward(net(input_ids=ids, labels=ids).loss, optimizer)
+            optimizer.step()
+            optimizer.zero_grad()
+
+        return step
+
+    held = torch.tensor([float(step_peak(build))])
+    dist.all_reduce(held, op=dist.ReduceOp.MAX)
+    micro = batch // (options.microbatches or pp)  # a pipeline's estimate is per micro-batch
+    predicted = estimate(spec, options, dist.get_world_size(), micro, 128, precision).device_bytes
+    ratio = predicted / float(held)
+    assert 0.9 <= ratio <= 1.1, (
+        f"mixtral-small {plugin} {precision}: predicted peak {predicted}, measured {int(held)} "
+        f"(ratio {ratio:.3f})"
+    )
+
+
+def test_estimate_matches_measured_peak_of_experts() -> None:
+    run_subtests(
+        _peak_case, 2, {"plugin": list(MOE_CASES), "precision": ["fp32", "bf16"]}, timeout=500
+    )
+
+
+def test_estimate_matches_measured_peak_of_experts_in_a_pipeline() -> None:
+    run_subtests(_peak_case, 4, {"plugin": ["hybrid-zero0-ep2-pp2"], "precision": ["fp32"]},
+                 timeout=300)  # fmt: skip
 
 
 def test_estimate_gives_the_zero_paper_formulas_at_scale() -> None:

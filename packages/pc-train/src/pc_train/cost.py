@@ -69,6 +69,9 @@ class ModelShape:
     embed_params: int  # first pipeline stage's extra parameters
     head_params: int  # last stage's (a tied head counts again)
     expert_params: int = 0  # mixture-of-experts blocks' experts (expert parallelism splits them)
+    moe_layers: int = 0  # blocks whose MLP is a mixture of experts
+    top_k: int = 0  # experts each token is routed to
+    expert_ffn: int = 0  # one expert's intermediate width
 
     def experts_per_rank(self, options: PluginOptions) -> int:
         """Expert parameters one rank holds: its stage's share, 1/ep of them."""
@@ -154,9 +157,14 @@ def model_shape(spec: ModelSpec) -> ModelShape:
     from pc_tensor import find_experts
 
     try:
-        experts = sum(_numel(m) for _, m in find_experts(model))
+        found = [m for _, m in find_experts(model)]
     except ValueError:  # experts pc cannot split: counted as dense
-        experts = 0
+        found = []
+    experts = sum(_numel(m) for m in found)
+    top_k = int(getattr(config, "num_experts_per_tok", 0) or 0) if found else 0
+    count = int(getattr(found[0], "num_experts", 0) or 0) if found else 0
+    # A gated expert holds three hidden x ffn matrices.
+    ffn = _numel(found[0]) // max(count * 3 * spec.hidden, 1) if found else 0
     return ModelShape(
         params=params,
         hidden=spec.hidden,
@@ -168,6 +176,9 @@ def model_shape(spec: ModelSpec) -> ModelShape:
         embed_params=embed,
         head_params=head,
         expert_params=experts,
+        moe_layers=len(found),
+        top_k=top_k,
+        expert_ffn=ffn,
     )
 
 
@@ -218,7 +229,12 @@ def _activation_bytes(
 ) -> int:
     s, b, h, a, t = seq, micro_batch, shape.hidden, shape.heads, options.tp
     transient = 0.0  # held while computed, not kept for backward
-    scale = 2.0 if precision == "fp32" else 1.0
+    # Half-width activations where the weights are: the hybrid plugin
+    # without ZeRO keeps fp32 weights and autocasts the matrix multiplies,
+    # so the residual stream, norms and softmax stay fp32 (measured: its
+    # peak in bf16 is its peak in fp32).
+    amp = options.kind is PluginKind.HYBRID and options.zero_stage == 0
+    scale = 2.0 if precision == "fp32" or amp else 1.0
     if options.sequence_parallel:
         per_layer = s * b * h * (34 + 5 * a * s / h) / t
     elif options.sp > 1:
@@ -236,7 +252,41 @@ def _activation_bytes(
     layers = shape.layers / options.pp
     in_flight = min(options.pp, options.microbatches or options.pp) if options.pp > 1 else 1
     logits = 3 * b * s * shape.vocab * 4 / (t * options.sp)  # fp32 logits, softmax, gradient
-    return int(scale * per_layer * layers * in_flight + logits + transient)
+    total = per_layer * layers
+    if shape.moe_layers and options.ep > 1:  # [Note: activations of a mixture of experts]
+        rows = s * b * shape.top_k / options.sp
+        routed = rows * (h + 4 * shape.expert_ffn) * 2
+        total += (_BUSIEST_RANK - 1) * routed * shape.moe_layers / options.pp
+    return int(scale * total * in_flight + logits + transient)
+
+
+# [Note: activations of a mixture of experts]
+# A mixture-of-experts block keeps, for each (token, expert) row it
+# routes, the row's input, the gate-and-up projection's output (two ffn
+# wide), the activation and the gated product (ffn each). Without expert
+# parallelism a rank computes its own tokens' rows, top_k per token, which
+# the dense formula's MLP share covers at the sizes measured. Under expert
+# parallelism it computes the rows routed to its experts: on average as
+# many, but as many as the router sends. The busiest of 2 ranks on a
+# freshly initialised Mixtral (mixtral-small, integration_tests/
+# test_pc_estimate.py) holds about 1.3 times the average; the estimate
+# allows for that much more on every rank.
+_BUSIEST_RANK = 1.3
+
+
+def _bucket_in_flight(plugin: Any, psi: float, grad_bytes: int) -> int:
+    """ZeRO-2 keeps only its shard of the gradients, but autograd makes
+    each gradient whole first: a bucket's worth (``reduce_bucket_size_in_m``
+    / ``zero_bucket_size_in_m`` million elements, or the whole model part
+    when smaller) is alive until its reduce-scatter, beside the activations
+    backward still holds."""
+    stage = getattr(plugin, "zero_stage", getattr(plugin, "stage", 0))
+    if stage != 2 or getattr(plugin, "cpu_offload", False):
+        return 0
+    millions = getattr(
+        plugin, "zero_bucket_size_in_m", getattr(plugin, "reduce_bucket_size_in_m", 0)
+    )
+    return int(min(float(millions) * 2**20, psi) * grad_bytes)
 
 
 def estimate(
@@ -280,6 +330,7 @@ def estimate(
     master, host = states.masters, states.host
     states_bytes = states.optimizer
     activations = _activation_bytes(shape, options, micro_batch, seq_len, precision)
+    activations += _bucket_in_flight(plugin, psi, g)
     pipeline_batches = options.microbatches or options.pp if options.pp > 1 else 1
     tokens = micro_batch * seq_len * n * pipeline_batches
     flops = (6 * shape.params + 12 * shape.layers * shape.hidden * seq_len) * tokens
