@@ -324,8 +324,8 @@ def check_checkpoint(
                 assert got == pytest.approx(want, rel=1e-5, abs=1e-6), (ep, model_path, got, want)
 
 
-def check_pipeline(name: str, kind: str, max_norm: float = 0.0) -> None:
-    """ep 2 x pp 2 (world 4, zero_stage 0): the experts of each stage split
+def check_pipeline(name: str, kind: str, max_norm: float = 0.0, zero: int = 0) -> None:
+    """ep 2 x pp 2 (world 4, ``zero`` stage): the experts of each stage split
     over its two data-parallel ranks, 1F1B over 2 micro-batches; losses and
     the whole gathered state (the plugin's model_state_dict) against single-
     process training, with the auxiliary loss on: every layer's router
@@ -347,7 +347,7 @@ def check_pipeline(name: str, kind: str, max_norm: float = 0.0) -> None:
         optimizer.step()
         optimizer.zero_grad()
         want.append(loss.item())
-    plugin = HybridParallelPlugin(pp_size=2, ep_size=2, max_norm=max_norm)
+    plugin = HybridParallelPlugin(pp_size=2, ep_size=2, max_norm=max_norm, zero_stage=zero)
     booster = Booster(plugin=plugin)
     model = _model(name)
     pipe, opt, *_ = booster.boost(model, _optimizer(kind, model.parameters()))
@@ -447,8 +447,9 @@ def check_case(case: str) -> None:
         _, zero, mode = kind.split("-")
         check_sequence(name, int(zero), mode)
     elif kind.startswith("pipeline"):
-        _, optimizer, *clip = kind.split("-")
-        check_pipeline(name, optimizer, CLIP if clip else 0.0)
+        _, optimizer, *flags = kind.split("-")
+        zero = next((int(f[4:]) for f in flags if f.startswith("zero")), 0)
+        check_pipeline(name, optimizer, CLIP if "clip" in flags else 0.0, zero)
     elif kind.startswith("checkpoint"):
         _, zero, saved, *loads = kind.split("-")
         tp = 2 if "tp2" in loads else 1
@@ -487,6 +488,11 @@ CASES = [
     "booster-0-sgd-fp32-clip:mixtral",
     "booster-0-sgd-fp16-clip:qwen2_moe",
     "edge-0-sgd-fp16:olmoe",
+    # ZeRO's two optimizers (dense, experts) with one norm and one overflow decision
+    "booster-1-sgd-fp32-clip:mixtral",
+    "booster-2-adamw-fp32-clip:qwen2_moe",
+    "booster-1-sgd-fp16-clip:olmoe",
+    "edge-1-sgd-fp16:mixtral",
     "checkpoint-0-2-1-ddp:mixtral",
     "checkpoint-2-2-1-zero1:qwen2_moe",
 ]
@@ -505,6 +511,9 @@ WORLD4 = [
     "pipeline-sgd-clip:qwen2_moe",
     "pipeline-sgd:olmoe",
     "pipeline-sgd:ernie4_5_moe",
+    "pipeline-sgd-zero1:mixtral",
+    "pipeline-sgd-clip-zero1:olmoe",
+    "booster-2-sgd-fp32-clip:ernie4_5_moe",
     "checkpoint-1-2-1-4:mixtral",
     "checkpoint-0-2-2-4-tp2:olmoe",
 ]

@@ -25,6 +25,7 @@ from pc_zero.pieces import Box, Pieces, PiecesLoadPlanner, PiecesSavePlanner, fl
 from pc_zero.protocols import OwnedPiece, ShardedOptimizer
 from pc_zero.sharded import MixedPrecision, ShardedModule
 from pc_zero.state import merge_sharded_state_dicts
+from pc_zero.together import step_together
 
 __version__ = "0.1.0"
 
@@ -58,6 +59,7 @@ __all__ = [
     "save_sharded_checkpoint",
     "searched_chunk_size",
     "size_based_auto_wrap_policy",
+    "step_together",
     "transformer_auto_wrap_policy",
     "unscale_clip_and_check",
     "zero_paper_bytes",

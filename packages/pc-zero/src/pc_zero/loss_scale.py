@@ -112,29 +112,54 @@ def unscale_clip_and_check(
     parallelism, tied across pipeline stages) counts once: ``[(0,
     g.numel())]`` for a whole tensor, ``[]`` for none. The elements left out
     still take part in the overflow check."""
-    groups = norm_groups(model_parallel_groups, tp_group)
     if scaler is None and max_norm == 0:
         return True, math.nan
-    squares = _local_squares(grads, count_ranges, device, check_all=scaler is not None)
+    total = reduced_squares(
+        grads, comm, device, norm_groups(model_parallel_groups, tp_group),
+        count_ranges=count_ranges, check_all=scaler is not None,
+    )  # fmt: skip
+    if scaler is not None and not math.isfinite(total):
+        scaler.update(True)
+        return False, math.inf
+    factor, norm = step_factor(total, scaler.scale if scaler is not None else 1.0, max_norm)
+    if factor != 1.0:
+        for grad in grads:
+            grad.mul_(factor)
+    return True, norm
+
+
+def reduced_squares(
+    grads: Sequence[torch.Tensor],
+    comm: Communicator | None,
+    device: torch.device,
+    groups: Sequence[dist.ProcessGroup],
+    *,
+    count_ranges: Sequence[Sequence[tuple[int, int]]] | None = None,
+    check_all: bool = True,
+) -> float:
+    """The sum of squares of the counted elements of ``grads`` over this
+    rank, ``comm`` and each of ``groups`` in turn (inf or NaN when any
+    element anywhere is not finite, with ``check_all``): the squared norm
+    of the gradients they hold together [Note: global norm across groups]."""
+    squares = _local_squares(grads, count_ranges, device, check_all=check_all)
     if comm is not None:
         comm.all_reduce(squares, ReduceOp.SUM)
     for group in groups:
         dist.all_reduce(squares, group=group)
-    total = float(squares)
-    if scaler is not None and not math.isfinite(total):
-        scaler.update(True)
-        return False, math.inf
-    scale = scaler.scale if scaler is not None else 1.0
+    return float(squares)
+
+
+def step_factor(total: float, scale: float, max_norm: float) -> tuple[float, float]:
+    """From the gradients' squared global norm ``total`` at loss scale
+    ``scale`` (finite): the factor that unscales them and clips them to
+    ``max_norm`` (0: no clip), and their unscaled norm."""
     norm = math.sqrt(total) / scale
     factor = 1.0 / scale
     if max_norm > 0:
         coef = max_norm / (norm + 1e-6)
         if coef < 1.0:
             factor *= coef
-    if factor != 1.0:
-        for grad in grads:
-            grad.mul_(factor)
-    return True, norm
+    return factor, norm
 
 
 def norm_groups(

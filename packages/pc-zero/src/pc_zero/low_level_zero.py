@@ -53,6 +53,7 @@ from pc_zero.loss_scale import (
     LossScaleConfig,
     counts_under_tensor_parallel,
     norm_groups,
+    reduced_squares,
     unscale_clip_and_check,
 )
 from pc_zero.memory import ModelStateMemory
@@ -529,15 +530,46 @@ class LowLevelZeroOptimizer(ClipsInStep, Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        grads = self.step_gradients()
+        if not self._checks_pass(grads):
+            self._end_step()
+            return loss
+        self.step_with(grads, 1.0)
+        return loss
+
+    # [Note: a step in two halves]
+    # Optimizers stepped as one (the dense and the expert parts of an
+    # expert-parallel model, pc_zero.step_together) need one global norm and
+    # one overflow decision across them: each gives its gradients
+    # (step_gradients) and their squared norm over its own ranks
+    # (gradient_squares); the factor is decided once (step_factor); each
+    # then steps with it (step_with) or skips (skip_step).
+
+    def step_gradients(self) -> list[torch.Tensor]:
+        """This rank's fp32 gradient pieces for the step, reductions done
+        [Note: a step in two halves]."""
         if self.stage == 1 and self._need_reduce:  # e.g. every backward ran under no_sync
             for k in range(len(self.buckets)):
                 self._launch(k)
             self._need_reduce = False
         self._wait()
-        grads = [self._fp32_grad(b) for b in self.buckets]
-        if not self._checks_pass(grads):
-            self._end_step()
-            return loss
+        return [self._fp32_grad(b) for b in self.buckets]
+
+    def gradient_squares(self, grads: list[torch.Tensor]) -> float:
+        """The squared norm of ``grads`` (:meth:`step_gradients`) over every
+        rank holding a piece of these parameters: the data-parallel ranks
+        and the model-parallel groups, each parameter counted once."""
+        return reduced_squares(
+            grads, self.comm, self.device, self._norm_groups,
+            count_ranges=self._norm_ranges, check_all=self.scaler is not None,
+        )  # fmt: skip
+
+    def step_with(self, grads: list[torch.Tensor], factor: float) -> None:
+        """Step on ``grads`` times ``factor`` (unscaling and clipping), then
+        gather the parameters [Note: a step in two halves]."""
+        if factor != 1.0:
+            for grad in grads:
+                grad.mul_(factor)
         for master, grad in zip(self._masters, grads, strict=True):
             master.grad = grad
         self.inner.step()
@@ -547,7 +579,13 @@ class LowLevelZeroOptimizer(ClipsInStep, Optimizer):
         if self.scaler is not None:
             self.scaler.update(False)
         self._end_step()
-        return loss
+
+    def skip_step(self) -> None:
+        """The step skipped on overflow, decided across the optimizers
+        stepped as one: the loss scale backs off."""
+        if self.scaler is not None:
+            self.scaler.update(True)
+        self._end_step()
 
     def _fp32_grad(self, b: Bucket) -> torch.Tensor:
         # fp32 on the same device: the piece itself, unscaled and clipped in

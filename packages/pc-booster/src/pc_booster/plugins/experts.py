@@ -48,6 +48,7 @@ from pc_booster.plugin import Boosted, BoostRequest
 from pc_booster.plugins.low_level_zero import masters_from_built
 from pc_booster.step_policies import GradientStep
 from pc_booster.wrappers import OptimizerView
+from pc_zero import LowLevelZeroOptimizer
 
 if TYPE_CHECKING:
     from pc_booster.plugins.hybrid import HybridParallelPlugin
@@ -56,6 +57,7 @@ __all__ = [
     "ExpertGradientSync",
     "ExpertParallelOptimizer",
     "configure_experts",
+    "expert_zero",
     "split_optimizer",
 ]
 
@@ -80,20 +82,8 @@ def configure_experts(
     if plugin.zero_stage:
         if request.optimizer is None:
             raise ValueError("zero_stage > 0 shards an optimizer: pass one to boost().")
-        dense, expert = split_optimizer(request.optimizer, names, model, is_expert_parameter)
-        dense = plugin.zero_optimizer(dense)
-        expert = plugin.zero_optimizer(expert, group=layout.expert_data_group)
-        for zero in (dense, expert):
-            masters_from_built(model, zero, built)
-        both = ExpertParallelOptimizer(dense, expert)
-        step_policy = GradientStep(
-            "HybridParallelPlugin",
-            no_clip=(
-                "with ep_size > 1 and zero_stage 1 or 2 the dense and the expert gradients sit "
-                "in two ZeRO optimizers, with no global norm across them yet; clip with "
-                "zero_stage=0, or train without clipping"
-            ),
-        )
+        both = expert_zero(plugin, request.optimizer, names, model, built)
+        step_policy = GradientStep("HybridParallelPlugin")
         return request.boosted(model, both, module=model, step_policy=step_policy)
     ExpertGradientSync(experts, layout.expert_data_group)
     wrapped: nn.Module = model
@@ -116,6 +106,29 @@ def configure_experts(
     return request.boosted(
         wrapped, optimizer, module=model, step_policy=plugin.step_policy(request.precision)
     )
+
+
+def expert_zero(
+    plugin: HybridParallelPlugin,
+    optimizer: Optimizer,
+    names: dict[int, str],
+    model: nn.Module,
+    built: dict[int, torch.Tensor],
+    own_names: dict[int, str] | None = None,
+) -> ExpertParallelOptimizer:
+    """The user's optimizer as two ZeRO optimizers, dense and experts,
+    stepped as one [Note: expert-parallel optimizer]; ``model``'s parameters
+    (a pipeline stage's: those ``own_names`` names)."""
+    from pc_tensor import is_expert_parameter
+
+    dense, expert = split_optimizer(optimizer, names, model, is_expert_parameter, own_names)
+    parts = (
+        plugin.zero_optimizer(dense, own_names, experts=False),
+        plugin.zero_optimizer(expert, own_names, experts=True),
+    )
+    for zero in parts:
+        masters_from_built(model, zero, built)
+    return ExpertParallelOptimizer(*parts)
 
 
 class ExpertGradientSync:
@@ -161,12 +174,20 @@ class ExpertGradientSync:
 
 
 def split_optimizer(
-    optimizer: Optimizer, names: dict[int, str], model: nn.Module, is_expert: Callable[[Any], bool]
+    optimizer: Optimizer,
+    names: dict[int, str],
+    model: nn.Module,
+    is_expert: Callable[[Any], bool],
+    own_names: dict[int, str] | None = None,
 ) -> tuple[Optimizer, Optimizer]:
     """The user's optimizer rebuilt twice over ``model``'s parameters (by
-    name, as ``names`` gives the originals'): over the dense ones, and over
-    the expert shards; every param group in both, some perhaps empty."""
+    name, as ``names`` gives the originals'; only those ``own_names`` names
+    when given, a pipeline stage's): over the dense ones, and over the
+    expert shards; every param group in both, some perhaps empty."""
     params = dict(model.named_parameters())
+    if own_names is not None:
+        mine = set(own_names.values())
+        params = {n: p for n, p in params.items() if n in mine}
     dense = {n: p for n, p in params.items() if not is_expert(p)}
     experts = {n: p for n, p in params.items() if is_expert(p)}
     return (
@@ -176,14 +197,54 @@ def split_optimizer(
 
 
 class ExpertParallelOptimizer(OptimizerView):
-    """Dense and expert optimizers stepped as one [Note: expert-parallel
-    optimizer]; the groups, state and defaults shown are the dense one's
-    (schedulers write them)."""
+    """Dense and expert ZeRO optimizers stepped as one, with one global
+    norm and one fp16 overflow decision (``pc_zero.step_together``)
+    [Note: expert-parallel optimizer]; the groups, state and defaults shown
+    are the dense one's (schedulers write them)."""
 
-    def __init__(self, dense: Optimizer, experts: Optimizer) -> None:
-        self.dense: Optimizer = dense
+    def __init__(self, dense: LowLevelZeroOptimizer, experts: LowLevelZeroOptimizer) -> None:
+        self.dense: LowLevelZeroOptimizer = dense
         self.experts = experts
         self._hook_tables()
+
+    @property
+    def max_norm(self) -> float:
+        """The plugin's clip at every step (both parts')."""
+        return self.dense.max_norm
+
+    @max_norm.setter
+    def max_norm(self, value: float) -> None:
+        self.dense.max_norm = self.experts.max_norm = float(value)
+
+    def clip_next_step(self, max_norm: float) -> None:
+        """Clip the next step by the global norm of both parts' gradients."""
+        self.dense.clip_next_step(max_norm)
+        self.experts.clip_next_step(max_norm)
+
+    @property
+    def scaler(self) -> Any:
+        """fp16's loss scaler (the dense part's; the experts' keeps step)."""
+        return self.dense.scaler
+
+    @property
+    def loss_scale(self) -> float:
+        return self.dense.loss_scale
+
+    def accumulated_grad(self, param: torch.Tensor) -> torch.Tensor:
+        """``param``'s accumulated gradient, from the part holding it."""
+        from pc_tensor import is_expert_parameter
+
+        part = self.experts if is_expert_parameter(param) else self.dense
+        return part.accumulated_grad(param)
+
+    def no_sync(self) -> Any:
+        """ZeRO-1's gradient accumulation without communication, both parts."""
+        from contextlib import ExitStack
+
+        stack = ExitStack()
+        stack.enter_context(self.dense.no_sync())
+        stack.enter_context(self.experts.no_sync())
+        return stack
 
     def viewed(self) -> Optimizer:
         return self.dense
@@ -216,8 +277,9 @@ class ExpertParallelOptimizer(OptimizerView):
             with torch.enable_grad():
                 loss = closure()
         self._sync_hyperparameters()
-        self.dense.step()
-        self.experts.step()
+        from pc_zero import step_together
+
+        step_together([self.dense, self.experts])
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:

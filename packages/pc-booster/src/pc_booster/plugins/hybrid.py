@@ -273,15 +273,19 @@ class HybridParallelPlugin(Plugin, SupportsNoSync, SupportsPipeline):
 
     # -- clipping and loss scaling across every group holding gradients ---------------
 
-    def counts_toward_norm(self, param: torch.Tensor, name: str | None = None) -> bool:
+    def counts_toward_norm(
+        self, param: torch.Tensor, name: str | None = None, over_ep: bool = True
+    ) -> bool:
         """Whether this rank counts ``param`` in the global gradient norm:
         each weight once across the model-parallel ranks (a tensor-parallel
         shard on every tp rank, a replicated weight on tp rank 0; a weight
-        tied across stages on the stage that trains it)."""
+        tied across stages on the stage that trains it; with ``over_ep``, a
+        dense weight on ep rank 0, where the norm is summed over the ep
+        group)."""
         layout = self.layout
         if self.tp_size > 1 and not self._tp_counts(param):
             return False
-        if self.ep_size > 1 and not self._ep_counts(param):
+        if self.ep_size > 1 and over_ep and not self._ep_counts(param):
             return False
         if self.pp_size > 1 and name is not None:
             return self.stage.stage_of.get(name, layout.coord.pp) == layout.coord.pp
@@ -318,21 +322,30 @@ class HybridParallelPlugin(Plugin, SupportsNoSync, SupportsPipeline):
         self,
         optimizer: Optimizer,
         names: dict[int, str] | None = None,
-        group: dist.ProcessGroup | None = None,
+        experts: bool | None = None,
     ) -> Any:
-        """ZeRO over the data-parallel ranks (or ``group``: the expert-data-
-        parallel ones), clipping by (and deciding fp16 overflow on) the norm
-        over the tensor and pipeline ranks too."""
+        """ZeRO over the data-parallel ranks, clipping by (and deciding fp16
+        overflow on) the norm over the tensor and pipeline ranks too. Under
+        expert parallelism one over the dense parameters (``experts``
+        False: their norm over the data-parallel ranks, which hold pieces of
+        the same weights) and one over the expert shards (True: over the
+        expert-data-parallel ranks, then the ep group, whose ranks hold
+        different experts), stepped as one [Note: expert-parallel optimizer]."""
         from pc_zero import LowLevelZeroOptimizer
 
         o = self.options
         by_id = names or {}
+        layout = self.layout
+        groups = self.norm_groups()
+        if experts is False:
+            groups = [g for g in groups if g is not layout.ep_group]
+        over_ep = experts is None
         return LowLevelZeroOptimizer(
             optimizer,
             stage=o.zero_stage,
-            dp_process_group=group or self.layout.dp_group,
-            model_parallel_groups=self.norm_groups(),
-            counts_toward_norm=lambda p: self.counts_toward_norm(p, by_id.get(id(p))),
+            dp_process_group=layout.expert_data_group if experts else layout.dp_group,
+            model_parallel_groups=groups,
+            counts_toward_norm=lambda p: self.counts_toward_norm(p, by_id.get(id(p)), over_ep),
             max_norm=o.max_norm,
             loss_scale=o.loss_scale(),
             overlap_communication=o.overlap_communication,

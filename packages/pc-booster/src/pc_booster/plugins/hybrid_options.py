@@ -234,19 +234,17 @@ def _expert_parallel(o: HybridParallelOptions, setting: RunSetting) -> str | Non
         )
     # Combinations whose expert parallelism pc does not have yet.
     later = [
-        ("zero_stage > 0 and pp_size > 1", o.zero_stage > 0 and o.pp_size > 1),
         ("tp_size > 1 and pp_size > 1", o.tp_size > 1 and o.pp_size > 1),
         ("Megatron's sequence parallelism (inside tp)", o.megatron_sp()),
-        ("zero_stage > 0 and max_norm > 0 (clipping)", o.zero_stage > 0 and o.max_norm > 0),
-        ("zero_stage > 0 and fp16", o.zero_stage > 0 and setting.precision is TrainPrecision.FP16),
     ]
     named = [name for name, given in later if given]
     if named:
         return (
             f"ep_size={o.ep_size} with {' and '.join(named)}: pc's expert parallelism does not "
-            "combine with it yet. Use ep_size with data parallelism: zero_stage 0 in any "
-            "precision, with clipping and pipelines, or zero_stage 1 / 2 in fp32 or bf16 "
-            "without clipping or pipelines; or ep_size=1 (experts replicated) for this layout."
+            "combine with it yet. Use ep_size with data parallelism and either tensor "
+            "parallelism (without pipelines; Ulysses or ring sequence parallelism for long "
+            "sequences) or pipelines (without tp), any zero_stage, precision and clipping; "
+            "or ep_size=1 (experts replicated) for this layout."
         )
     return None
 
@@ -349,7 +347,7 @@ class HybridParallelOptions(PluginConfig, LossScaleOptions):
         ),
         Rule(
             "ep_size not dividing the data-parallel ranks, or with Megatron's sequence "
-            "parallelism, tp x pp, or ZeRO and pipelines, clipping or fp16 (not yet)",
+            "parallelism or tp x pp (not yet)",
             _expert_parallel,
             ({"ep_size": 2, "tp_size": 2, "enable_sequence_parallelism": True}, RunSetting()),
         ),

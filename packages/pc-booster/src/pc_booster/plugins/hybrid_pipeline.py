@@ -33,7 +33,6 @@ from pc_booster.plugins.common import (
 )
 from pc_booster.plugins.low_level_zero import masters_from_built
 from pc_booster.rules import TrainPrecision
-from pc_zero import ShardedOptimizer
 
 if TYPE_CHECKING:
     from pc_booster.plugins.hybrid import HybridParallelPlugin
@@ -163,7 +162,12 @@ def configure_pipeline(
     built = _place_stage(plugin, mine, precision)
     own = _record_stages(plugin, model, [stage_modules(rank) for rank in range(pp)])
     pipe = _schedule(plugin, mine)
-    if optimizer is not None:
+    if optimizer is not None and o.zero_stage and o.ep_size > 1:
+        from pc_booster.plugins.experts import expert_zero
+
+        own_names = {id(p): n for n, p in own.items()}
+        optimizer = expert_zero(plugin, optimizer, names, model, built, own_names)
+    elif optimizer is not None:
         optimizer = rebuild_optimizer(optimizer, names, own, skip_missing=True)
         own_names = {id(p): n for n, p in own.items()}
         if o.zero_stage:
@@ -421,7 +425,7 @@ def execute_pipeline(
     )
     if optimizer is None or not torch.is_grad_enabled():
         return _evaluate(plugin, model, inputs, main, keys, user, return_loss, return_outputs)
-    zero = sharded(optimizer) if plugin.zero_stage else None  # once a step
+    zero = _zero_of(optimizer) if plugin.zero_stage else None  # once a step
     scaler = zero.scaler if zero is not None else None
     policy = plugin.boosted(model).step_policy
     if policy is not None and policy.amp is not None:  # fp16 without ZeRO
@@ -462,6 +466,17 @@ def execute_pipeline(
     return {"loss": loss if return_loss else None, "outputs": outputs}
 
 
+def _zero_of(optimizer: Optimizer) -> Any:
+    """The ZeRO optimizer behind ``optimizer`` (under expert parallelism
+    the dense and expert ones stepped as one, which accumulate, scale and
+    sum tied gradients as one)."""
+    from pc_booster.plugins.experts import ExpertParallelOptimizer
+    from pc_booster.wrappers import inner_optimizer
+
+    inner = inner_optimizer(optimizer)
+    return inner if isinstance(inner, ExpertParallelOptimizer) else sharded(optimizer)
+
+
 def _batch_inputs(
     plugin: HybridParallelPlugin, model: nn.Module, batch: Any
 ) -> tuple[dict[str, Any], str]:
@@ -488,7 +503,7 @@ def _batch_inputs(
     return inputs, main
 
 
-def _sum_tied_gradients(plugin: HybridParallelPlugin, zero: ShardedOptimizer | None) -> None:
+def _sum_tied_gradients(plugin: HybridParallelPlugin, zero: Any) -> None:
     """A weight tied across stages gets the sum of every holder's gradient
     (``zero``: the ZeRO optimizer, where there is one)."""
     for param, group in plugin.stage.tied:
