@@ -448,13 +448,15 @@ def check_case(case: str) -> None:
         check_sequence(name, int(zero), mode)
     elif kind.startswith("pipeline"):
         _, optimizer, *flags = kind.split("-")
-        zero = next((int(f[4:]) for f in flags if f.startswith("zero")), 0)
-        check_pipeline(name, optimizer, CLIP if "clip" in flags else 0.0, zero)
+        stage = next((int(f[4:]) for f in flags if f.startswith("zero")), 0)
+        check_pipeline(name, optimizer, CLIP if "clip" in flags else 0.0, stage)
     elif kind.startswith("checkpoint"):
         _, zero, saved, *loads = kind.split("-")
         tp = 2 if "tp2" in loads else 1
-        where = [x if x in ("ddp", "zero1") else int(x) for x in loads if x != "tp2"]
-        check_checkpoint(name, int(zero), ROOT, int(saved), where, tp)
+        into: list[int | str] = [
+            x if x in ("ddp", "zero1") else int(x) for x in loads if x != "tp2"
+        ]
+        check_checkpoint(name, int(zero), ROOT, int(saved), into, tp)
     elif kind.startswith(("booster", "edge")):
         where, zero, optimizer, precision, *flags = kind.split("-")
         max_norm = CLIP if "clip" in flags else 0.0
