@@ -324,7 +324,7 @@ def check_checkpoint(
                 assert got == pytest.approx(want, rel=1e-5, abs=1e-6), (ep, model_path, got, want)
 
 
-def check_pipeline(name: str, kind: str, max_norm: float = 0.0, zero: int = 0) -> None:
+def check_pipeline(name: str, kind: str, max_norm: float = 0.0, zero: int = 0, tp: int = 1) -> None:
     """ep 2 x pp 2 (world 4, ``zero`` stage): the experts of each stage split
     over its two data-parallel ranks, 1F1B over 2 micro-batches; losses and
     the whole gathered state (the plugin's model_state_dict) against single-
@@ -347,7 +347,9 @@ def check_pipeline(name: str, kind: str, max_norm: float = 0.0, zero: int = 0) -
         optimizer.step()
         optimizer.zero_grad()
         want.append(loss.item())
-    plugin = HybridParallelPlugin(pp_size=2, ep_size=2, max_norm=max_norm, zero_stage=zero)
+    plugin = HybridParallelPlugin(
+        pp_size=2, ep_size=2, max_norm=max_norm, zero_stage=zero, tp_size=tp
+    )
     booster = Booster(plugin=plugin)
     model = _model(name)
     pipe, opt, *_ = booster.boost(model, _optimizer(kind, model.parameters()))
@@ -499,7 +501,8 @@ def check_case(case: str) -> None:
     elif kind.startswith("pipeline"):
         _, optimizer, *flags = kind.split("-")
         stage = next((int(f[4:]) for f in flags if f.startswith("zero")), 0)
-        check_pipeline(name, optimizer, CLIP if "clip" in flags else 0.0, stage)
+        tp = 2 if "tp2" in flags else 1
+        check_pipeline(name, optimizer, CLIP if "clip" in flags else 0.0, stage, tp)
     elif kind.startswith("checkpoint"):
         _, zero, saved, *loads = kind.split("-")
         tp = 2 if "tp2" in loads else 1
@@ -587,3 +590,12 @@ def test_expert_parallel_matches_single_process(tmp_path: Path) -> None:
 
 def test_expert_parallel_with_data_parallel_matches_single_process(tmp_path: Path) -> None:
     run_subtests(_with_root, 4, {"case": WORLD4}, args=(str(tmp_path),), timeout=280)
+
+
+# tp 2 x pp 2 x ep 2: the attention split over tp, the blocks over two
+# stages, each stage's experts over its two data-parallel ranks.
+WORLD8 = ["pipeline-sgd-clip-tp2:qwen2_moe", "pipeline-sgd-zero1-tp2:mixtral"]
+
+
+def test_expert_parallel_with_tensor_and_pipeline_parallel(tmp_path: Path) -> None:
+    run_subtests(_with_root, 8, {"case": WORLD8}, args=(str(tmp_path),), timeout=280)

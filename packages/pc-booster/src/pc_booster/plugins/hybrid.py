@@ -212,7 +212,7 @@ class HybridParallelPlugin(Plugin, SupportsNoSync, SupportsPipeline):
             shard_model(
                 model,
                 layout.tp_group,
-                self._tp_policy(model),
+                self.tp_policy(model),
                 sequence_parallel=self.options.megatron_sp(),
                 materialize=materializer(device()),
             )
@@ -225,7 +225,7 @@ class HybridParallelPlugin(Plugin, SupportsNoSync, SupportsPipeline):
                 shard_model(
                     model,
                     layout.tp_group,
-                    self._tp_policy(model),
+                    self.tp_policy(model),
                     sequence_parallel=self.options.megatron_sp(),
                 )
         if self.ep_size > 1:  # every rank holds the same values here
@@ -244,7 +244,7 @@ class HybridParallelPlugin(Plugin, SupportsNoSync, SupportsPipeline):
             wrap(model, layout.sp_group, grad_scale=float(self.sp_size))
         return model
 
-    def _tp_policy(self, model: nn.Module) -> Any:
+    def tp_policy(self, model: nn.Module) -> Any:
         """The tensor-parallel policy (None: shard_model's default). Under
         expert parallelism, the family's plan without its expert entries:
         attention and dense layers split over tp, experts kept whole there

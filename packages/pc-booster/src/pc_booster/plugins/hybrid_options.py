@@ -234,17 +234,16 @@ def _expert_parallel(o: HybridParallelOptions, setting: RunSetting) -> str | Non
         )
     # Combinations whose expert parallelism pc does not have yet.
     later = [
-        ("tp_size > 1 and pp_size > 1", o.tp_size > 1 and o.pp_size > 1),
         ("Megatron's sequence parallelism (inside tp)", o.megatron_sp()),
     ]
     named = [name for name, given in later if given]
     if named:
         return (
             f"ep_size={o.ep_size} with {' and '.join(named)}: pc's expert parallelism does not "
-            "combine with it yet. Use ep_size with data parallelism and either tensor "
-            "parallelism (without pipelines; Ulysses or ring sequence parallelism for long "
-            "sequences) or pipelines (without tp), any zero_stage, precision and clipping; "
-            "or ep_size=1 (experts replicated) for this layout."
+            "combine with it yet. Use ep_size with tensor parallelism without "
+            "enable_sequence_parallelism (or with Ulysses / ring sequence parallelism, "
+            "sp_size), with pipelines, ZeRO, any precision and clipping; or ep_size=1 "
+            "(experts replicated) for this layout."
         )
     return None
 
@@ -347,7 +346,7 @@ class HybridParallelOptions(PluginConfig, LossScaleOptions):
         ),
         Rule(
             "ep_size not dividing the data-parallel ranks, or with Megatron's sequence "
-            "parallelism or tp x pp (not yet)",
+            "parallelism (not yet)",
             _expert_parallel,
             ({"ep_size": 2, "tp_size": 2, "enable_sequence_parallelism": True}, RunSetting()),
         ),

@@ -125,7 +125,10 @@ def _stage_layout(plugin: HybridParallelPlugin, model: nn.Module) -> tuple[Any, 
     if plugin.stage.loss_kind == "causal" and router_recorder(model) is not None:
         from pc_tensor.hooks import aux_loss_coefficient
 
-        plugin.stage.aux_coefficient = aux_loss_coefficient(model.forward)
+        # The class's forward bound to the model: tensor parallelism may
+        # have wrapped the instance's (its vocabulary-parallel loss).
+        forward = type(model).forward.__get__(model)
+        plugin.stage.aux_coefficient = aux_loss_coefficient(forward)
     o = plugin.options
     stages = o.pp_size * o.chunks_per_rank()
     blocks = len(layers) - 2
@@ -188,14 +191,15 @@ def _shard_tensor_parallel(plugin: HybridParallelPlugin, model: nn.Module) -> No
     from pc_tensor import shard_model
 
     group = plugin.layout.tp_group
+    policy = plugin.tp_policy(model)  # under ep: the family's plan without its experts
     if has_lazy(model):
         materialize = materializer(device())
-        shard_model(model, group, sequence_parallel=False, materialize=materialize)
+        shard_model(model, group, policy, sequence_parallel=False, materialize=materialize)
         model.to(device())
     else:
         model.to(device())
         broadcast_module(model)
-        shard_model(model, group, sequence_parallel=False)
+        shard_model(model, group, policy, sequence_parallel=False)
 
 
 def _place_stage(
