@@ -288,6 +288,24 @@ def _steps(booster: Any, model: nn.Module, opt: torch.optim.Optimizer, first: in
     return losses
 
 
+def _check_export(name: str, booster: Any, model: nn.Module, path: Path) -> None:
+    """transformers' layout from the running job (export_pretrained) and
+    from the sharded checkpoint (pc-export): ``from_pretrained`` loads each
+    with every expert tensor whole, equal to the gathered model."""
+    booster.export_pretrained(model, path / "online", size_per_shard=1)
+    whole = booster.plugin.model_state_dict(model)  # collective
+    if dist.get_rank() == 0:
+        from pc_train.export import main as pc_export
+
+        pc_export([str(path / "model"), str(path / "exported"), "--size-per-shard", "1"])
+        reference: Any = _model(name)
+        for out in ("online", "exported"):
+            loaded = type(reference).from_pretrained(path / out, config=reference.config)
+            for key, value in loaded.state_dict().items():
+                torch.testing.assert_close(value, whole[key].to(value.dtype), rtol=0, atol=0)
+    dist.barrier()
+
+
 def check_checkpoint(
     name: str, zero: int, root: str, saved_ep: int, loads: list[int | str], tp: int = 1
 ) -> None:
@@ -307,6 +325,8 @@ def check_checkpoint(
     booster.save_optimizer(opt, path / "optim", shard=True)
     booster.save_model(model, path / "single")
     booster.save_optimizer(opt, path / "single-optim.pt")
+    if tp == 1:
+        _check_export(name, booster, model, path)
     want = _steps(booster, model, opt, 2)
     layouts: list[tuple[int | str, int]] = [(saved_ep, tp), *((ep, 1) for ep in loads)]
     for ep, layout_tp in layouts:
