@@ -129,6 +129,7 @@ def check_parity(name: str, kind: str) -> None:
         shard = expert_shard(module)
         assert shard is not None
         assert shard.local * world == shard.num_experts
+        assert shard.transport is not None  # one host, CPU: the shared-memory all-to-all
         for leaf, param in module.named_parameters():
             rows = theirs[f"{path}.{leaf}"][shard.first : shard.first + shard.local]
             torch.testing.assert_close(param.detach(), rows.detach(), rtol=rtol, atol=atol)

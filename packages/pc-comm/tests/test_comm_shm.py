@@ -263,3 +263,32 @@ def _symmetric_scatter_gather(comm: ShmCommunicator) -> None:
 
 def test_symmetric_buffers_reduce_in_place() -> None:
     spawn(_symmetric_buffers, 3, timeout=90)
+
+
+def _all_to_all() -> None:
+    """Uneven pieces, in several rounds (small slots), an empty one, against
+    torch.distributed's all_to_all_single; a rank that sizes an output
+    wrongly makes every rank raise, naming it (no rank hangs)."""
+    comm = ShmCommunicator(slot_bytes=4096)
+    me, world = dist.get_rank(), dist.get_world_size()
+    table = torch.randint(0, 3000, (world, world), generator=torch.Generator().manual_seed(7))
+    table[0, 1] = 0  # table[r, d]: what rank r sends rank d
+    ins = [me * 1e4 + d * 1e3 + torch.arange(int(table[me, d])).float() for d in range(world)]
+    outs = [torch.empty(int(table[r, me])) for r in range(world)]
+    comm.all_to_all(outs, ins)
+    for r, out in enumerate(outs):
+        torch.testing.assert_close(out, r * 1e4 + me * 1e3 + torch.arange(out.numel()).float())
+    flat = torch.empty(int(table[:, me].sum()))
+    dist.all_to_all_single(flat, torch.cat(ins), table[:, me].tolist(), table[me].tolist())
+    assert torch.equal(flat, torch.cat(outs))
+    wrong = [torch.empty(o.numel() + (me == 1 and r == 0)) for r, o in enumerate(outs)]
+    with pytest.raises(ValueError, match=r"rank\(s\) \[1\] sized their outputs"):
+        comm.all_to_all(wrong, ins)
+    with pytest.raises(ValueError, match="one dtype"):
+        comm.all_to_all(outs, [t.double() for t in ins])
+    comm.barrier()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_all_to_all_moves_uneven_pieces(world: int) -> None:
+    spawn(_all_to_all, world, timeout=60)

@@ -11,6 +11,7 @@ from pc_comm import (
 )
 from pc_comm.collectives import all_reduce_coalesced
 from pc_comm.communicator import (
+    AllToAll,
     Communicator,
     CompletedHandle,
     Handle,
@@ -32,6 +33,7 @@ from pc_comm.torch_communicator import TorchCommunicator
 __version__ = "0.1.0"
 
 __all__ = [
+    "AllToAll",
     "Communicator",
     "CompletedHandle",
     "Coord",

@@ -73,6 +73,10 @@ class HostExecutor:
     # -- the worker thread ---------------------------------------------------
 
     def _serve(self) -> None:
+        # Collectives move data, never gradients: copies into tensors a
+        # caller made under no_grad (an autograd Function's outputs) are
+        # not recorded.
+        torch.set_grad_enabled(False)
         while True:
             item = self._queue.get()
             if item is None:

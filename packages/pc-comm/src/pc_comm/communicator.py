@@ -163,6 +163,23 @@ class Communicator(Protocol):
 
 
 @runtime_checkable
+class AllToAll(Protocol):
+    """A communicator with an all-to-all of uneven pieces (pc-comm's
+    shared-memory one; torch.distributed's ``all_to_all_single`` elsewhere)."""
+
+    def all_to_all(
+        self,
+        outputs: Sequence[torch.Tensor],
+        inputs: Sequence[torch.Tensor],
+        *,
+        async_op: bool = False,
+    ) -> Handle:
+        """``inputs[r]`` goes to rank ``r``; ``outputs[r]`` receives what
+        rank ``r`` sent this rank. Sizes may differ between pieces; one dtype."""
+        ...
+
+
+@runtime_checkable
 class SymmetricAllocator(Protocol):
     """A communicator that can place tensors in memory its peers can reach
     directly; all-reducing such a tensor skips staging copies."""

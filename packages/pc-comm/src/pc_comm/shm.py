@@ -130,6 +130,7 @@ _KINDS = (
     "all_reduce(symmetric)",
     "reduce_scatter(symmetric)",
     "all_gather(symmetric)",
+    "all_to_all",
 )
 _OPS = tuple(ReduceOp)
 _DTYPES = (
@@ -665,6 +666,67 @@ class ShmCommunicator(HostExecutor):
                     out[start : start + n].copy_(slots[r, :n])
             self._barrier("all_gather")
 
+    def all_to_all(
+        self,
+        outputs: Sequence[torch.Tensor],
+        inputs: Sequence[torch.Tensor],
+        *,
+        async_op: bool = False,
+    ) -> Handle:
+        """``inputs[r]`` goes to rank ``r``, ``outputs[r]`` receives rank
+        ``r``'s piece for this rank; pieces of any sizes, one dtype
+        [Note: all-to-all through the slots]."""
+        world = self._world_size
+        if len(inputs) != world or len(outputs) != world:
+            raise ValueError(
+                f"all_to_all takes one input and one output per rank ({world}); got "
+                f"{len(inputs)} inputs and {len(outputs)} outputs."
+            )
+        dtypes = {t.dtype for t in (*inputs, *outputs)}
+        if len(dtypes) != 1:
+            raise ValueError(f"all_to_all moves one dtype; got {sorted(map(str, dtypes))}.")
+        for i, t in enumerate((*inputs, *outputs)):
+            check_contiguous(t, f"all_to_all tensor {i}")
+
+        def work(ins: list[torch.Tensor], outs: list[torch.Tensor]) -> None:
+            self._host_all_to_all([o.view(-1) for o in outs], [t.view(-1) for t in ins])
+
+        return self._run_staged(list(inputs), list(outputs), work, async_op, "all_to_all")
+
+    def _host_all_to_all(self, outs: Sequence[torch.Tensor], ins: Sequence[torch.Tensor]) -> None:
+        """[Note: all-to-all through the slots]"""
+        world, me = self._world_size, self._rank
+        sizes = self._data[: world * self.slot_bytes].view(torch.int64).view(world, -1)
+        mine = [t.numel() for t in ins] + [o.numel() for o in outs]
+        sizes[me, : 2 * world].copy_(torch.tensor(mine, dtype=torch.int64))
+        self._barrier("all_to_all", _signature("all_to_all", world, ins[0].dtype))
+        table = sizes[:, :world].clone()  # table[r, d]: what rank r sends rank d
+        held = sizes[:, world : 2 * world].clone()  # held[d, r]: rank d's output for r
+        self._barrier("all_to_all")
+        if not torch.equal(table, held.t()):  # every rank sees it, and every rank raises
+            wrong = [d for d in range(world) if not torch.equal(table[:, d], held[d])]
+            given = [held[d].tolist() for d in wrong]
+            sent = [table[:, d].tolist() for d in wrong]
+            raise ValueError(
+                f"all_to_all: rank(s) {wrong} sized their outputs {given} where the ranks send "
+                f"them {sent}; size each output as its sender's input for this rank."
+            )
+        step = self._piece(ins[0].dtype) // world  # elements per destination per round
+        longest = int(table.max())
+        slots = self._slots(ins[0].dtype)
+        outs[me].copy_(ins[me])
+        for start in range(0, longest, step):
+            for d, piece in enumerate(ins):
+                n = min(step, max(0, piece.numel() - start))
+                if d != me and n:
+                    slots[me, d * step : d * step + n].copy_(piece[start : start + n])
+            self._barrier("all_to_all")
+            for r, out in enumerate(outs):
+                n = min(step, max(0, out.numel() - start))
+                if r != me and n:
+                    out[start : start + n].copy_(slots[r, me * step : me * step + n])
+            self._barrier("all_to_all")
+
     def _host_broadcast(self, flat: torch.Tensor, src: int) -> None:
         slots = self._slots(flat.dtype)
         piece = self._piece(flat.dtype)
@@ -677,6 +739,16 @@ class ShmCommunicator(HostExecutor):
             if self._rank != src:
                 flat[start : start + count].copy_(slots[src, :count])
             self._barrier("broadcast")
+
+    # [Note: all-to-all through the slots]
+    # Each rank first writes how much it sends every rank (int64) into its
+    # slot; after a barrier every rank reads the whole table, checks that its
+    # outputs are sized as its senders say, and knows the longest piece.
+    # Then, in rounds, each rank's slot is cut in one part per destination:
+    # rank r writes the next part of its piece for rank d at d's place, and
+    # after a barrier rank d copies its part out of every other rank's slot.
+    # A piece a rank keeps is copied directly. Two barriers a round; a round
+    # moves slot_bytes / world bytes per pair.
 
     # -- the rest of the Communicator protocol ----------------------------
 

@@ -60,6 +60,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
+from pc_comm import AllToAll, ShmCommunicator, on_one_host
+
 __all__ = [
     "ExpertShard",
     "expert_parameters",
@@ -82,6 +84,9 @@ class ExpertShard:
     local: int
     capacity_factor: float | None
     names: tuple[str, ...]
+    #: pc-comm's shared-memory all-to-all over ``group`` when its ranks are
+    #: on one host and the experts on the CPU; None: torch.distributed's
+    transport: AllToAll | None = None
 
 
 _SHARDS: weakref.WeakKeyDictionary[nn.Module, ExpertShard] = weakref.WeakKeyDictionary()
@@ -181,9 +186,25 @@ def shard_experts(
                 f"{path} has {count} experts, which the expert-parallel size {size} does not "
                 f"divide; use an ep size among {[d for d in range(1, count + 1) if not count % d]}."
             )
+    transport = _transport(group, found[0][1])
     for _, module in found:
-        _shard_one(module, group, size, rank, capacity_factor)
+        _shard_one(module, group, size, rank, capacity_factor, transport)
     return [p for p, _ in found]
+
+
+def _transport(group: dist.ProcessGroup, module: nn.Module) -> AllToAll | None:
+    """Collective: the shared-memory all-to-all for host-resident experts
+    whose group is on one host [Note: dispatch and combine]."""
+    first = next(module.parameters(), None)
+    on_host = first is not None and first.device.type == "cpu"
+    if dist.get_world_size(group) == 1 or not on_host or not on_one_host(group):
+        return None
+    return ShmCommunicator(group, slot_bytes=_SLOT_BYTES)
+
+
+# Bytes a rank writes per round of the shared-memory exchange: a few
+# thousand hidden rows of a small model, a few hundred of a large one.
+_SLOT_BYTES = 4 * 1024 * 1024
 
 
 def _shard_one(
@@ -192,6 +213,7 @@ def _shard_one(
     size: int,
     rank: int,
     capacity_factor: float | None,
+    transport: AllToAll | None = None,
 ) -> None:
     count = int(module.num_experts)  # type: ignore[arg-type]
     local = count // size
@@ -209,7 +231,7 @@ def _shard_one(
         names.append(name)
         shards.append(shard)
     setattr(module, "num_experts", local)  # noqa: B010 (as shard_model divides head counts)
-    info = ExpertShard(group, size, count, first, local, capacity_factor, tuple(names))
+    info = ExpertShard(group, size, count, first, local, capacity_factor, tuple(names), transport)
     _SHARDS[module] = info
     for shard in shards:
         _EXPERT_PARAMS[shard] = info
@@ -229,30 +251,34 @@ class _AllToAll(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, rows: torch.Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup
+        ctx: Any, rows: torch.Tensor, send: list[int], recv: list[int], info: ExpertShard
     ) -> torch.Tensor:
-        ctx.send, ctx.recv, ctx.group = send, recv, group
-        return _exchange(rows, send, recv, group)
+        ctx.send, ctx.recv, ctx.info = send, recv, info
+        return _exchange(rows, send, recv, info)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None]:
-        return _exchange(grad.contiguous(), ctx.recv, ctx.send, ctx.group), None, None, None
+        return _exchange(grad.contiguous(), ctx.recv, ctx.send, ctx.info), None, None, None
 
 
-def _move(
-    rows: torch.Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup
-) -> torch.Tensor:
+def _move(rows: torch.Tensor, send: list[int], recv: list[int], info: ExpertShard) -> torch.Tensor:
     """Rows sent by ``send`` counts and received by ``recv`` counts, with
     gradients flowing back."""
-    out: torch.Tensor = _AllToAll.apply(rows, send, recv, group)  # type: ignore[no-untyped-call, unused-ignore]
+    out: torch.Tensor = _AllToAll.apply(rows, send, recv, info)  # type: ignore[no-untyped-call, unused-ignore]
     return out
 
 
 def _exchange(
-    rows: torch.Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup
+    rows: torch.Tensor, send: list[int], recv: list[int], info: ExpertShard
 ) -> torch.Tensor:
+    """``send[r]`` rows to rank r, ``recv[r]`` from it, through the
+    group's shared-memory all-to-all where it has one."""
+    rows = rows.contiguous()
     out = rows.new_empty((sum(recv), *rows.shape[1:]))
-    dist.all_to_all_single(out, rows.contiguous(), recv, send, group=group)
+    if info.transport is not None:
+        info.transport.all_to_all(list(torch.split(out, recv)), list(torch.split(rows, send)))
+    else:
+        dist.all_to_all_single(out, rows, recv, send, group=info.group)
     return out
 
 
@@ -297,12 +323,12 @@ def _dispatch(
     # Rows per expert: chunk r (rank r's experts) goes to rank r, which
     # receives, from every rank, its rows per local expert, in that order.
     sent = torch.bincount(experts, minlength=info.num_experts)
-    received = torch.empty_like(sent)
-    dist.all_to_all_single(received, sent, group=info.group)
+    received = _exchange(sent.view(info.size, info.local), [1] * info.size, [1] * info.size, info)
+    received = received.reshape(-1)
     send = sent.view(info.size, info.local).sum(1).tolist()
     recv = received.view(info.size, info.local).sum(1).tolist()
-    rows = _move(hidden[tokens], send, recv, info.group)
-    routed = _move(weights.reshape(-1)[order], send, recv, info.group)
+    rows = _move(hidden[tokens], send, recv, info)
+    routed = _move(weights.reshape(-1)[order], send, recv, info)
     ids = torch.arange(info.local, device=received.device).repeat(info.size)
     local = ids.repeat_interleave(received)
     plans.append(_Route(tokens, send, recv, shape, hidden.dtype))
@@ -324,7 +350,7 @@ def _within_capacity(
 
 def _combine(info: ExpertShard, plans: list[_Route], out: torch.Tensor) -> torch.Tensor:
     route = plans.pop()
-    back = _move(out, route.recv, route.send, info.group)
+    back = _move(out, route.recv, route.send, info)
     total = back.new_zeros((math.prod(route.shape[:-1]), route.shape[-1]))
     total = total.index_add(0, route.tokens, back)
     return total.reshape(route.shape).to(route.dtype)
