@@ -5,6 +5,7 @@ the model's own forward pieces."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -112,13 +113,28 @@ class _Recorder(nn.Module):
         stop: bool,
         value: Any = None,
         router_logits: tuple[torch.Tensor, ...] = (),
+        trail: list[tuple[int, Any]] | None = None,
     ) -> None:
         super().__init__()
         self.index, self.calls, self.stop, self.value = index, calls, stop, value
         self.router_logits = router_logits  # [Note: router logits through a pipeline]
+        self.trail = trail  # every call: (block index, the hidden states given)
+
+    def __getattr__(self, name: str) -> Any:
+        # What the base model's forward reads of the block it stands for
+        # (a block's attention_type or block_type choosing its mask).
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            block = self.__dict__.get("stands_for")
+            if block is None:
+                raise
+            return getattr(block, name)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self.calls[self.index] = (args[1:], kwargs)
+        if self.trail is not None:
+            self.trail.append((self.index, args[0] if args else kwargs.get("hidden_states")))
         if self.router_logits:
             _hand_router_logits(self.router_logits)
         if self.stop:
@@ -210,6 +226,8 @@ class _PlanContext:
                 for i in range(len(originals)):
                     stand_in = make(i)
                     if stand_in is not None:
+                        # not a submodule: the block's parameters stay the block's
+                        object.__setattr__(stand_in, "stands_for", originals[i])
                         self.blocks[i] = stand_in
                 yield
             finally:
@@ -262,16 +280,21 @@ class _PlanContext:
                 shape = (*hidden.shape[:-1], self.embedding_width(hidden.shape[-1]))
                 dummy = torch.zeros(shape, dtype=hidden.dtype, device=hidden.device)
                 calls: list[Any] = [None] * len(self.blocks)
-                last = len(self.blocks) - 1
-                with self.swapped(lambda i: _Recorder(i, calls, stop=i == last)):
+                trail: list[tuple[int, Any]] = []
+                # The whole forward, every block call seen (a block called
+                # twice, as by a recurrent loop, is refused below).
+                with self.swapped(lambda i: _Recorder(i, calls, stop=False, trail=trail)):
                     self.call_base(
                         inputs_embeds=dummy, **self.positions(hidden.shape[1], hidden.device)
                     )
-            if any(c is None for c in calls):
+            if [i for i, _ in trail] != list(range(len(self.blocks))):
                 raise ValueError(
                     f"pipeline parallelism: {type(self.base).__name__}'s forward did not call "
-                    f"each of its {len(self.blocks)} blocks once in order; pc cannot cut it."
+                    f"each of its {len(self.blocks)} blocks once in order (it called "
+                    f"{[i for i, _ in trail][:12]}: loops over blocks, or skips some); pc "
+                    "cannot cut it."
                 )
+            _check_handed_on(self.base, trail)
             for i, (args, kwargs) in enumerate(calls):
                 for name, value in [*enumerate(args), *kwargs.items()]:
                     if not _carried(value):
@@ -283,6 +306,25 @@ class _PlanContext:
                         )
             found = self.cache[key] = calls
         return found
+
+
+def _check_handed_on(base: nn.Module, trail: list[tuple[int, Any]]) -> None:
+    """Each block's hidden states must be what the one before returned
+    (the stand-ins return their input: the same tensor, or a view of it
+    when the forward takes ``out[0]`` of a block's tuple); a forward that
+    computes between blocks (a norm, a residual from an earlier section)
+    cannot be cut at them."""
+    for (_, before), (i, now) in itertools.pairwise(trail):
+        if not isinstance(now, torch.Tensor) or now is before:
+            continue
+        if getattr(now, "_base", None) is before:
+            continue
+        raise ValueError(
+            f"pipeline parallelism: {type(base).__name__}'s forward changes the hidden "
+            f"states between block {i - 1} and block {i} (a norm or a residual outside the "
+            "blocks), which a pipeline cut at the blocks would skip; pc cannot cut it. "
+            "Build the stages yourself with pc_pipeline (partition a Sequential)."
+        )
 
 
 def _carried(value: Any) -> bool:
