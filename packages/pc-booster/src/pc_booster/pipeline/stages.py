@@ -5,6 +5,7 @@ the model's own forward pieces."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -259,6 +260,26 @@ class _PlanContext:
         width = getattr(self.input_embedding(), "embedding_dim", None)
         return width if isinstance(width, int) else hidden
 
+    def _refuse_repeated_blocks(self, dummy: torch.Tensor, positions: dict[str, Any]) -> None:
+        """The forward run past its last block (stand-ins passing their
+        input on), to see a block called again after it, as a recurrent
+        loop does: refused. A forward that cannot run on the stand-ins'
+        outputs past there (it indexes a block's tuple) stops early; what
+        it called until then is checked."""
+        calls: list[Any] = [None] * len(self.blocks)
+        trail: list[tuple[int, Any]] = []
+        # Only the calls seen matter here, not how the forward ends.
+        stand_in = self.swapped(lambda i: _Recorder(i, calls, stop=False, trail=trail))
+        with stand_in, contextlib.suppress(Exception):
+            self.call_base(inputs_embeds=dummy, **positions)
+        order = [i for i, _ in trail]
+        if len(order) != len(set(order)):
+            raise ValueError(
+                f"pipeline parallelism: {type(self.base).__name__}'s forward calls its blocks "
+                f"in the order {order[:16]}, some more than once (a loop over blocks); a "
+                "pipeline cut at the blocks runs each once, so pc cannot cut it."
+            )
+
     def block_arguments(self, hidden: torch.Tensor) -> list[Any]:
         if self.plain_blocks:  # [Note: blocks passed nothing but the hidden states]
             return [((), {})] * len(self.blocks)
@@ -281,12 +302,11 @@ class _PlanContext:
                 dummy = torch.zeros(shape, dtype=hidden.dtype, device=hidden.device)
                 calls: list[Any] = [None] * len(self.blocks)
                 trail: list[tuple[int, Any]] = []
-                # The whole forward, every block call seen (a block called
-                # twice, as by a recurrent loop, is refused below).
-                with self.swapped(lambda i: _Recorder(i, calls, stop=False, trail=trail)):
-                    self.call_base(
-                        inputs_embeds=dummy, **self.positions(hidden.shape[1], hidden.device)
-                    )
+                last = len(self.blocks) - 1
+                positions = self.positions(hidden.shape[1], hidden.device)
+                with self.swapped(lambda i: _Recorder(i, calls, stop=i == last, trail=trail)):
+                    self.call_base(inputs_embeds=dummy, **positions)
+                self._refuse_repeated_blocks(dummy, positions)
             if [i for i, _ in trail] != list(range(len(self.blocks))):
                 raise ValueError(
                     f"pipeline parallelism: {type(self.base).__name__}'s forward did not call "
@@ -314,10 +334,12 @@ def _check_handed_on(base: nn.Module, trail: list[tuple[int, Any]]) -> None:
     when the forward takes ``out[0]`` of a block's tuple); a forward that
     computes between blocks (a norm, a residual from an earlier section)
     cannot be cut at them."""
+
+    def root(t: Any) -> Any:
+        return t._base if isinstance(t, torch.Tensor) and t._base is not None else t
+
     for (_, before), (i, now) in itertools.pairwise(trail):
-        if not isinstance(now, torch.Tensor) or now is before:
-            continue
-        if getattr(now, "_base", None) is before:
+        if not isinstance(now, torch.Tensor) or root(now) is root(before):
             continue
         raise ValueError(
             f"pipeline parallelism: {type(base).__name__}'s forward changes the hidden "
