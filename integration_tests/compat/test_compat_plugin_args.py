@@ -484,7 +484,7 @@ def check_low_level_zero_arguments() -> None:
         ({"master_weights": False}, "pc keeps fp32 masters"),
         ({"communication_dtype": torch.bfloat16}, "reduces gradients in the dtype they are"),
         ({"fp8_communication": True}, "pc has no fp8 path"),
-        ({"extra_dp_size": 2}, "two-level sharding is not built yet"),
+        ({"extra_dp_size": 3}, "extra_dp_size=3 must divide the 2 ranks"),
     ):  # Colossal-AI's arguments, at the edge (fp16 by default)
         with pytest.raises(ValueError, match=message):
             EdgeLowLevelZero(**kwargs)

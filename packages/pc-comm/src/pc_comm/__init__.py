@@ -27,7 +27,7 @@ from pc_comm.hierarchical import HierarchicalCommunicator
 from pc_comm.host_allocator import HostAllocatorSettings, tune_host_allocator
 from pc_comm.launch import DistContext, init_distributed
 from pc_comm.shm import ShmCommunicator, ShmPeerError, usable_cores
-from pc_comm.topology import Coord, ParallelDims, Subgroups, make_subgroups
+from pc_comm.topology import Coord, ParallelDims, Subgroups, make_subgroups, two_level_groups
 from pc_comm.torch_communicator import TorchCommunicator
 
 __version__ = "0.1.0"
@@ -63,5 +63,6 @@ __all__ = [
     "read_dist_env",
     "set_phase",
     "tune_host_allocator",
+    "two_level_groups",
     "usable_cores",
 ]

@@ -28,7 +28,7 @@ from typing import NamedTuple
 
 import torch.distributed as dist
 
-__all__ = ["Coord", "ParallelDims", "Subgroups", "make_subgroups"]
+__all__ = ["Coord", "ParallelDims", "Subgroups", "make_subgroups", "two_level_groups"]
 
 
 class Coord(NamedTuple):
@@ -179,3 +179,43 @@ def make_subgroups(
     return Subgroups(
         dims=dims, coord=dims.coord_of(rank), dp=mine["dp"], pp=mine["pp"], tp=mine["tp"]
     )
+
+
+def two_level_groups(
+    replicas: int, group: dist.ProcessGroup | None = None
+) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """Collective: ``group``'s ranks (default: every rank) split for
+    two-level sharding into ``replicas`` shard groups of consecutive ranks
+    (with torchrun's node-major ranks, the ranks of a node when the shard
+    size divides the ranks per node) and the replica groups across them
+    (the ranks at the same place in each shard group). Returns this rank's
+    (shard group, replica group)."""
+    ranks = (
+        dist.get_process_group_ranks(group)
+        if group is not None
+        else list(range(dist.get_world_size()))
+    )
+    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
+        raise ValueError(f"replicas must be an int >= 1, got {replicas!r}.")
+    if len(ranks) % replicas:
+        raise ValueError(
+            f"{replicas} replicas must divide the {len(ranks)} ranks; choose a divisor of "
+            f"{len(ranks)}."
+        )
+    size = len(ranks) // replicas
+    me = dist.get_rank()
+    shard: dist.ProcessGroup | None = None
+    replica: dist.ProcessGroup | None = None
+    for k in range(replicas):  # every rank creates every group, in one order
+        members = ranks[k * size : (k + 1) * size]
+        made = dist.new_group(members)
+        if me in members:
+            shard = made
+    for j in range(size):
+        members = ranks[j::size]
+        made = dist.new_group(members)
+        if me in members:
+            replica = made
+    if shard is None or replica is None:
+        raise ValueError(f"rank {me} is not in the group {ranks}; call it on its ranks only.")
+    return shard, replica

@@ -63,6 +63,16 @@ from pc_zero.state import full_state_dict, plan_load, sharded_state_dict
 __all__ = ["LowLevelZeroOptimizer"]
 
 _HOST = torch.device("cpu")
+# [Note: two-level sharding]
+# Sharding over every rank puts every all-gather and reduce-scatter across
+# the slow links between nodes. With a replica group, each shard group (the
+# ranks of one node, say) shards the model as ZeRO does, and the ranks that
+# hold the same shard in the other groups (one per node) average their
+# reduced gradient pieces at the step: 1/shard of the gradients crosses the
+# slow link, once a step, as an all-reduce. The step, the gather of the
+# parameters and the norm stay inside the shard group (the replicas hold
+# the same values). Colossal-AI calls the replica count extra_dp_size.
+
 # Stage 2 reductions in flight before the oldest is waited for: enough that
 # backward rarely waits (2 cost 10% of a step in bench_zero.py), few enough
 # that staging memory stays a handful of buckets.
@@ -137,6 +147,11 @@ class LowLevelZeroOptimizer(ClipsInStep, Optimizer):
     rank 0 only. A ``counts_toward_norm`` given replaces the default rule:
     under tensor and pipeline parallelism together, combine that rule with
     the pipeline's (e.g. a tied weight counts on the first stage only).
+
+    ``replica_process_group``: two-level sharding [Note: two-level
+    sharding], the ranks that hold the same shards as this one (each in
+    another ``dp_process_group``); their gradient pieces are averaged after
+    the reduce-scatter inside ``dp_process_group``.
     """
 
     def __init__(
@@ -155,9 +170,16 @@ class LowLevelZeroOptimizer(ClipsInStep, Optimizer):
         tp_process_group: dist.ProcessGroup | None = None,
         model_parallel_groups: Sequence[dist.ProcessGroup] = (),
         counts_toward_norm: Callable[[torch.Tensor], bool] | None = None,
+        replica_process_group: dist.ProcessGroup | None = None,
     ) -> None:
         self.stage = _checked_stage(optimizer, stage, partition_grad, max_norm)
         self.comm = comm if comm is not None else default_communicator(dp_process_group)
+        # [Note: two-level sharding]: the ranks holding the same shards.
+        self._replicas = (
+            default_communicator(replica_process_group)
+            if replica_process_group is not None and dist.get_world_size(replica_process_group) > 1
+            else None
+        )
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
         self.max_norm = float(max_norm)
         self.overlap_communication = overlap_communication
@@ -553,6 +575,13 @@ class LowLevelZeroOptimizer(ClipsInStep, Optimizer):
                 self._launch(k)
             self._need_reduce = False
         self._wait()
+        if self._replicas is not None:  # [Note: two-level sharding]
+            handles = [
+                self._replicas.all_reduce(self._grad_piece(b), ReduceOp.AVG, async_op=True)
+                for b in self.buckets
+            ]
+            for handle in handles:
+                handle.wait()
         return [self._fp32_grad(b) for b in self.buckets]
 
     def gradient_squares(self, grads: list[torch.Tensor]) -> float:

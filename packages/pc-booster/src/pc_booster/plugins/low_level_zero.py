@@ -76,6 +76,18 @@ def _stage(options: LowLevelZeroOptions, setting: RunSetting) -> str | None:
     return None
 
 
+def _extra_dp(options: LowLevelZeroOptions, setting: RunSetting) -> str | None:
+    extra = options.extra_dp_size
+    if isinstance(extra, bool) or not isinstance(extra, int) or extra < 1:
+        return f"extra_dp_size must be an int >= 1, got {extra!r}."
+    if setting.world is not None and setting.world % extra:
+        return (
+            f"extra_dp_size={extra} must divide the {setting.world} ranks (it is the number of "
+            "groups the model is sharded in, each replicating the others); choose a divisor."
+        )
+    return None
+
+
 def zero_states(
     psi: float, dp: int, precision: TrainPrecision, stage: int, *, offload: bool, pipeline: bool
 ) -> StateBytes:
@@ -102,6 +114,10 @@ class LowLevelZeroOptions(PluginConfig, LossScaleOptions):
     - ``stage``: 1 shards optimizer states, 2 gradients too.
     - ``cpu_offload``: masters, moments and the step on the host.
     - ``max_norm``: clipping by the global norm, 0 for none.
+    - ``extra_dp_size``: two-level sharding, the model sharded in this
+      many groups of consecutive ranks (a node's, with torchrun's
+      numbering), each replicating the others (pc_zero [Note: two-level
+      sharding]); 1 shards over every rank.
     - ``initial_scale`` / ``growth_interval`` / ``hysteresis``: fp16's
       dynamic loss scale.
     """
@@ -109,6 +125,11 @@ class LowLevelZeroOptions(PluginConfig, LossScaleOptions):
     name: ClassVar[str] = "low-level-zero"
     RULES: ClassVar[tuple[Rule, ...]] = (
         Rule("stage other than 1 or 2", _stage, ({"stage": 3}, RunSetting())),
+        Rule(
+            "extra_dp_size not dividing the ranks",
+            _extra_dp,
+            ({"extra_dp_size": 3}, RunSetting(world=4)),
+        ),
     )
 
     stage: int = 1
@@ -119,12 +140,17 @@ class LowLevelZeroOptions(PluginConfig, LossScaleOptions):
     verbose: bool = False
     # Floating inputs cast to the compute dtype (an fp32 batch into an fp16 model).
     cast_inputs: bool = True
+    extra_dp_size: int = 1
 
     def describe(self) -> str:
-        return f"zero{self.stage}" + (" cpu-offload" if self.cpu_offload else "")
+        extra = f" x{self.extra_dp_size}" if self.extra_dp_size > 1 else ""
+        return f"zero{self.stage}{extra}" + (" cpu-offload" if self.cpu_offload else "")
 
     def model_states(self, psi: float, dp: int, precision: TrainPrecision) -> StateBytes:
-        return zero_states(psi, dp, precision, self.stage, offload=self.cpu_offload, pipeline=False)
+        shards = max(dp // self.extra_dp_size, 1)  # sharded inside each group
+        return zero_states(
+            psi, shards, precision, self.stage, offload=self.cpu_offload, pipeline=False
+        )
 
 
 # -- ZeRO-1/2 state: the fp32 masters are the parameters' true values --------------
@@ -323,8 +349,16 @@ class LowLevelZeroPlugin(Plugin, SupportsNoSync):
         broadcast_module(model)
         built = values_a_cast_rounds([model], precision.dtype)
         cast_floating(model, precision.dtype)
+        groups: dict[str, Any] = {}
+        if o.extra_dp_size > 1:  # [Note: two-level sharding] in pc_zero
+            self.validate_later(world=dist.get_world_size())
+            from pc_comm import two_level_groups
+
+            shard, replica = two_level_groups(o.extra_dp_size)
+            groups = {"dp_process_group": shard, "replica_process_group": replica}
         zero = LowLevelZeroOptimizer(
             optimizer,
+            **groups,
             stage=o.stage,
             cpu_offload=o.cpu_offload,
             reduce_bucket_size=int(o.reduce_bucket_size_in_m * 1024 * 1024),

@@ -4,9 +4,9 @@ not take become pc's options [Note: edges from signatures in pc_compat.surface].
 Refused with the reason when not at their defaults: ``norm_type`` other than
 2, ``master_weights=False`` under bf16 / fp16, a ``communication_dtype``
 other than the compute dtype (pc's ZeRO reduces gradients in the dtype they
-are computed in), fp8, and ``extra_dp_size`` other than 1 (two-level
-sharding is not built yet). ``master_weights=False`` in fp32 has no effect:
-the parameters are fp32 already.
+are computed in), and fp8. ``master_weights=False`` in fp32 has no effect:
+the parameters are fp32 already. ``extra_dp_size`` is pc's own option
+(two-level sharding).
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ LOW_LEVEL_HANDLED = (
     "communication_dtype",
     "fp8_communication",
     "use_fp8",
-    "extra_dp_size",
 )
 _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -46,11 +45,6 @@ def _refusal(given: Mapping[str, Any]) -> str | None:
         )
     if given["fp8_communication"] or given["use_fp8"]:
         return "fp8_communication / use_fp8: pc has no fp8 path; leave them False."
-    if given["extra_dp_size"] != 1:
-        return (
-            f"extra_dp_size={given['extra_dp_size']}: pc shards ZeRO over every rank (two-level "
-            "sharding is not built yet); leave it 1."
-        )
     return None
 
 
