@@ -437,10 +437,6 @@ def check_fsdp1_arguments(case: str) -> None:
     elif case == "refused":
         for kwargs, message in (
             ({"sharding_strategy": ShardingStrategy.NO_SHARD}, "use TorchDDPPlugin to replicate"),
-            (
-                {"sharding_strategy": ShardingStrategy.HYBRID_SHARD},
-                "use FULL_SHARD or SHARD_GRAD_OP",
-            ),
             ({"backward_prefetch": BackwardPrefetch.BACKWARD_POST}, "BACKWARD_POST is not offered"),
             ({"param_init_fn": lambda m: None}, "drop param_init_fn"),
             ({"ignored_modules": [torch.nn.Linear(1, 1)]}, "Freeze it"),

@@ -4,6 +4,7 @@ dtype, the optimizer rebuilt over the DTensor shards."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
@@ -56,8 +57,10 @@ __all__ = ["TorchFSDPOptions", "TorchFSDPPlugin"]
 # TorchFSDPPlugin takes torch FSDP1's arguments (as programs written for
 # FSDP1 pass them) and runs FSDP2 (fully_shard), mapping each:
 # - sharding_strategy: FULL_SHARD is reshard_after_forward=True,
-#   SHARD_GRAD_OP False; NO_SHARD and the hybrid strategies are refused
-#   (TorchDDPPlugin replicates; pc shards over every rank);
+#   SHARD_GRAD_OP False; HYBRID_SHARD and _HYBRID_SHARD_ZERO2 the same
+#   over FSDP2's 2-D mesh (replicate x shard), sharded inside each node
+#   (torchrun's LOCAL_WORLD_SIZE ranks), as FSDP1's default intra-node
+#   group does; NO_SHARD is refused (TorchDDPPlugin replicates);
 # - cpu_offload (CPUOffload(offload_params=True) or True): FSDP2's
 #   CPUOffloadPolicy on an accelerator; on a CPU-only machine the shards
 #   live in host memory already;
@@ -75,14 +78,31 @@ __all__ = ["TorchFSDPOptions", "TorchFSDPPlugin"]
 # Refused with the FSDP2 way named: param_init_fn, ignored_modules.
 
 
+_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
+_KEEPS_GATHERED = ("SHARD_GRAD_OP", "_HYBRID_SHARD_ZERO2")  # reshard_after_forward=False
+
+
+def shard_size(strategy: str | None, world: int) -> int:
+    """The ranks each parameter is sharded over: under a hybrid strategy,
+    a node's (torchrun's LOCAL_WORLD_SIZE), else every rank."""
+    if strategy not in ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"):
+        return world
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if local < 1 or world % local:
+        raise ValueError(
+            f"sharding_strategy={strategy} shards inside each node: LOCAL_WORLD_SIZE={local} "
+            f"must divide the {world} ranks (launch the same number of processes per node)."
+        )
+    return local
+
+
 def _fsdp1_arguments(o: TorchFSDPOptions, setting: RunSetting) -> str | None:
     strategy = o.sharding_strategy
-    if strategy is not None and strategy not in ("FULL_SHARD", "SHARD_GRAD_OP"):
+    if strategy is not None and strategy not in _STRATEGIES:
         other = (
             "use TorchDDPPlugin to replicate"
             if strategy == "NO_SHARD"
-            else "pc's TorchFSDPPlugin shards over every rank (FSDP2's 2-D mesh for hybrid "
-            "sharding is not offered); use FULL_SHARD or SHARD_GRAD_OP"
+            else f"pc's TorchFSDPPlugin takes {', '.join(_STRATEGIES)}"
         )
         return f"sharding_strategy={strategy}: {other}."
     if strategy is not None and not o.reshard_after_forward:
@@ -160,8 +180,9 @@ class TorchFSDPOptions(PluginConfig, LossScaleOptions):
 
     def model_states(self, psi: float, dp: int, precision: TrainPrecision) -> StateBytes:
         # fp32 shards of parameters, gradients and moments; the compute
-        # dtype exists only while a unit is gathered.
-        return StateBytes(4 * psi / dp, 4 * psi / dp, 0.0, 8 * psi / dp)
+        # dtype exists only while a unit is gathered. Hybrid: a node's shard.
+        n = min(dp, shard_size(self.sharding_strategy, dp))
+        return StateBytes(4 * psi / n, 4 * psi / n, 0.0, 8 * psi / n)
 
 
 # [Note: meta-device models under FSDP2]
@@ -312,16 +333,23 @@ class TorchFSDPPlugin(Plugin, SupportsNoSync):
         )
         # On a CPU-only machine the shards are in host memory already.
         offload = CPUOffloadPolicy() if o.cpu_offload and device().type != "cpu" else None
-        reshard = o.reshard_after_forward and o.sharding_strategy != "SHARD_GRAD_OP"
+        reshard = o.reshard_after_forward and o.sharding_strategy not in _KEEPS_GATHERED
+        where: dict[str, Any] = {}
+        ranks = dist.get_world_size()
+        shard = shard_size(o.sharding_strategy, ranks)
+        if shard < ranks:  # hybrid: FSDP2's 2-D mesh, replicated across nodes
+            from torch.distributed.device_mesh import init_device_mesh
+
+            where["mesh"] = init_device_mesh(
+                device().type, (ranks // shard, shard), mesh_dim_names=("replicate", "shard")
+            )
+        if offload is not None:
+            where["offload_policy"] = offload
         for module in [*self._units(model), model]:  # innermost first: sharding replaces params
             if lazy:  # every rank replays the same values: no broadcast needed
                 materialize_lazy([module], device())
             cast_floating(module, torch.float32)  # the shards are the fp32 masters
-            if offload is not None:
-                fully_shard(module, reshard_after_forward=reshard, mp_policy=policy,
-                            offload_policy=offload)  # fmt: skip
-            else:
-                fully_shard(module, reshard_after_forward=reshard, mp_policy=policy)
+            fully_shard(module, reshard_after_forward=reshard, mp_policy=policy, **where)
         if meta:
             initialise_meta(model, device())
         if o.buffer_dtype is not None:
