@@ -36,7 +36,7 @@ def step_together(optimizers: Sequence[LowLevelZeroOptimizer]) -> float:
             "loss-scale settings and max_norm."
         )
     grads = [o.step_gradients() for o in optimizers]
-    max_norm = lead._step_max_norm()
+    (max_norm,) = norms
     if lead.scaler is None and max_norm == 0:
         for o, g in zip(optimizers, grads, strict=True):
             o.step_with(g, 1.0)

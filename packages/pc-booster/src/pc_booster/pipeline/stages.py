@@ -403,7 +403,7 @@ class _PlanBlock(nn.Module):
             context.routed = []
         try:
             out = self.block(hidden, *args, **kwargs)
-            mine, context.routed = context.routed or [], None
+            mine = context.routed or []
         finally:
             context.routed = None
         if isinstance(out, (tuple, list)):  # OpenAI GPT's blocks return a list
