@@ -191,9 +191,9 @@ def _check_model_opens(path: Path) -> None:
     sharded = path / "model" / ".metadata"
     try:
         if sharded.exists() or not (path / "model.safetensors").exists():
-            from torch.distributed.checkpoint.filesystem import FileSystemReader
+            from pc_zero import read_metadata
 
-            FileSystemReader(str(path / "model")).read_metadata()
+            read_metadata(path / "model")
             return
         from safetensors import safe_open
 

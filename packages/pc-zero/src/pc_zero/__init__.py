@@ -23,6 +23,13 @@ from pc_zero.low_level_zero import LowLevelZeroOptimizer
 from pc_zero.memory import ModelStateMemory, zero_paper_bytes
 from pc_zero.pieces import Box, Pieces, PiecesLoadPlanner, PiecesSavePlanner, flat_range_boxes
 from pc_zero.protocols import OwnedPiece, ShardedOptimizer
+from pc_zero.safe_load import (
+    SafeFileSystemReader,
+    UnsafeCheckpointError,
+    named_dcp_failures,
+    read_metadata,
+    safe_load_bytes,
+)
 from pc_zero.sharded import MixedPrecision, ShardedModule
 from pc_zero.state import merge_sharded_state_dicts
 from pc_zero.together import step_together
@@ -47,15 +54,20 @@ __all__ = [
     "PiecesLoadPlanner",
     "PiecesSavePlanner",
     "PlacementPolicy",
+    "SafeFileSystemReader",
     "ShardedModule",
     "ShardedOptimizer",
     "Slot",
     "TransformerBlockPolicy",
+    "UnsafeCheckpointError",
     "counts_under_tensor_parallel",
     "flat_range_boxes",
     "load_sharded_checkpoint",
     "merge_sharded_state_dicts",
+    "named_dcp_failures",
     "plan_buckets",
+    "read_metadata",
+    "safe_load_bytes",
     "save_sharded_checkpoint",
     "searched_chunk_size",
     "size_based_auto_wrap_policy",

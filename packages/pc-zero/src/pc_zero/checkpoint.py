@@ -18,18 +18,24 @@ world size 1 without a process group.
 
 from __future__ import annotations
 
-import pickle
+import io
 import re
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.optim import Optimizer
 
+from pc_zero.pieces import PiecesLoadPlanner
+from pc_zero.safe_load import (
+    SafeFileSystemReader,
+    named_dcp_failures,
+    restricted_loads,
+    safe_load_bytes,
+)
 from pc_zero.sharded import ShardedModule
 
 __all__ = ["load_sharded_checkpoint", "save_sharded_checkpoint"]
@@ -80,8 +86,19 @@ def save_sharded_checkpoint(
 
 def _blob(value: Any) -> bytes:
     """Objects (hyperparameters, scalars) go in as one opaque value: DCP
-    would otherwise flatten dicts and lists into many keys."""
-    return pickle.dumps(value)
+    would otherwise flatten dicts and lists into many keys. Written with
+    ``torch.save``, read with its weights-only unpickler."""
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
+
+
+def _unblob(data: bytes, source: str) -> Any:
+    """What :func:`_blob` wrote; a blob of earlier versions (a bare pickle)
+    through the restricted unpickler [Note: loading runs no code]."""
+    if data[:2] == b"PK":  # torch.save's zip format
+        return safe_load_bytes(io.BytesIO(data), source)
+    return restricted_loads(data, source)
 
 
 def _overlaps(
@@ -102,7 +119,7 @@ def load_sharded_checkpoint(
     """Read a checkpoint written by :func:`save_sharded_checkpoint` at any
     world size into ``model`` (and ``optimizer``). Every rank calls it."""
     model._check_idle("load_sharded_checkpoint()")
-    metadata = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    metadata = SafeFileSystemReader(str(path)).read_metadata().state_dict_metadata
     saved: dict[str, list[tuple[int, int]]] = {}
     for key, meta in metadata.items():
         match = _PART.match(key)
@@ -140,7 +157,12 @@ def load_sharded_checkpoint(
     for dest, start, base in targets:
         for key, _s, n in _overlaps(saved, base, start, dest.numel()):
             request.setdefault(key, torch.empty(n, dtype=dest.dtype))
-    dcp_load(request, checkpoint_id=str(path))
+    with named_dcp_failures(f"checkpoint {path} does not load"):
+        dcp_load(
+            request,
+            storage_reader=SafeFileSystemReader(str(path)),
+            planner=PiecesLoadPlanner(flatten_state_dict=False),
+        )
     with torch.no_grad():
         for dest, start, base in targets:
             for key, s, n in _overlaps(saved, base, start, dest.numel()):
@@ -156,12 +178,12 @@ def load_sharded_checkpoint(
             prefix = f"optim::{name}::"
             if key.startswith(prefix) and not _PART.match(key):
                 if isinstance(value, bytes):
-                    value = pickle.loads(value)
+                    value = _unblob(value, f"{path} item {key}")
                 optimizer.state.setdefault(param, {})[key[len(prefix) :]] = value
     if "optim_groups" in request:
-        groups = pickle.loads(request["optim_groups"])
+        groups = _unblob(request["optim_groups"], f"{path} item optim_groups")
         for group, saved_group in zip(optimizer.param_groups, groups, strict=True):
             group.update(saved_group)
     scaler = getattr(optimizer, "scaler", None)
     if scaler is not None and "loss_scaler" in request:
-        scaler.load_state_dict(pickle.loads(request["loss_scaler"]))
+        scaler.load_state_dict(_unblob(request["loss_scaler"], f"{path} item loss_scaler"))

@@ -34,6 +34,8 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
+from pc_zero.safe_load import safe_load_bytes
+
 __all__ = ["Box", "Pieces", "PiecesLoadPlanner", "PiecesSavePlanner", "flat_range_boxes"]
 
 
@@ -194,13 +196,20 @@ class PiecesLoadPlanner(DefaultLoadPlanner):
         self.state_dict.update(pieces)
 
     def load_bytes(self, read_item: Any, value: Any) -> None:
-        # DCP's default puts a loaded object (a list, a dict) into its own
-        # copy of the state dict, which the caller never sees: put it into
-        # the caller's too.
-        super().load_bytes(read_item, value)
+        # DCP's default unpickles an object with torch.load(weights_only=
+        # False), which runs whatever code the file names: read it with the
+        # weights-only unpickler instead [Note: loading runs no code]. And
+        # DCP puts it into its own copy of the state dict, which the caller
+        # never sees: put it into the caller's too.
+        from torch.distributed.checkpoint._traverse import set_element
+
         fqn = read_item.dest_index.fqn
-        if not self.flatten_state_dict and fqn in self.state_dict:
-            self.original_state_dict[fqn] = self.state_dict[fqn]
+        loaded = safe_load_bytes(value, f"checkpoint item {fqn!r}")
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[fqn], loaded)
+            return
+        self.state_dict[fqn] = loaded
+        self.original_state_dict[fqn] = loaded
 
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
         found = _lookup(self.state_dict, index)

@@ -81,15 +81,16 @@ class ExportPlan:
 
 
 def _model_tensors(checkpoint: Path) -> list[tuple[str, torch.Size, torch.dtype]]:
-    from torch.distributed.checkpoint.filesystem import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from pc_zero import read_metadata
 
     if not (checkpoint / ".metadata").exists():
         raise ValueError(
             f"{checkpoint} is not a sharded checkpoint (no .metadata): pass a directory "
             "written by Booster.save_model(..., shard=True) or pc-train."
         )
-    metadata = FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
+    metadata = read_metadata(checkpoint).state_dict_metadata
     out = [
         (key.removeprefix(_PREFIX), md.size, md.properties.dtype)
         for key, md in metadata.items()
@@ -145,9 +146,9 @@ def _header(
 def _reader(checkpoint: Path) -> Any:
     """A DCP reader of ``checkpoint`` that parses its metadata once, however
     many tensors are read through it one by one."""
-    from torch.distributed.checkpoint.filesystem import FileSystemReader
+    from pc_zero import SafeFileSystemReader
 
-    class Reader(FileSystemReader):
+    class Reader(SafeFileSystemReader):
         metadata: Any = None
 
         def read_metadata(self) -> Any:

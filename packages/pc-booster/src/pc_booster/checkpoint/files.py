@@ -4,9 +4,8 @@ what is read, and tied weights' aliases."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from concurrent.futures import Future
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -54,23 +53,12 @@ def done() -> Future[None]:
 # after that rename.
 
 
-@contextmanager
-def named_failures(what: str) -> Iterator[None]:
-    """DCP reports a rank's failure as a CheckpointException, a
-    BaseException that ``except Exception`` misses: raise it as the error
-    it wraps (an OSError stays one: a full disk), naming the rank."""
-    from torch.distributed.checkpoint.api import CheckpointException
+def named_failures(what: str) -> AbstractContextManager[None]:
+    """pc-zero's :func:`~pc_zero.named_dcp_failures`: a rank's DCP failure
+    raised as the error it wraps, naming the rank."""
+    from pc_zero import named_dcp_failures
 
-    try:
-        yield
-    except CheckpointException as error:
-        rank, failure = next(iter(error.failures.items()))
-        inner = failure[0] if isinstance(failure, tuple) else failure
-        lines = str(inner).strip().splitlines()
-        message = f"{what}: rank {rank}: {type(inner).__name__}: {lines[0] if lines else ''}"
-        if isinstance(inner, OSError):
-            raise OSError(inner.errno, message) from None
-        raise ValueError(message) from None
+    return named_dcp_failures(what)
 
 
 # [Note: checkpoint forms]
@@ -211,19 +199,23 @@ def save_sharded(
 
 
 def saved_keys(path: Path) -> dict[str, Any]:
-    from torch.distributed.checkpoint.filesystem import FileSystemReader
+    from pc_zero import read_metadata
 
-    metadata: dict[str, Any] = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    metadata: dict[str, Any] = read_metadata(path).state_dict_metadata
     return metadata
 
 
 def load_sharded(state: dict[str, Any], path: Path) -> None:
     from torch.distributed.checkpoint.state_dict_loader import load
 
-    from pc_zero import PiecesLoadPlanner
+    from pc_zero import PiecesLoadPlanner, SafeFileSystemReader
 
     with named_failures(f"checkpoint {path} does not load"):
-        load(state, checkpoint_id=str(path), planner=PiecesLoadPlanner(flatten_state_dict=False))
+        load(
+            state,
+            storage_reader=SafeFileSystemReader(str(path)),
+            planner=PiecesLoadPlanner(flatten_state_dict=False),
+        )
 
 
 def tied_source(module: nn.Module, key: str, present: Any = ()) -> str:

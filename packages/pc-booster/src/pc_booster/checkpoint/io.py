@@ -293,6 +293,7 @@ class CheckpointIO:
             from torch.distributed.checkpoint.state_dict_loader import load
 
             from pc_booster.checkpoint.export import pretrained_reader
+            from pc_zero import PiecesLoadPlanner, SafeFileSystemReader
 
             own = model.state_dict()
             pretrained = not (path / files.DCP_METADATA).exists()
@@ -315,11 +316,14 @@ class CheckpointIO:
                 if f"{prefix}{k}" in present and source[k] == k
             }
             wanted = {f"{prefix}{k}": v for k, v in state.items()}
+            reader = pretrained_reader(path) if pretrained else SafeFileSystemReader(str(path))
             with files.named_failures(f"checkpoint {path} does not load"):
-                if pretrained:
-                    load(wanted, storage_reader=pretrained_reader(path), no_dist=True)
-                else:
-                    load(wanted, checkpoint_id=str(path), no_dist=True)
+                load(
+                    wanted,
+                    storage_reader=reader,
+                    planner=PiecesLoadPlanner(flatten_state_dict=False),
+                    no_dist=True,
+                )
             state.update({k: state[v] for k, v in source.items() if k != v and v in state})
         else:
             raise FileNotFoundError(

@@ -313,8 +313,13 @@ def apply_groups(
     """Each group's hyperparameters from the saved group holding the same
     parameters (as the canonical load does); ``members`` as for
     :func:`groups_state`."""
-    if not isinstance(saved, list):
+    if saved is None:  # not in the checkpoint: the groups stay as they are
         return
+    if not isinstance(saved, list) or not all(isinstance(g, dict) for g in saved):
+        raise ValueError(
+            f"the checkpoint's {GROUPS} is a {type(saved).__name__}, not a list of dicts (one "
+            "per parameter group): the checkpoint is damaged or was not written by pc."
+        )
     members = members if members is not None else [g["params"] for g in optimizer.param_groups]
     order = [names.get(id(p)) for params in members for p in params]
     canonical: CanonicalOptimizerState = {"state": {}, "param_groups": saved}
