@@ -54,5 +54,5 @@ def test_hybrid_sharding_on_two_nodes(tmp_path: Path) -> None:
     assert all(r["local_world_size"] == 2 for r in results)
     for r in results:
         assert [run["plugin"] for run in r["runs"]] == [
-            "fsdp-hybrid", "fsdp-hybrid-zero2", "zero2-two-level",
+            "fsdp-hybrid", "fsdp-hybrid-zero2", "zero2-two-level", "gemini-two-level",
         ]  # fmt: skip

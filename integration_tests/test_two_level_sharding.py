@@ -1,10 +1,11 @@
-"""Two-level sharding (issue 43): LowLevelZeroPlugin(extra_dp_size=2) at
-world 4 shards the model over each pair of consecutive ranks and averages
-the reduced gradient pieces across the pairs [Note: two-level sharding] in
-pc_zero. Against single-process training of the same model on the same
+"""Two-level sharding (issue 43): LowLevelZeroPlugin(extra_dp_size=2) and
+GeminiPlugin(extra_dp_size=2) at world 4 shard the model over each pair of
+consecutive ranks and average the reduced gradient pieces (chunk shards)
+across the pairs ([Note: two-level sharding] in pc_zero, [Note: shards] in
+pc_chunk.chunk). Against single-process training of the same model on the same
 global batch (each rank a quarter): losses and every parameter at rtol
-1e-5 / atol 1e-6 over 4 steps (AdamW: atol 1e-5), ZeRO-1 and ZeRO-2, SGD
-and AdamW, with clipping by the global norm. A sharded checkpoint saved
+1e-5 / atol 1e-6 over 4 steps (AdamW: atol 1e-5), ZeRO-1, ZeRO-2 and
+Gemini, SGD and AdamW, with clipping by the global norm. A sharded checkpoint saved
 under two-level sharding continues at rtol 1e-5 under full sharding
 (extra_dp_size=1) and back. One spawn runs every case."""
 
@@ -18,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pc_booster import Booster, LowLevelZeroPlugin
+from pc_booster import Booster, GeminiPlugin, LowLevelZeroPlugin, Plugin
 from pc_comm.testing import run_subtests
 
 pytestmark = pytest.mark.timeout(300)
@@ -60,8 +61,15 @@ def _reference(kind: str, clip: float) -> tuple[nn.Module, list[float]]:
     return model, losses
 
 
+def _plugin(stage: int, extra: int, clip: float) -> Plugin:
+    """ZeRO-``stage`` (1, 2), or Gemini for stage 3."""
+    if stage == 3:
+        return GeminiPlugin(extra_dp_size=extra, max_norm=clip, chunk_size=256)
+    return LowLevelZeroPlugin(stage=stage, extra_dp_size=extra, max_norm=clip)
+
+
 def _boosted(stage: int, extra: int, kind: str, clip: float) -> tuple[Booster, Any, Any]:
-    booster = Booster(plugin=LowLevelZeroPlugin(stage=stage, extra_dp_size=extra, max_norm=clip))
+    booster = Booster(plugin=_plugin(stage, extra, clip))
     model = _model()
     model, opt, *_ = booster.boost(model, _optimizer(kind, model.parameters()))
     return booster, model, opt
@@ -117,17 +125,25 @@ def check_case(root: str, case: str) -> None:
         check_parity(int(stage), kind, CLIP if "clip" in rest else 0.0)
 
 
-CASES = ["sgd-1", "sgd-2", "adamw-1", "adamw-2-clip", "sgd-2-clip", "checkpoint-1", "checkpoint-2"]
+# <optimizer>-<stage>[-clip]: stage 3 is Gemini; checkpoint-<stage>.
+CASES = [
+    "sgd-1", "sgd-2", "adamw-1", "adamw-2-clip", "sgd-2-clip", "checkpoint-1", "checkpoint-2",
+    "sgd-3", "adamw-3-clip", "sgd-3-clip", "checkpoint-3",
+]  # fmt: skip
 
 
 def test_two_level_sharding_matches_single_process(tmp_path: Path) -> None:
     run_subtests(check_case, 4, {"case": CASES}, args=(str(tmp_path),), timeout=280)
 
 
-def test_extra_dp_size_must_divide_the_ranks() -> None:
+@pytest.mark.parametrize("plugin", ["low_level_zero", "gemini"])
+def test_extra_dp_size_must_divide_the_ranks(plugin: str) -> None:
+    from pc_booster.plugins.gemini import GeminiOptions
     from pc_booster.plugins.low_level_zero import LowLevelZeroOptions
     from pc_booster.rules import RunSetting
 
-    options = LowLevelZeroOptions(extra_dp_size=3)
+    options = (LowLevelZeroOptions if plugin == "low_level_zero" else GeminiOptions)(
+        extra_dp_size=3
+    )
     with pytest.raises(ValueError, match="extra_dp_size=3 must divide the 4 ranks"):
         options.validate(RunSetting(world=4))

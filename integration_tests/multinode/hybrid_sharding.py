@@ -1,6 +1,6 @@
 """One worker of a 2-node x 2 job (two torchrun agents on this host):
 FSDP2 hybrid sharding (HYBRID_SHARD: sharded inside each node, replicated
-across them) and LowLevelZero two-level sharding (extra_dp_size = nodes)
+across them), LowLevelZero and Gemini two-level sharding (extra_dp_size = nodes)
 train as single-process training of the same model on the global batch
 (each rank a quarter): losses and every parameter at rtol 1e-5 / atol
 1e-6, 4 steps of SGD with momentum; a sharded checkpoint of each continues
@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pc_booster import Booster, LowLevelZeroPlugin, TorchFSDPPlugin
+from pc_booster import Booster, GeminiPlugin, LowLevelZeroPlugin, TorchFSDPPlugin
 from pc_comm import init_distributed
 
 STEPS, BATCH, WIDTH = 4, 8, 16
@@ -107,6 +107,8 @@ def _check(plugin: Any, name: str, out: str) -> dict[str, Any]:
     if name.startswith("fsdp"):  # FSDP2's 2-D mesh: replicated over nodes, sharded in each
         mesh = next(model.parameters()).device_mesh
         assert tuple(mesh.shape) == (world // local, local), mesh
+    elif name.startswith("gemini"):  # chunks sharded over the node's ranks
+        assert plugin.boosted(model).model.comm.world_size == local
     else:  # ZeRO over the node's ranks
         from pc_booster.wrappers import inner_optimizer
 
@@ -133,6 +135,7 @@ def main(out: str) -> None:
                 TorchFSDPPlugin(sharding_strategy="_HYBRID_SHARD_ZERO2"), "fsdp-hybrid-zero2", out
             ),
             _check(LowLevelZeroPlugin(stage=2, extra_dp_size=nodes), "zero2-two-level", out),
+            _check(GeminiPlugin(extra_dp_size=nodes, chunk_size=256), "gemini-two-level", out),
         ],
     }
     Path(out, f"rank{dist.get_rank()}.json").write_text(json.dumps(checked))

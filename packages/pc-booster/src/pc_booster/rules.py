@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from pc_booster.plugin import Plugin
 
 __all__ = [
+    "EXTRA_DP_RULE",
     "LossScaleOptions",
     "PluginConfig",
     "Rule",
@@ -128,6 +129,24 @@ class Rule:
     #: options and setting that break the rule, for the docs' example
     #: message (and a test that the rule does refuse them)
     example: tuple[dict[str, Any], RunSetting] = ({}, RunSetting())
+
+
+def _extra_dp(options: Any, setting: RunSetting) -> str | None:
+    extra = options.extra_dp_size
+    if isinstance(extra, bool) or not isinstance(extra, int) or extra < 1:
+        return f"extra_dp_size must be an int >= 1, got {extra!r}."
+    if setting.world is not None and setting.world % extra:
+        return (
+            f"extra_dp_size={extra} must divide the {setting.world} ranks (it is the number of "
+            "groups the model is sharded in, each replicating the others); choose a divisor."
+        )
+    return None
+
+
+#: Two-level sharding's rule, shared by the plugins that take ``extra_dp_size``.
+EXTRA_DP_RULE = Rule(
+    "extra_dp_size not dividing the ranks", _extra_dp, ({"extra_dp_size": 3}, RunSetting(world=4))
+)
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,11 @@ all-gathers the shards into the payload; ``release`` drops it.
 buffer (in ``reduce_dtype``, fp32 by default, so a bf16 model still sums in
 fp32), reduce-scatters it, and keeps this rank's part as an fp32 gradient
 shard for the optimizer. ``set_shard`` writes updated master values back.
+With a ``replica_comm`` (two-level sharding: the chunk is sharded over
+``comm``, a node's ranks, and replicated over ``replica_comm``, the ranks
+holding the same shard on other nodes) the reduced shard is then
+all-reduced over the replicas with the same op, so it is the gradient
+over every rank while each shard's bytes cross the slow links once.
 
 [Note: exposed shards]
 With ``expose_shard=True`` (what ZeRO-3 wrappers use) a released chunk
@@ -134,8 +139,10 @@ class Chunk:
         name: str = "chunk",
         shard_dtype: torch.dtype | None = None,
         expose_shard: bool = False,
+        replica_comm: Communicator | None = None,
     ) -> None:
         self.engine = engine  # host <-> device moves through pc-offload's pinned pool
+        self.replica_comm = replica_comm  # [Note: shards]: two-level sharding
         self.world_size = comm.world_size if comm is not None else 1
         self.rank = comm.rank if comm is not None else 0
         if size <= 0 or size % self.world_size:
@@ -187,6 +194,7 @@ class Chunk:
         self.gathers = 0  # all-gathers issued, for tests and statistics
         # A reduce-scatter in flight: (handle, input, output, reserved bytes).
         self._reducing: tuple[Handle | None, torch.Tensor, torch.Tensor, int] | None = None
+        self._reduce_op = ReduceOp.AVG  # the one in flight, for the replicas
 
     def __repr__(self) -> str:
         return (
@@ -593,6 +601,7 @@ class Chunk:
             handle = self.comm.reduce_scatter(out, flat, op, async_op=async_op)
         self.state = ChunkState.HOLD
         self._reducing = (handle, flat, out, flat_bytes)
+        self._reduce_op = op
         if async_op:
             return None
         self.finish_reduce()
@@ -619,6 +628,8 @@ class Chunk:
         self._reducing = None
         if handle is not None:
             handle.wait()
+        if self.replica_comm is not None:  # [Note: shards]: across the replicas too
+            self.replica_comm.all_reduce(out, self._reduce_op).wait()
         del flat
         self._free(flat_bytes, "gradient buffer")
         grad_shard = out if out.dtype == torch.float32 else out.float()

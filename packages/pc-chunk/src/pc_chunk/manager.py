@@ -229,6 +229,7 @@ class ChunkManager:
         prefetch: bool = True,
         init_param: Callable[[nn.Parameter], None] | None = None,
         chunk_per_tensor: bool = False,
+        replica_comm: Communicator | None = None,
     ) -> None:
         self.module = module
         # [Note: lazy parameters]
@@ -249,6 +250,10 @@ class ChunkManager:
             "reduce_dtype": reduce_dtype,
             "engine": engine,
             "expose_shard": expose_shards,
+            # Two-level sharding ([Note: shards] in pc_chunk.chunk).
+            "replica_comm": replica_comm
+            if replica_comm is not None and replica_comm.world_size > 1
+            else None,
         }
         # The shards: fp32 masters when exposed ([Note: exposed shards] in
         # pc_chunk.chunk), whatever dtype the model was built in; otherwise

@@ -98,9 +98,10 @@ from pc_chunk import (
     DeviceBudget,
     MemoryTracer,
     StaticPlacement,
+    is_lazy,
 )
 from pc_chunk.manager import execution_order
-from pc_comm import Communicator
+from pc_comm import Communicator, default_communicator
 from pc_offload import CopyEngine, PinnedPool
 from pc_zero.clipping import ClipsInStep
 from pc_zero.gemini_search import ChunkOptions, searched_chunk_size
@@ -142,7 +143,11 @@ class GeminiDDP(ShardedModule):
     ``search_range_mb`` / ``min_chunk_size_mb`` /
     ``hidden_dim`` as well as pc's element counts [Note: chunk search]
     in pc_zero.gemini_search;
-    ``pin_memory`` and the placement policies: [Note: placement policies]."""
+    ``pin_memory`` and the placement policies: [Note: placement policies].
+    ``replica_process_group``: two-level sharding, the chunks sharded over
+    ``process_group`` and replicated over this group, each reduced shard
+    averaged across it ([Note: shards] in pc_chunk.chunk;
+    ``pc_comm.two_level_groups`` makes both groups)."""
 
     def __init__(
         self,
@@ -168,8 +173,10 @@ class GeminiDDP(ShardedModule):
         sync_module_states: bool = False,
         prefetch: bool = True,
         step_in_backward: bool = False,
+        replica_process_group: dist.ProcessGroup | None = None,
     ) -> None:
         policy = PlacementPolicy.parse(placement_policy)
+        replicas = _replicas(module, replica_process_group, sync_module_states)
         _check_placement_and_sizes(policy, offload_param_frac, device_budget_bytes, chunk_size)
         chunks = ChunkOptions.checked(
             chunk_size, chunk_per_tensor, search_range, min_chunk_size, search_range_mb,
@@ -205,7 +212,7 @@ class GeminiDDP(ShardedModule):
         self.offload_param_frac = offload_param_frac
         manager = self._chunk_manager(
             module, example_inputs, chunk_size, chunk_per_tensor, comm, device, mixed_precision,
-            prefetch, init_param, device_budget_bytes,
+            prefetch, init_param, device_budget_bytes, replicas,
         )  # fmt: skip
         self._check_budget_gathers(widest, mixed_precision, device_budget_bytes)
         mp = MixedPrecision(mixed_precision) if mixed_precision != torch.float32 else None
@@ -223,6 +230,7 @@ class GeminiDDP(ShardedModule):
         prefetch: bool,
         init_param: Callable[[nn.Parameter], None],
         device_budget_bytes: int | None,
+        replicas: Communicator | None,
     ) -> ChunkManager:
         """The module's chunks, their shards placed as this wrapper's
         placement says [Note: placement policies]."""
@@ -241,6 +249,7 @@ class GeminiDDP(ShardedModule):
                 expose_shards=True,
                 prefetch=prefetch,
                 init_param=init_param,
+                replica_comm=replicas,
             )
         except BudgetExceededError as error:  # the placement asked for cannot fit: a setting
             raise ValueError(
@@ -276,6 +285,26 @@ class GeminiDDP(ShardedModule):
             return x
 
         return tree_map(upcast, out)
+
+
+def _replicas(
+    module: nn.Module, group: dist.ProcessGroup | None, sync_module_states: bool
+) -> Communicator | None:
+    """Two-level sharding [Note: shards] in pc_chunk.chunk: the communicator
+    over the ranks holding the same shards (None for one), after copying
+    the first replica's eager parameters and buffers to the others under
+    ``sync_module_states`` (the shard group then copies its first rank's:
+    every rank ends with rank 0's). Lazy parameters are materialised with
+    eager construction's values, the same on every rank."""
+    if group is None or dist.get_world_size(group) == 1:
+        return None
+    if sync_module_states:
+        src = dist.get_global_rank(group, 0)
+        with torch.no_grad():
+            for tensor in [*module.parameters(), *module.buffers()]:
+                if not is_lazy(tensor) and not tensor.is_meta:
+                    dist.broadcast(tensor.data, src, group=group)
+    return default_communicator(group)
 
 
 def _check_placement_and_sizes(

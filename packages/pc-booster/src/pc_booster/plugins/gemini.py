@@ -41,6 +41,7 @@ from pc_booster.plugins.sharded import (
     zero_model_state,
 )
 from pc_booster.rules import (
+    EXTRA_DP_RULE,
     LossScaleOptions,
     PluginConfig,
     Rule,
@@ -104,7 +105,10 @@ class GeminiOptions(PluginConfig, LossScaleOptions):
     chunk size searched in ``search_range_m`` MiB from ``min_chunk_size_m``
     unless ``chunk_size`` is given; ``step_in_backward``: each chunk
     stepped as soon as its gradients are reduced (12 bytes per parameter of
-    model states instead of 16)."""
+    model states instead of 16); ``extra_dp_size``: two-level sharding, the
+    chunks sharded in this many groups of consecutive ranks (a node's, with
+    torchrun's numbering), each replicating the others ([Note: shards] in
+    pc_chunk.chunk); 1 shards over every rank."""
 
     name: ClassVar[str] = "gemini"
     gathers_parameters: ClassVar[bool] = True
@@ -134,6 +138,7 @@ class GeminiOptions(PluginConfig, LossScaleOptions):
             _in_backward_accumulation,
             ({"step_in_backward": True}, RunSetting(accumulation=2)),
         ),
+        EXTRA_DP_RULE,
     )
 
     placement_policy: str = "static"
@@ -151,6 +156,7 @@ class GeminiOptions(PluginConfig, LossScaleOptions):
     enable_fused_normalization: bool = False
     pin_memory: bool = False
     hidden_dim: int | None = None
+    extra_dp_size: int = 1
 
     def host_fraction(self) -> float:
         """The share of chunks (shards and their optimizer states) on the host."""
@@ -164,9 +170,12 @@ class GeminiOptions(PluginConfig, LossScaleOptions):
 
     def describe(self) -> str:
         extra = f" offload {self.host_fraction():g}" if self.host_fraction() else ""
-        return f"gemini{extra}" + (" step-in-backward" if self.step_in_backward else "")
+        replicas = f" x{self.extra_dp_size}" if self.extra_dp_size > 1 else ""
+        in_backward = " step-in-backward" if self.step_in_backward else ""
+        return f"gemini{replicas}{extra}{in_backward}"
 
     def model_states(self, psi: float, dp: int, precision: TrainPrecision) -> StateBytes:
+        dp = max(dp // self.extra_dp_size, 1)  # sharded inside each group
         p = precision.bytes
         m = 0 if precision is TrainPrecision.FP32 else 4
         if self.step_in_backward:
@@ -253,6 +262,13 @@ class GeminiPlugin(Plugin, SupportsNoSync):
                     param.data = param.data.to(dtype)
         apply_optimizations(model, o)
         search_range, min_chunk_size = _chunk_search(model, o)
+        groups: dict[str, Any] = {}
+        if o.extra_dp_size > 1:  # two-level sharding ([Note: shards] in pc_chunk.chunk)
+            self.validate_later(world=dist.get_world_size())
+            from pc_comm import two_level_groups
+
+            shard, replica = two_level_groups(o.extra_dp_size)
+            groups = {"process_group": shard, "replica_process_group": replica}
         wrapped = GeminiDDP(
             model,
             device=device(),
@@ -268,6 +284,7 @@ class GeminiPlugin(Plugin, SupportsNoSync):
             step_in_backward=o.step_in_backward,
             pin_memory=o.pin_memory,
             hidden_dim=o.hidden_dim,
+            **groups,
         )
         # Chunks hold trainable parameters only; frozen ones leave the optimizer.
         trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}

@@ -46,6 +46,7 @@ from pc_booster.plugins.sharded import (
     zero_model_state,
 )
 from pc_booster.rules import (
+    EXTRA_DP_RULE,
     LossScaleOptions,
     PluginConfig,
     Rule,
@@ -72,18 +73,6 @@ def _stage(options: LowLevelZeroOptions, setting: RunSetting) -> str | None:
         return (
             f"stage must be 1 or 2, got {options.stage!r}; ZeRO-3 is TorchFSDPPlugin or "
             "GeminiPlugin."
-        )
-    return None
-
-
-def _extra_dp(options: LowLevelZeroOptions, setting: RunSetting) -> str | None:
-    extra = options.extra_dp_size
-    if isinstance(extra, bool) or not isinstance(extra, int) or extra < 1:
-        return f"extra_dp_size must be an int >= 1, got {extra!r}."
-    if setting.world is not None and setting.world % extra:
-        return (
-            f"extra_dp_size={extra} must divide the {setting.world} ranks (it is the number of "
-            "groups the model is sharded in, each replicating the others); choose a divisor."
         )
     return None
 
@@ -125,11 +114,7 @@ class LowLevelZeroOptions(PluginConfig, LossScaleOptions):
     name: ClassVar[str] = "low-level-zero"
     RULES: ClassVar[tuple[Rule, ...]] = (
         Rule("stage other than 1 or 2", _stage, ({"stage": 3}, RunSetting())),
-        Rule(
-            "extra_dp_size not dividing the ranks",
-            _extra_dp,
-            ({"extra_dp_size": 3}, RunSetting(world=4)),
-        ),
+        EXTRA_DP_RULE,
     )
 
     stage: int = 1
