@@ -13,7 +13,27 @@ __all__ = ["clip_replicated"]
 
 def clip_replicated(params: Sequence[torch.Tensor], max_norm: float) -> float:
     """Clip gradients every rank holds whole (after DDP's all-reduce), or
-    FSDP2's DTensor gradients, whose norm torch reduces over the shards."""
-    norm = torch.nn.utils.clip_grad_norm_(list(params), max_norm)
-    full = getattr(norm, "full_tensor", None)
-    return float(full() if full is not None else norm)
+    DTensor gradients (FSDP2's, and FSDP2's over tensor-parallel ones),
+    whose norm torch reduces over their mesh. Gradients on different meshes
+    (a tensor-parallel weight on (dp, tp), a norm weight on dp alone) are
+    normed per mesh and combined: torch's ``clip_grad_norm_`` refuses to
+    stack norms of different meshes."""
+    params = [p for p in params if p.grad is not None]
+    by_mesh: dict[object, list[torch.Tensor]] = {}
+    for param in params:
+        assert param.grad is not None
+        by_mesh.setdefault(getattr(param.grad, "device_mesh", None), []).append(param.grad)
+    squares = torch.zeros((), dtype=torch.float64)
+    for grads in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm(grads, 2.0)
+        full = getattr(norm, "full_tensor", None)
+        squares += float(full() if full is not None else norm) ** 2
+    total = torch.sqrt(squares).float()  # one mesh: exactly torch's norm
+    # As torch's clip_grads_with_norm_, in fp32; a Python scalar multiplies
+    # a DTensor gradient on any mesh.
+    coef = float(torch.clamp(torch.tensor(max_norm) / (total + 1e-6), max=1.0))
+    with torch.no_grad():
+        for param in params:
+            assert param.grad is not None
+            param.grad.mul_(coef)
+    return float(total)

@@ -26,6 +26,7 @@ from pc_booster.plugins.common import (
     materialize_lazy,
     require_initialized,
 )
+from pc_booster.plugins.fsdp_tp import apply_tensor_parallel, tensor_parallel_plan
 from pc_booster.plugins.sharded import (
     after_own_optimizer_load,
     own_optimizer_state,
@@ -131,6 +132,21 @@ def _fsdp1_arguments(o: TorchFSDPOptions, setting: RunSetting) -> str | None:
     return None
 
 
+def _tensor_parallel(o: TorchFSDPOptions, setting: RunSetting) -> str | None:
+    tp = o.tp_size
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        return f"tp_size must be an int >= 1, got {tp!r}."
+    if setting.world is not None and setting.world % tp:
+        return f"tp_size={tp} must divide the {setting.world} ranks; choose a divisor."
+    if tp > 1 and o.sharding_strategy in ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"):
+        return (
+            f"sharding_strategy={o.sharding_strategy} with tp_size={tp}: hybrid sharding over "
+            "tensor-parallel shards (a 3-D mesh) is not built yet. Use FULL_SHARD (or "
+            "SHARD_GRAD_OP) with tp_size, or hybrid sharding with tp_size=1."
+        )
+    return None
+
+
 def _reduce_dtype(o: TorchFSDPOptions, setting: RunSetting) -> str | None:
     p = setting.precision
     if o.param_dtype is not None and p is not None and p.dtype != o.param_dtype:
@@ -145,7 +161,10 @@ def _reduce_dtype(o: TorchFSDPOptions, setting: RunSetting) -> str | None:
 class TorchFSDPOptions(PluginConfig, LossScaleOptions):
     """``reshard_after_forward`` is FSDP2's; ``wrap_classes``: the module
     classes each sharded as a unit (default: a ``transformers`` model's
-    ``_no_split_modules``); ``max_norm``: clipping by the global norm."""
+    ``_no_split_modules``); ``max_norm``: clipping by the global norm;
+    ``tp_size``: tensor parallelism inside each group of that many
+    consecutive ranks, FSDP2 over the groups ([Note: FSDP2 over tensor
+    parallelism] in pc_booster.plugins.fsdp_tp)."""
 
     name: ClassVar[str] = "torch-fsdp"
     gathers_parameters: ClassVar[bool] = True
@@ -154,6 +173,11 @@ class TorchFSDPOptions(PluginConfig, LossScaleOptions):
             "FSDP1 arguments FSDP2 has no counterpart for",
             _fsdp1_arguments,
             ({"sharding_strategy": "NO_SHARD"}, RunSetting()),
+        ),
+        Rule(
+            "tp_size not dividing the ranks, or with hybrid sharding",
+            _tensor_parallel,
+            ({"tp_size": 3}, RunSetting(world=4)),
         ),
         Rule(
             "mixed_precision's param_dtype against the run's precision",
@@ -176,6 +200,7 @@ class TorchFSDPOptions(PluginConfig, LossScaleOptions):
     param_init_fn: Any = None
     ignored_modules: Any = None
     sync_module_states: bool = False
+    tp_size: int = 1
     # and fp16's dynamic loss scale (LossScaleOptions) [Note: fp16 under FSDP2]
 
     def model_states(self, psi: float, dp: int, precision: TrainPrecision) -> StateBytes:
@@ -247,6 +272,9 @@ class TorchFSDPPlugin(Plugin, SupportsNoSync):
 
     options: TorchFSDPOptions
     initialises_meta = True
+    # With tp_size > 1: the (dp, tp) mesh, made when first needed (boost,
+    # or a dataloader prepared before it), as HybridParallelPlugin's groups.
+    _tp_mesh: Any = None
 
     OPTIONS = TorchFSDPOptions
     POSITIONAL = ("reshard_after_forward", "wrap_classes", "max_norm")
@@ -337,7 +365,13 @@ class TorchFSDPPlugin(Plugin, SupportsNoSync):
         where: dict[str, Any] = {}
         ranks = dist.get_world_size()
         shard = shard_size(o.sharding_strategy, ranks)
-        if shard < ranks:  # hybrid: FSDP2's 2-D mesh, replicated across nodes
+        split: dict[nn.Module, str] = {}
+        tp_mesh = None
+        if o.tp_size > 1:  # [Note: FSDP2 over tensor parallelism]
+            split = tensor_parallel_plan(model, o.tp_size)
+            mesh = self.mesh()
+            where["mesh"], tp_mesh = mesh["dp"], mesh["tp"]
+        elif shard < ranks:  # hybrid: FSDP2's 2-D mesh, replicated across nodes
             from torch.distributed.device_mesh import init_device_mesh
 
             where["mesh"] = init_device_mesh(
@@ -349,6 +383,8 @@ class TorchFSDPPlugin(Plugin, SupportsNoSync):
             if lazy:  # every rank replays the same values: no broadcast needed
                 materialize_lazy([module], device())
             cast_floating(module, torch.float32)  # the shards are the fp32 masters
+            if split:
+                apply_tensor_parallel(split, module, tp_mesh)
             fully_shard(module, reshard_after_forward=reshard, mp_policy=policy, **where)
         if meta:
             initialise_meta(model, device())
@@ -368,6 +404,40 @@ class TorchFSDPPlugin(Plugin, SupportsNoSync):
         # DTensor gradients: torch reduces their norm over the shards.
         step_policy = GradientStep("TorchFSDPPlugin", clip_replicated, o.max_norm, amp)
         return request.boosted(model, optimizer, module=model, step_policy=step_policy)
+
+    def mesh(self) -> Any:
+        """With ``tp_size`` > 1: the ``(dp, tp)`` device mesh, tp innermost
+        (collective the first time: every rank calls it)."""
+        if self._tp_mesh is None:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            ranks = dist.get_world_size()
+            self.validate_later(world=ranks)
+            tp = self.options.tp_size
+            self._tp_mesh = init_device_mesh(
+                device().type, (ranks // tp, tp), mesh_dim_names=("dp", "tp")
+            )
+        return self._tp_mesh
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup:
+        """Every rank, or with ``tp_size`` > 1 the ranks at this one's place
+        in each tensor-parallel group (they read different batches)."""
+        if self.options.tp_size == 1:
+            return super().dp_group
+        group: dist.ProcessGroup = self.mesh()["dp"].get_group()
+        return group
+
+    @property
+    def tp_size(self) -> int:
+        return self.options.tp_size
+
+    @property
+    def tp_group(self) -> dist.ProcessGroup | None:
+        if self.options.tp_size == 1:
+            return None
+        group: dist.ProcessGroup = self.mesh()["tp"].get_group()
+        return group
 
     @contextmanager
     def _no_sync(self, model: Any) -> Iterator[None]:
