@@ -1,15 +1,17 @@
-"""ZeRO-3 over tensor parallelism (issue 43): TorchFSDPPlugin(tp_size=2) at
-world 4 splits each block's projections by the model's base_model_tp_plan
-over pairs of consecutive ranks and shards everything with FSDP2 over the
-two pairs [Note: FSDP2 over tensor parallelism] in
-pc_booster.plugins.fsdp_tp. Against single-process training of the same
+"""ZeRO-3 over tensor parallelism (issue 43): TorchFSDPPlugin(tp_size=2) and
+GeminiPlugin(tp_size=2) at world 4 split each block's projections over
+pairs of consecutive ranks (torch's DTensor styles from the model's
+base_model_tp_plan [Note: FSDP2 over tensor parallelism] in
+pc_booster.plugins.fsdp_tp; pc-tensor's split for Gemini) and shard
+everything over the two pairs (FSDP2; Gemini's chunks of each rank's
+pieces, the norm spanning the tp ranks). Against single-process training of the same
 model on the same global batch (each data-parallel pair a half): losses
 and every parameter at rtol 1e-5 / atol 1e-6 over 4 steps (AdamW: atol
 1e-5), SGD and AdamW, with clipping by the global norm (norms over the
 (dp, tp) and dp meshes combined), Llama and Qwen2 (biased projections).
-The split is checked to happen (each projection a 2-D DTensor). A sharded
-checkpoint continues at rtol 1e-5 under tp_size=1 and under ZeRO-2. One
-spawn runs every case."""
+The split is checked to happen. A sharded checkpoint of each continues at
+rtol 1e-5 under the other, under tp_size=1 and under ZeRO-2; Gemini's
+full (one-file) model and optimizer too. One spawn runs every case."""
 
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pc_booster import Booster, LowLevelZeroPlugin, Plugin, TorchFSDPPlugin
+from pc_booster import Booster, GeminiPlugin, LowLevelZeroPlugin, Plugin, TorchFSDPPlugin
 from pc_comm.testing import run_subtests
 
 pytestmark = pytest.mark.timeout(300)
@@ -102,18 +104,35 @@ def _train(booster: Booster, model: Any, opt: Any, steps: range) -> list[float]:
     return losses
 
 
-def check_parity(family: str, kind: str, clip: float) -> None:
+def _tp_plugin(kind: str, clip: float = 0.0) -> Plugin:
+    if kind == "gemini":
+        return GeminiPlugin(tp_size=2, max_norm=clip, chunk_size=4096)
+    return TorchFSDPPlugin(tp_size=2, max_norm=clip)
+
+
+def _check_split(plugin: Plugin, model: Any) -> None:
+    """The projections are split over tp (the checks fail without it)."""
+    assert (plugin.dp_size, plugin.tp_size) == (2, 2)
+    if isinstance(plugin, GeminiPlugin):
+        from pc_tensor import shard_info
+
+        info = shard_info(plugin.boosted(model).module)
+        assert "model.layers.0.self_attn.q_proj.weight" in info.sharded, info.sharded
+        return
     from torch.distributed.tensor import DTensor
 
-    rtol, atol = (1e-5, 1e-6) if kind == "sgd" else (1e-5, 1e-5)
-    reference, want = _reference(family, kind, clip)
-    plugin = TorchFSDPPlugin(tp_size=2, max_norm=clip)
-    booster, model, opt = _boosted(plugin, family, kind)
-    assert (plugin.dp_size, plugin.tp_size) == (2, 2)
     q_proj = model.model.layers[0].self_attn.q_proj.weight
     assert isinstance(q_proj, DTensor), q_proj
     assert q_proj.device_mesh.ndim == 2, q_proj
     assert q_proj.to_local().shape[0] == 32 // 4, q_proj.to_local().shape  # split by 2 x 2
+
+
+def check_parity(plugin_kind: str, family: str, kind: str, clip: float) -> None:
+    rtol, atol = (1e-5, 1e-6) if kind == "sgd" else (1e-5, 1e-5)
+    reference, want = _reference(family, kind, clip)
+    plugin = _tp_plugin(plugin_kind, clip)
+    booster, model, opt = _boosted(plugin, family, kind)
+    _check_split(plugin, model)
     got = _train(booster, model, opt, range(STEPS))
     assert got == pytest.approx(want, rel=rtol, abs=atol), (got, want)
     state = plugin.model_state_dict(model)
@@ -123,33 +142,48 @@ def check_parity(family: str, kind: str, clip: float) -> None:
         assert bool(close.all()), f"{key}: {int((~close).sum())} elements differ, by {worst}"
 
 
-def check_checkpoint(root: str) -> None:
-    where = Path(root) / "tp2"
-    booster, model, opt = _boosted(TorchFSDPPlugin(tp_size=2), "llama", "adamw")
+def check_checkpoint(root: str, plugin_kind: str) -> None:
+    where = Path(root) / f"{plugin_kind}-tp2"
+    booster, model, opt = _boosted(_tp_plugin(plugin_kind), "llama", "adamw")
     _train(booster, model, opt, range(2))
     booster.save_model(model, where / "model", shard=True)
     booster.save_optimizer(opt, where / "optim", shard=True)
+    if plugin_kind == "gemini":  # the one-file forms too
+        booster.save_model(model, where / "model.pt")
+        booster.save_optimizer(opt, where / "optim.pt")
     want = _train(booster, model, opt, range(2, STEPS))
-    for other in (TorchFSDPPlugin(), LowLevelZeroPlugin(stage=2), TorchFSDPPlugin(tp_size=2)):
+    others = [TorchFSDPPlugin(), LowLevelZeroPlugin(stage=2), *map(_tp_plugin, ("fsdp", "gemini"))]
+    for other in others:
         booster, model, opt = _boosted(copy.copy(other), "llama", "adamw")
         booster.load_model(model, where / "model")
         booster.load_optimizer(opt, where / "optim")
         got = _train(booster, model, opt, range(2, STEPS))
         assert got == pytest.approx(want, rel=1e-5, abs=1e-6), (other, got, want)
+    if plugin_kind == "gemini":
+        booster, model, opt = _boosted(_tp_plugin("gemini"), "llama", "adamw")
+        booster.load_model(model, where / "model.pt")
+        booster.load_optimizer(opt, where / "optim.pt")
+        got = _train(booster, model, opt, range(2, STEPS))
+        assert got == pytest.approx(want, rel=1e-5, abs=1e-6), ("one file", got, want)
 
 
 def check_case(root: str, case: str) -> None:
-    if case == "checkpoint":
-        check_checkpoint(root)
+    plugin_kind, rest = case.split(":")
+    if rest == "checkpoint":
+        check_checkpoint(root, plugin_kind)
         return
-    family, kind, *rest = case.split("-")
-    check_parity(family, kind, CLIP if "clip" in rest else 0.0)
+    family, kind, *clip = rest.split("-")
+    check_parity(plugin_kind, family, kind, CLIP if clip else 0.0)
 
 
-CASES = ["llama-sgd", "llama-adamw-clip", "qwen2-sgd-clip", "checkpoint"]
+CASES = [
+    f"{plugin}:{case}"
+    for plugin in ("fsdp", "gemini")
+    for case in ("llama-sgd", "llama-adamw-clip", "qwen2-sgd-clip", "checkpoint")
+]
 
 
-def test_fsdp2_over_tensor_parallel_matches_single_process(tmp_path: Path) -> None:
+def test_zero3_over_tensor_parallel_matches_single_process(tmp_path: Path) -> None:
     run_subtests(check_case, 4, {"case": CASES}, args=(str(tmp_path),), timeout=280)
 
 

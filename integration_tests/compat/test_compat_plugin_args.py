@@ -546,7 +546,7 @@ def check_gemini_arguments(case: str) -> None:
             ({"shard_param_frac": 0.5}, "shards every chunk over the ranks"),
             ({"offload_optim_frac": 0.5, "offload_param_frac": 0.25}, "give one fraction"),
             ({"max_prefetch": -1}, "max_prefetch must be >= 0"),
-            ({"tp_size": 2}, "tensor parallelism is HybridParallelPlugin's"),
+            ({"tp_size": 3}, "tp_size=3 must divide the 2 ranks"),
             ({"extra_dp_size": 3}, "extra_dp_size=3 must divide the 2 ranks"),
             ({"norm_type": 1.0}, "global 2-norm"),
             ({"master_weights": False}, "fp32 masters of each chunk shard"),

@@ -105,7 +105,12 @@ from pc_comm import Communicator, default_communicator
 from pc_offload import CopyEngine, PinnedPool
 from pc_zero.clipping import ClipsInStep
 from pc_zero.gemini_search import ChunkOptions, searched_chunk_size
-from pc_zero.loss_scale import DynamicLossScaler, LossScaleConfig, unscale_clip_and_check
+from pc_zero.loss_scale import (
+    DynamicLossScaler,
+    LossScaleConfig,
+    counts_under_tensor_parallel,
+    unscale_clip_and_check,
+)
 from pc_zero.sharded import MixedPrecision, ShardedModule, prepare_module
 
 __all__ = ["GeminiDDP", "GeminiOptimizer", "PlacementPolicy", "searched_chunk_size"]
@@ -413,6 +418,7 @@ class GeminiOptimizer(ClipsInStep, Optimizer):
         max_norm: float = 0.0,
         loss_scale: LossScaleConfig | None = None,
         scale_every_precision: bool = False,
+        tp_group: dist.ProcessGroup | None = None,
     ) -> None:
         if not isinstance(module, ShardedModule):
             raise TypeError(
@@ -430,6 +436,11 @@ class GeminiOptimizer(ClipsInStep, Optimizer):
         self.inner = optimizer
         self.module = module
         self.max_norm = float(max_norm)
+        # Chunks of tensor-parallel pieces: the norm and the overflow check
+        # span the tensor-parallel ranks too [Note: global norm across groups].
+        self.tp_group = (
+            tp_group if tp_group is not None and dist.get_world_size(tp_group) > 1 else None
+        )
         mp = module.mixed_precision
         fp16 = mp is not None and mp.param_dtype == torch.float16
         # [Note: loss scaling in every precision]
@@ -542,10 +553,15 @@ class GeminiOptimizer(ClipsInStep, Optimizer):
             self._stepped.clear()
             self._step_clipped()
             return loss
-        grads = [c.grad_shard for c in self.module.chunks if c.grad_shard is not None]
+        chunks = [c for c in self.module.chunks if c.grad_shard is not None]
+        grads = [c.grad_shard for c in chunks if c.grad_shard is not None]
         device = self.module.manager.device
         max_norm = self._step_max_norm()
-        ok, _ = unscale_clip_and_check(grads, self.module.comm, self.scaler, max_norm, device)
+        groups, ranges = ((), None) if self.tp_group is None else self._tp_counts(chunks)
+        ok, _ = unscale_clip_and_check(
+            grads, self.module.comm, self.scaler, max_norm, device,
+            count_ranges=ranges, model_parallel_groups=groups,
+        )  # fmt: skip
         self.last_step_skipped = not ok
         if ok:
             self.inner.step()
@@ -554,6 +570,26 @@ class GeminiOptimizer(ClipsInStep, Optimizer):
         self._clear_grads()
         self._step_clipped()
         return loss
+
+    def _tp_counts(
+        self, chunks: list[Chunk]
+    ) -> tuple[tuple[dist.ProcessGroup, ...], list[list[tuple[int, int]]]]:
+        """Under tensor parallelism: the group the norm also spans, and the
+        elements of each gradient shard that count here (a split parameter
+        on every tp rank, a replicated one on tp rank 0)."""
+        assert self.tp_group is not None
+        counts = counts_under_tensor_parallel(self.tp_group)
+        ranges = []
+        for chunk in chunks:
+            begin = chunk.rank * chunk.shard_size
+            mine = []
+            for slot in chunk.slots:
+                lo = max(slot.offset, begin)
+                hi = min(slot.offset + slot.numel, begin + chunk.shard_size)
+                if lo < hi and counts(slot.param):
+                    mine.append((lo - begin, hi - begin))
+            ranges.append(mine)
+        return (self.tp_group,), ranges
 
     def _clear_grads(self) -> None:
         """[Note: step clears the gradients]: the exposed ``.grad`` and the

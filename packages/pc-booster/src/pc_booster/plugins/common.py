@@ -31,11 +31,13 @@ __all__ = [
     "cast_floating_inputs",
     "clone_state",
     "device",
+    "full_logits",
     "has_lazy",
     "load_cast",
     "materialize_lazy",
     "require_initialized",
     "sharded",
+    "split_over_tp",
     "torch_load_optimizer",
     "torch_optimizer_state",
     "values_a_cast_rounds",
@@ -100,6 +102,40 @@ def materializer(to: torch.device) -> Callable[[nn.Module], None]:
     ``shard_model(..., materialize=...)``: a lazily built model's layers
     are materialised one at a time, as each is split."""
     return lambda module: materialize_lazy([module], to)
+
+
+def split_over_tp(
+    model: nn.Module, tp_group: dist.ProcessGroup, policy: Any = None, sequence_parallel: Any = None
+) -> None:
+    """``model`` on the device, every rank from the same values, split over
+    ``tp_group`` by pc-tensor's ``shard_model`` (``policy``: None for the
+    model's own plan). A lazily built model is materialised layer by layer
+    as it is split, so the whole model never exists here (every rank
+    replays the same values: no broadcast)."""
+    from pc_tensor import shard_model
+
+    extra: dict[str, Any] = {}
+    if sequence_parallel is not None:
+        extra["sequence_parallel"] = sequence_parallel
+    if has_lazy(model):
+        shard_model(model, tp_group, policy, materialize=materializer(device()), **extra)
+        model.to(device())
+        return
+    materialize_lazy([model], device())
+    model.to(device())
+    broadcast_module(model)
+    shard_model(model, tp_group, policy, **extra)
+
+
+def full_logits(module: nn.Module, args: Any, output: Any) -> Any:
+    """A forward hook: the full vocabulary's logits of a vocabulary-split
+    output layer (the loss is computed without them)."""
+    from pc_tensor import gather_logits
+
+    logits = getattr(output, "logits", None)
+    if isinstance(logits, torch.Tensor):
+        output.logits = gather_logits(logits, module)
+    return output
 
 
 def broadcast_module(module: nn.Module, group: dist.ProcessGroup | None = None) -> None:

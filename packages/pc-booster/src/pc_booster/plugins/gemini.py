@@ -28,17 +28,29 @@ from pc_booster.plugin import Boosted, BoostRequest, Plugin, SupportsNoSync
 from pc_booster.plugins.common import (
     cast_floating_inputs,
     device,
+    full_logits,
     require_initialized,
+    split_over_tp,
 )
+from pc_booster.plugins.layout import ParallelLayout
 from pc_booster.plugins.optimizations import apply_optimizations
 from pc_booster.plugins.sharded import (
     GROUPS,
     SCALER,
+    WHOLE,
+    Share,
     apply_groups,
     groups_state,
     optim_key,
     restore_scalars,
     zero_model_state,
+)
+from pc_booster.plugins.tp_state import (
+    shard_optimizer_state,
+    shard_tensors,
+    tp_share,
+    unshard_optimizer_state,
+    unshard_tensors,
 )
 from pc_booster.rules import (
     EXTRA_DP_RULE,
@@ -88,6 +100,21 @@ def _in_backward_fp16(options: GeminiOptions, setting: RunSetting) -> str | None
     return None
 
 
+def _tensor_parallel(options: GeminiOptions, setting: RunSetting) -> str | None:
+    tp = options.tp_size
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        return f"tp_size must be an int >= 1, got {tp!r}."
+    if setting.world is not None and setting.world % tp:
+        return f"tp_size={tp} must divide the {setting.world} ranks; choose a divisor."
+    if tp > 1 and options.extra_dp_size > 1:
+        return (
+            f"tp_size={tp} with extra_dp_size={options.extra_dp_size}: two-level sharding of "
+            "tensor-parallel chunks is not built yet. Use one of them, or "
+            "TorchFSDPPlugin(tp_size=...) over every data-parallel rank."
+        )
+    return None
+
+
 def _in_backward_accumulation(options: GeminiOptions, setting: RunSetting) -> str | None:
     if options.step_in_backward and (setting.accumulation or 1) > 1:
         return (
@@ -108,7 +135,10 @@ class GeminiOptions(PluginConfig, LossScaleOptions):
     model states instead of 16); ``extra_dp_size``: two-level sharding, the
     chunks sharded in this many groups of consecutive ranks (a node's, with
     torchrun's numbering), each replicating the others ([Note: shards] in
-    pc_chunk.chunk); 1 shards over every rank."""
+    pc_chunk.chunk); 1 shards over every rank; ``tp_size``: tensor
+    parallelism (pc-tensor's, as HybridParallelPlugin's) inside groups of
+    that many consecutive ranks, the chunks of each rank's pieces sharded
+    over the data-parallel ranks (Colossal-AI's argument)."""
 
     name: ClassVar[str] = "gemini"
     gathers_parameters: ClassVar[bool] = True
@@ -139,6 +169,11 @@ class GeminiOptions(PluginConfig, LossScaleOptions):
             ({"step_in_backward": True}, RunSetting(accumulation=2)),
         ),
         EXTRA_DP_RULE,
+        Rule(
+            "tp_size not dividing the ranks, or with extra_dp_size",
+            _tensor_parallel,
+            ({"tp_size": 3}, RunSetting(world=4)),
+        ),
     )
 
     placement_policy: str = "static"
@@ -157,6 +192,7 @@ class GeminiOptions(PluginConfig, LossScaleOptions):
     pin_memory: bool = False
     hidden_dim: int | None = None
     extra_dp_size: int = 1
+    tp_size: int = 1
 
     def host_fraction(self) -> float:
         """The share of chunks (shards and their optimizer states) on the host."""
@@ -171,6 +207,7 @@ class GeminiOptions(PluginConfig, LossScaleOptions):
     def describe(self) -> str:
         extra = f" offload {self.host_fraction():g}" if self.host_fraction() else ""
         replicas = f" x{self.extra_dp_size}" if self.extra_dp_size > 1 else ""
+        replicas += f" tp{self.tp_size}" if self.tp_size > 1 else ""
         in_backward = " step-in-backward" if self.step_in_backward else ""
         return f"gemini{replicas}{extra}{in_backward}"
 
@@ -243,6 +280,30 @@ class GeminiPlugin(Plugin, SupportsNoSync):
         super().__init__(self.options_of(args, fields))
         self.set_precision(precision)
 
+    # -- tensor parallelism (tp_size > 1): HybridParallelPlugin's groups ----------------
+
+    _layout: ParallelLayout | None = None
+
+    @property
+    def layout(self) -> ParallelLayout:
+        """The (dp, tp) groups, tp innermost, made when first needed."""
+        if self._layout is None:
+            self.validate_later(world=dist.get_world_size())
+            self._layout = ParallelLayout.build(tp=self.options.tp_size)
+        return self._layout
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup:
+        return super().dp_group if self.options.tp_size == 1 else self.layout.dp_group
+
+    @property
+    def tp_size(self) -> int:
+        return self.options.tp_size
+
+    @property
+    def tp_group(self) -> dist.ProcessGroup | None:
+        return None if self.options.tp_size == 1 else self.layout.tp_group
+
     def configure(self, request: BoostRequest) -> Boosted:
         from pc_zero import GeminiDDP, GeminiOptimizer
 
@@ -261,8 +322,11 @@ class GeminiPlugin(Plugin, SupportsNoSync):
                 if not param.requires_grad and param.is_floating_point():
                     param.data = param.data.to(dtype)
         apply_optimizations(model, o)
-        search_range, min_chunk_size = _chunk_search(model, o)
         groups: dict[str, Any] = {}
+        if o.tp_size > 1:  # pc-tensor's split, then chunks over the data-parallel ranks
+            split_over_tp(model, self.layout.tp_group)
+            groups = {"process_group": self.layout.dp_group}
+        search_range, min_chunk_size = _chunk_search(model, o)
         if o.extra_dp_size > 1:  # two-level sharding ([Note: shards] in pc_chunk.chunk)
             self.validate_later(world=dist.get_world_size())
             from pc_comm import two_level_groups
@@ -292,7 +356,9 @@ class GeminiPlugin(Plugin, SupportsNoSync):
         if optimizer is not None:
             inner = rebuild_optimizer(optimizer, names, trainable, skip_missing=True)
             scale = o.loss_scale()
-            zero = GeminiOptimizer(inner, wrapped, max_norm=o.max_norm, loss_scale=scale)
+            zero = GeminiOptimizer(
+                inner, wrapped, max_norm=o.max_norm, loss_scale=scale, tp_group=self.tp_group
+            )
         if precision is not TrainPrecision.FP32:
             # The chunks compute in the run's dtype: so do the floating inputs
             # (an fp32 image batch) and buffers (BatchNorm's statistics).
@@ -307,6 +373,8 @@ class GeminiPlugin(Plugin, SupportsNoSync):
                 for buffer in model.buffers():
                     if buffer.is_floating_point():
                         buffer.data = buffer.data.to(dtype)
+        if o.tp_size > 1:  # the loss never gathers the vocabulary; the logits do
+            model.register_forward_hook(full_logits)
         if o.force_outputs_fp32:
             wrapped.register_forward_hook(_outputs_fp32)
         if o.verbose and torch.distributed.get_rank() == 0:
@@ -333,10 +401,25 @@ class GeminiPlugin(Plugin, SupportsNoSync):
     # -- canonical state: the model through summon, the optimizer per parameter ---------
 
     def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        return {k: v.float().cpu() for k, v in model.full_state_dict().items()}  # type: ignore[operator]
+        state = {k: v.float().cpu() for k, v in model.full_state_dict().items()}  # type: ignore[operator]
+        if self.options.tp_size > 1:  # this rank's tensor-parallel pieces, gathered whole
+            state = unshard_tensors(self.boosted(model).module, state)
+        return state
 
     def load_model_state_dict(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+        if self.options.tp_size > 1:
+            state = shard_tensors(self.boosted(model).module, state, self._local_shapes(model))
         model.load_full_state_dict(state)  # type: ignore[operator]
+
+    def _local_shapes(self, obj: Any) -> dict[str, torch.Size]:
+        """Each chunked parameter's shape on this rank (its tensor-parallel piece)."""
+        names = names_by_id(self.boosted(obj).module)
+        wrapper: Any = self.boosted(obj).model
+        return {names[id(s.param)]: s.shape for chunk in wrapper.chunks for s in chunk.slots}
+
+    def _share(self, obj: Any) -> Share:
+        """Where this rank's tensors sit in the canonical state (tensor-parallel pieces)."""
+        return tp_share(self.boosted(obj).module) if self.options.tp_size > 1 else WHOLE
 
     def _parts(
         self, optimizer: Optimizer
@@ -387,20 +470,22 @@ class GeminiPlugin(Plugin, SupportsNoSync):
                 full_entry[key] = full.view(shape).cpu()
             state[name] = full_entry
         scaler = _own(optimizer).scaler
-        return {
+        canonical: CanonicalOptimizerState = {
             "state": state,
             "param_groups": saved["param_groups"],
             "loss_scaler": scaler.state_dict() if scaler is not None else None,
         }
+        if self.options.tp_size > 1:
+            canonical = unshard_optimizer_state(self.boosted(optimizer).module, canonical)
+        return canonical
 
     # -- sharded checkpoints: each rank's part of every chunk -----------------------------
 
     def sharded_model_state(self, model: nn.Module, loading: bool = False) -> dict[str, Any]:
         names = names_by_id(self.boosted(model).module)
-        wrapper: Any = self.boosted(model).model
-        shapes = {names[id(s.param)]: s.shape for chunk in wrapper.chunks for s in chunk.slots}
+        shapes = self._local_shapes(model)
         pieces = [(names[id(p)], start, part) for p, start, part, _ in self._my_parts(model)]
-        return zero_model_state(self.boosted(model).module, shapes, pieces)
+        return zero_model_state(self.boosted(model).module, shapes, pieces, self._share(model))
 
     def _my_parts(self, obj: Any) -> list[tuple[nn.Parameter, int, torch.Tensor, torch.Size]]:
         wrapper: Any = self.boosted(obj).model
@@ -414,10 +499,9 @@ class GeminiPlugin(Plugin, SupportsNoSync):
     def sharded_optimizer_state(
         self, optimizer: Optimizer, saved: dict[str, dict[str, bool]] | None
     ) -> dict[str, Any]:
-        from pc_zero import Pieces
-
         inner = _own(optimizer).inner
         names = names_by_id(self.boosted(optimizer).module)
+        share = self._share(optimizer)
         out: dict[str, Any] = {}
         for param, start, part, shape in self._my_parts(optimizer):
             name = names[id(param)]
@@ -431,8 +515,8 @@ class GeminiPlugin(Plugin, SupportsNoSync):
                     )
             for key, value in entry.items():
                 if isinstance(value, torch.Tensor) and value.shape == part.shape:
-                    target = Pieces(shape, torch.float32)
-                    target.add_flat(start, value)
+                    target = share.pieces(name, shape)
+                    share.add_range(target, name, shape, start, value)
                     out[optim_key(name, key)] = target
                 else:
                     out[optim_key(name, key)] = torch.as_tensor(value, dtype=torch.float32).clone()
@@ -457,6 +541,9 @@ class GeminiPlugin(Plugin, SupportsNoSync):
     ) -> None:
         inner = _own(optimizer).inner
         names = names_by_id(self.boosted(optimizer).module)
+        if self.options.tp_size > 1:
+            module = self.boosted(optimizer).module
+            state = shard_optimizer_state(module, state, self._local_shapes(optimizer))
         converted = canonical_to_torch(
             {"state": {}, "param_groups": state["param_groups"]},
             optimizer_names(inner, names),

@@ -26,11 +26,11 @@ from pc_booster.plugins.common import (
     cast_floating,
     cast_floating_inputs,
     device,
-    has_lazy,
+    full_logits,
     materialize_lazy,
-    materializer,
     require_initialized,
     sharded,
+    split_over_tp,
     values_a_cast_rounds,
 )
 from pc_booster.plugins.experts import configure_experts
@@ -197,37 +197,19 @@ class HybridParallelPlugin(Plugin, SupportsNoSync, SupportsPipeline):
             wrapped = self._data_parallel(model)
         step_policy = self.step_policy(precision)
         if self.tp_size > 1 and not self.options.parallel_output:
-            model.register_forward_hook(_full_logits)
+            model.register_forward_hook(full_logits)
         return request.boosted(wrapped, optimizer, module=model, step_policy=step_policy)
 
     def _place(self, model: nn.Module) -> nn.Module:
         """The model on the device, every rank from the same values, split
         over the tensor-parallel ranks and wrapped for sequence parallelism."""
-        from pc_tensor import shard_model
-
         layout = self.layout
-        if self.tp_size > 1 and has_lazy(model):
-            # Each layer materialised as it is split: the whole model never
-            # exists here. Every rank replays the same values (no broadcast).
-            shard_model(
-                model,
-                layout.tp_group,
-                self.tp_policy(model),
-                sequence_parallel=self.options.megatron_sp(),
-                materialize=materializer(device()),
-            )
-            model = model.to(device())
+        if self.tp_size > 1:
+            split_over_tp(model, layout.tp_group, self.tp_policy(model), self.options.megatron_sp())
         else:
             materialize_lazy([model], device())
             model = model.to(device())
             broadcast_module(model)
-            if self.tp_size > 1:
-                shard_model(
-                    model,
-                    layout.tp_group,
-                    self.tp_policy(model),
-                    sequence_parallel=self.options.megatron_sp(),
-                )
         if self.ep_size > 1:  # every rank holds the same values here
             from pc_tensor import shard_experts
 
@@ -460,11 +442,9 @@ class HybridParallelPlugin(Plugin, SupportsNoSync, SupportsPipeline):
             names = frozenset(params | buffers)
         if self.tp_size == 1:
             return Share(names)
-        from pc_tensor import shard_info
+        from pc_booster.plugins.tp_state import tp_share
 
-        info = shard_info(module)
-        group = info.group
-        return Share(names, info.specs, dist.get_rank(group), dist.get_world_size(group))
+        return tp_share(module, names)
 
     def sharded_model_state(self, model: nn.Module, loading: bool = False) -> dict[str, Any]:
         boosted = self.boosted(model)
@@ -558,13 +538,3 @@ class HybridParallelPlugin(Plugin, SupportsNoSync, SupportsPipeline):
 # - zero_bucket_size_in_m, cpu_offload: the ZeRO optimizer's bucket size
 #   and host offload; ddp_bucket_cap_mb, find_unused_parameters,
 #   gradient_as_bucket_view: pc-comm DDP's (zero_stage=0).
-
-
-def _full_logits(module: nn.Module, args: Any, output: Any) -> Any:
-    """parallel_output=False: the full vocabulary's logits."""
-    from pc_tensor import gather_logits
-
-    logits = getattr(output, "logits", None)
-    if isinstance(logits, torch.Tensor):
-        output.logits = gather_logits(logits, module)
-    return output

@@ -40,6 +40,14 @@ def _sizes(o: HybridParallelOptions, setting: RunSetting) -> str | None:
 
 
 def _zero_stage(o: HybridParallelOptions, setting: RunSetting) -> str | None:
+    if o.zero_stage == 3:
+        return (
+            "zero_stage=3: ZeRO-3 over tensor parallelism is TorchFSDPPlugin(tp_size=...) "
+            "(FSDP2 over torch's tensor-parallel DTensors) or GeminiPlugin(tp_size=...); with "
+            "pipelines it is not offered: each stage would gather its parameters again for "
+            "every micro-batch, the traffic ZeRO-3 saves memory with, once per micro-batch. "
+            "Use zero_stage=1 with pp_size."
+        )
     if o.zero_stage not in (0, 1, 2):
         return f"zero_stage must be 0, 1 or 2, got {o.zero_stage!r}."
     return None
@@ -289,7 +297,11 @@ class HybridParallelOptions(PluginConfig, LossScaleOptions):
             _sizes,
             ({"tp_size": 0}, RunSetting()),
         ),
-        Rule("zero_stage other than 0, 1, 2", _zero_stage, ({"zero_stage": 3}, RunSetting())),
+        Rule(
+            "zero_stage other than 0, 1, 2 (ZeRO-3 is TorchFSDPPlugin or GeminiPlugin)",
+            _zero_stage,
+            ({"zero_stage": 3}, RunSetting()),
+        ),
         Rule("unknown pp_style", _pp_style, ({"pp_style": "gpipe"}, RunSetting())),
         Rule(
             "tp_size x pp_size not dividing the world size",

@@ -26,6 +26,7 @@ from pc_booster.plugins.low_level_zero import (
     zero_masters,
     zero_optimizer_state,
 )
+from pc_booster.plugins.tp_state import shard_optimizer_state, unshard_optimizer_state
 from pc_chunk import is_lazy
 
 if TYPE_CHECKING:
@@ -140,16 +141,7 @@ def optimizer_state_dict(
     else:
         canonical = torch_optimizer_state(optimizer, module)
     if plugin.tp_size > 1:
-        from pc_tensor import shard_info, unshard_tensor
-
-        info = shard_info(module)
-        for name, entry in canonical["state"].items():
-            spec = info.specs.get(name)
-            if spec is None:
-                continue
-            for key, value in entry.items():
-                if isinstance(value, torch.Tensor) and value.dim() > 0:
-                    entry[key] = unshard_tensor(value.to(device()), spec, info.group).cpu()
+        canonical = unshard_optimizer_state(module, canonical)
     return every_stage(plugin, canonical)
 
 
@@ -193,20 +185,8 @@ def load_optimizer_state_dict(
             ],
         }
     if plugin.tp_size > 1:
-        from pc_tensor import shard_info, shard_tensor
-
-        info = shard_info(module)
-        local = dict(module.named_parameters())
-        entries = {}
-        for name, entry in state["state"].items():
-            spec = info.specs.get(name)
-            entries[name] = {
-                k: shard_tensor(v, spec, info.group, local[name].shape)
-                if spec is not None and isinstance(v, torch.Tensor) and v.dim() > 0
-                else v
-                for k, v in entry.items()
-            }
-        state = {**state, "state": entries}
+        local = {n: p.shape for n, p in module.named_parameters()}
+        state = shard_optimizer_state(module, state, local)
     if plugin.zero_stage:
         zero_load_optimizer(sharded(optimizer), module, state)
     else:

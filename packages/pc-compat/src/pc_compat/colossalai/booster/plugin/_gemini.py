@@ -13,7 +13,7 @@ take become pc's options [Note: edges from signatures in pc_compat.surface].
 - ``chunk_config_dict``: ``{world_size: {"chunk_size": n, ...}}`` (what
   ``search_chunk_configuration`` returns) fixes pc's ``chunk_size``.
 - refused with the reason when not at their defaults: ``shard_param_frac``
-  below 1, ``tp_size`` other than 1, ``norm_type``
+  below 1, ``norm_type``
   other than 2, ``master_weights=False``, ``memstats``, ``strict_ddp_mode``,
   sequence parallelism, jit-fused kernels, fp8.
 """
@@ -58,7 +58,6 @@ GEMINI_HANDLED = (
     "enable_all_optimization",
     "chunk_config_dict",
     "shard_param_frac",
-    "tp_size",
     "norm_type",
     "master_weights",
     "memstats",
@@ -75,11 +74,6 @@ def _refusal(given: Mapping[str, Any]) -> str | None:
         return (
             f"shard_param_frac={given['shard_param_frac']}: pc's Gemini shards every chunk "
             "over the ranks (1.0); for whole parameters on each rank use LowLevelZeroPlugin."
-        )
-    if given["tp_size"] != 1:
-        return (
-            f"tp_size={given['tp_size']}: pc's Gemini is data parallel (over every rank, or "
-            "two-level with extra_dp_size); tensor parallelism is HybridParallelPlugin's."
         )
     if given["norm_type"] != 2.0:
         return f"norm_type={given['norm_type']}: pc clips by the global 2-norm; pass 2.0."
