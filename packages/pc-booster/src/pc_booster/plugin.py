@@ -345,6 +345,9 @@ class Plugin(ABC):
                     "the optimizer holds parameters that are not the model's: build it over "
                     "the model you pass to boost() (model.parameters(), or param groups of it)."
                 )
+        from pc_booster.plugins.optimizations import apply_block_options
+
+        apply_block_options(model, self.options, torch_ddp=self.options.name == "torch-ddp")
         request = BoostRequest(model, optimizer, criterion, dataloader, lr_scheduler, effective)
         boosted = self.configure(request)
         self._boosted[boosted.model] = boosted

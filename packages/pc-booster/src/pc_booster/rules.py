@@ -33,6 +33,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "EXTRA_DP_RULE",
+    "RECOMPUTE",
+    "BlockOptions",
     "LossScaleOptions",
     "PluginConfig",
     "Rule",
@@ -174,14 +176,72 @@ def _finite_max_norm(options: Any, setting: RunSetting) -> str | None:
     return None
 
 
+RECOMPUTE = ("none", "full", "selective")
+
+
+@dataclass(frozen=True, kw_only=True)
+class BlockOptions:
+    """Options every plugin takes, applied to each transformer block of the
+    model before the plugin wraps it ([Note: per-block compile and
+    recomputation] in pc_booster.plugins.optimizations):
+
+    - ``compile``: each block through ``torch.compile`` (``compile_backend``,
+      default ``"inductor"``), as torchtitan compiles per block;
+    - ``activation_checkpointing``: ``"full"`` recomputes a block's forward
+      in backward, ``"selective"`` keeps the outputs of its matrix products
+      and attention and recomputes the pointwise operations;
+      ``activation_checkpointing_fraction``: the share of blocks (the first
+      ones) recomputed, as Colossal-AI's ``gradient_checkpointing_ratio``.
+    """
+
+    compile: bool = False
+    compile_backend: str = "inductor"
+    activation_checkpointing: str = "none"
+    activation_checkpointing_fraction: float = 1.0
+
+    def changes_blocks(self) -> bool:
+        return self.compile or self.activation_checkpointing != "none"
+
+
+def _block_options(options: Any, setting: RunSetting) -> str | None:
+    if not isinstance(options, BlockOptions):
+        return None
+    compile_on: Any = options.compile  # a user's value, of any type
+    if not isinstance(compile_on, bool):
+        return f"compile must be True or False, got {compile_on!r}."
+    if not isinstance(options.compile_backend, str) or not options.compile_backend:
+        return (
+            f"compile_backend must name a torch.compile backend, got {options.compile_backend!r}."
+        )
+    if options.activation_checkpointing not in RECOMPUTE:
+        return (
+            f"activation_checkpointing must be one of {', '.join(RECOMPUTE)}, got "
+            f"{options.activation_checkpointing!r}."
+        )
+    fraction = options.activation_checkpointing_fraction
+    if isinstance(fraction, bool) or not isinstance(fraction, int | float) or not 0 < fraction <= 1:
+        return (
+            "activation_checkpointing_fraction is the share of blocks recomputed, in (0, 1]; "
+            f"got {fraction!r}."
+        )
+    if options.changes_blocks() and getattr(options, "pp_size", 1) > 1:
+        return (
+            "compile / activation_checkpointing with pipelines (pp_size > 1) are not built yet: "
+            "the stages run the blocks through their own schedule. Use them with tensor or data "
+            "parallelism, or recompute through the model's own gradient_checkpointing_enable()."
+        )
+    return None
+
+
 def _accumulation_positive(options: Any, setting: RunSetting) -> str | None:
     if setting.accumulation is not None and setting.accumulation < 1:
         return f"accumulation must be at least 1, got {setting.accumulation}."
     return None
 
 
-class PluginConfig(ABC):
-    """Base of the plugins' frozen options dataclasses."""
+class PluginConfig(BlockOptions, ABC):
+    """Base of the plugins' frozen options dataclasses; every plugin takes
+    the :class:`BlockOptions`."""
 
     #: the plugin's name in pc-train (``--plugin``) and the docs
     name: ClassVar[str]
@@ -193,6 +253,11 @@ class PluginConfig(ABC):
             ({"max_norm": math.nan}, RunSetting()),
         ),
         Rule("accumulation below 1", _accumulation_positive, ({}, RunSetting(accumulation=0))),
+        Rule(
+            "compile / activation_checkpointing options out of range, or with pipelines",
+            _block_options,
+            ({"activation_checkpointing": "some"}, RunSetting()),
+        ),
     )
     RULES: ClassVar[tuple[Rule, ...]] = ()
     #: whether the plugin gathers sharded parameters in forward and backward
@@ -244,7 +309,7 @@ class PluginConfig(ABC):
         return plugin(self)
 
     def as_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}  # type: ignore[arg-type]
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 # Options class -> the plugin class built from it, filled in by each
@@ -308,7 +373,7 @@ def options_from_arguments(
         if name in given:
             raise TypeError(f"{owner}() got multiple values for argument {name!r}")
         given[name] = value
-    known = [f.name for f in sorted(fields(config), key=lambda f: f.kw_only is True)]  # type: ignore[arg-type]
+    known = [f.name for f in sorted(fields(config), key=lambda f: f.kw_only is True)]
     unknown = [name for name in given if name not in known]
     if unknown:
         hints = [
@@ -321,7 +386,7 @@ def options_from_arguments(
             f"the fields of {config.__name__}: {', '.join(known)}."
         )
     if base is not None:
-        return replace(base, **given)  # type: ignore[type-var]
+        return replace(base, **given)
     return config(**given)
 
 
@@ -338,7 +403,7 @@ def options_signature(
         if p.name != "self" and p.kind not in (kind.VAR_POSITIONAL, kind.VAR_KEYWORD)
     ]
     params = []
-    by_name = {f.name: f for f in fields(config)}  # type: ignore[arg-type]
+    by_name = {f.name: f for f in fields(config)}
     rest = [n for n in by_name if n not in positional]
     # the plugin's own fields, then the shared ones (LossScaleOptions')
     order = [*positional, *sorted(rest, key=lambda n: by_name[n].kw_only is True)]

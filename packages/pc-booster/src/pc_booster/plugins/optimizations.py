@@ -1,16 +1,117 @@
-"""The model-level switches some plugins' options offer
-(``enable_flash_attention``, ``enable_fused_normalization``,
-``enable_all_optimization``), applied to the model in place."""
+"""The model-level switches the plugins' options offer, applied to the
+model in place: ``enable_flash_attention``, ``enable_fused_normalization``,
+``enable_all_optimization`` (some plugins), and every plugin's per-block
+``compile`` and ``activation_checkpointing``.
+
+[Note: per-block compile and recomputation]
+Before a plugin wraps the model, each transformer block (the classes in a
+transformers model's ``_no_split_modules``) gets, as torchtitan applies
+them:
+
+- recomputation through torch's composable ``checkpoint(block)`` (forward
+  hooks: the block and the model keep their classes, names and state-dict
+  keys). ``"full"`` saves the block's input only; ``"selective"`` saves
+  the outputs of matrix products and attention (the costly operations)
+  and recomputes the pointwise ones (norms, activations, rotary), through
+  ``create_selective_checkpoint_contexts``. ``activation_checkpointing_fraction``
+  picks the first share of the blocks;
+- ``block.compile(backend=compile_backend)``: torch's own in-place compile
+  of the module's call, hooks included (the sharding plugins' gathers
+  break the graph where dynamo cannot follow them; torch's DDP-optimizer
+  graph splitting is turned off for TorchDDPPlugin, where it fails on
+  selective recomputation and each block is its own graph anyway). A
+  recomputed block's children are compiled instead of the block: the
+  checkpoint's hooks would run inside the compiled call, which inductor
+  recomputes with other saved tensors than it saved.
+
+Recomputing a block replays its forward, so it must not change state
+between the two runs: a transformers model's key/value cache does. While
+training, the model is called with ``use_cache=False`` (a forward
+pre-hook), as transformers' own ``gradient_checkpointing_enable`` does.
+Values are unchanged: recomputation and compilation of fp32 blocks give
+the same losses and gradients as eager training, which the tests check
+against a single process with the same options.
+"""
 
 from __future__ import annotations
 
+import math
 from functools import partial
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["apply_optimizations"]
+__all__ = ["apply_block_options", "apply_optimizations", "transformer_blocks"]
+
+# Operations whose outputs selective recomputation keeps: matrix products
+# and attention; everything else in a block is recomputed.
+_SAVED = (
+    "mm", "addmm", "bmm", "baddbmm", "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_cudnn_attention",
+)  # fmt: skip
+
+
+def transformer_blocks(model: nn.Module) -> list[nn.Module]:
+    """The model's transformer blocks, in order: modules of the classes its
+    ``_no_split_modules`` names (transformers models); ValueError if none."""
+    classes = set(getattr(model, "_no_split_modules", None) or ())
+    blocks = [m for m in model.modules() if type(m).__name__ in classes]
+    if not blocks:
+        raise ValueError(
+            f"compile / activation_checkpointing apply to each transformer block, and "
+            f"{type(model).__name__} names none (no _no_split_modules: not a transformers "
+            "model). Compile or checkpoint your own blocks before boost (block.compile(), "
+            "torch.utils.checkpoint), or drop the options."
+        )
+    return blocks
+
+
+def _selective_context() -> Any:
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    saved = {getattr(torch.ops.aten, n).default for n in _SAVED if hasattr(torch.ops.aten, n)}
+
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+        return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)  # type: ignore[no-untyped-call]
+
+
+def _no_cache(module: nn.Module, args: Any, kwargs: dict[str, Any]) -> Any:
+    if module.training:
+        kwargs["use_cache"] = False
+    return args, kwargs
+
+
+def apply_block_options(model: nn.Module, options: Any, *, torch_ddp: bool = False) -> None:
+    """Every plugin's ``compile`` / ``activation_checkpointing`` on
+    ``model``'s blocks [Note: per-block compile and recomputation]."""
+    if not options.changes_blocks():
+        return
+    from torch.distributed._composable.checkpoint_activation import checkpoint
+
+    blocks = transformer_blocks(model)
+    recompute = options.activation_checkpointing
+    count = math.ceil(options.activation_checkpointing_fraction * len(blocks))
+    for index, block in enumerate(blocks):
+        recomputed = recompute != "none" and index < count
+        if recomputed:
+            extra = {"context_fn": _selective_context} if recompute == "selective" else {}
+            checkpoint(block, **extra)
+        if options.compile:
+            # A compiled call runs the module's hooks inside the graph, and
+            # dynamo does not follow the checkpoint's: a recomputed block's
+            # children are compiled instead, the checkpoint staying eager.
+            for target in block.children() if recomputed else (block,):
+                target.compile(backend=options.compile_backend)
+    if getattr(getattr(model, "config", None), "use_cache", False):
+        model.register_forward_pre_hook(_no_cache, with_kwargs=True)
+    if options.compile and torch_ddp:
+        import torch._dynamo
+
+        torch._dynamo.config.optimize_ddp = False
 
 
 def apply_optimizations(model: nn.Module, options: Any) -> None:
