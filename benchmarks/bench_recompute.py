@@ -4,7 +4,7 @@ peak memory and time on one process, a Llama of 4 blocks (width 256,
 batch 4 x 256 tokens, fp32, AdamW), for no recomputation, full,
 selective (matrix products and attention kept) and full on half the
 blocks, each eager and compiled (inductor). The peak is every byte the
-allocator holds during the second step (``integration_tests/step_peak.py``:
+allocator holds during the second step (``pc_train.peak.step_peak``:
 followed from before the model is built); times are the median of paired
 rounds after two warm-up steps (compilation excluded).
 
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -24,11 +23,9 @@ from typing import Any
 import torch
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "integration_tests"))
-from step_peak import step_peak
-
 from pc_booster.plugins.optimizations import apply_block_options
 from pc_booster.rules import BlockOptions
+from pc_train.peak import step_peak
 
 RESULTS = Path(__file__).resolve().parent.parent / "bench-results"
 MODES: dict[str, dict[str, Any]] = {

@@ -9,7 +9,6 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from step_peak import step_peak
 
 from pc_booster import Booster
 from pc_comm.testing import run_subtests
@@ -22,6 +21,7 @@ from pc_train.estimate import (
 )
 from pc_train.models import build_model, resolve_model
 from pc_train.options import PluginKind, PluginOptions
+from pc_train.peak import step_peak
 
 pytestmark = pytest.mark.timeout(600)
 

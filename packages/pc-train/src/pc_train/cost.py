@@ -46,6 +46,7 @@ from pc_train.options import PluginKind, PluginOptions
 
 __all__ = [
     "Estimate",
+    "Links",
     "ModelShape",
     "Recommendation",
     "estimate",
@@ -200,6 +201,9 @@ class Estimate:
     step_seconds: float
     tokens_per_step: int
     fits: bool
+    # The data-parallel collectives' share of step_seconds (not hidden behind compute).
+    exposed_comm_seconds: float = 0.0
+    gathers_parameters: bool = False
 
     @property
     def model_state_bytes(self) -> int:
@@ -225,9 +229,20 @@ class Estimate:
 
 
 def _activation_bytes(
-    shape: ModelShape, options: PluginOptions, micro_batch: int, seq: int, precision: str
+    shape: ModelShape,
+    options: PluginOptions,
+    micro_batch: int,
+    seq: int,
+    precision: str,
+    fused_attention: bool = False,
 ) -> int:
+    """Activations one rank keeps for backward. ``fused_attention``: the
+    attention scores are never kept (a GPU's flash and memory-efficient
+    kernels keep the softmax's log-sum-exp only); on a CPU, where the causal
+    mask transformers passes sends SDPA to its plain path, they are (5 a s
+    / h per token: Megatron's term, measured here)."""
     s, b, h, a, t = seq, micro_batch, shape.hidden, shape.heads, options.tp
+    a = 0 if fused_attention else a
     transient = 0.0  # held while computed, not kept for backward
     # Half-width activations where the weights are: the hybrid plugin
     # without ZeRO keeps fp32 weights and autocasts the matrix multiplies,
@@ -253,11 +268,34 @@ def _activation_bytes(
     in_flight = min(options.pp, options.microbatches or options.pp) if options.pp > 1 else 1
     logits = 3 * b * s * shape.vocab * 4 / (t * options.sp)  # fp32 logits, softmax, gradient
     total = per_layer * layers
+    if options.activation_checkpointing != "none":  # [Note: recomputation in the estimate]
+        recomputed = layers * options.activation_checkpointing_fraction
+        if options.activation_checkpointing == "full":
+            block_input = 2 * s * b * h / (options.sp * (t if options.sequence_parallel else 1))
+            total = per_layer * (layers - recomputed + 1) + block_input * recomputed
+        else:
+            total = per_layer * (layers - recomputed * (1 - _SELECTIVE_KEPT))
     if shape.moe_layers and options.ep > 1:  # [Note: activations of a mixture of experts]
         rows = s * b * shape.top_k / options.sp
         routed = rows * (h + 4 * shape.expert_ffn) * 2
         total += (_BUSIEST_RANK - 1) * routed * shape.moe_layers / options.pp
     return int(scale * total * in_flight + logits + transient)
+
+
+# [Note: recomputation in the estimate]
+# Full recomputation keeps each recomputed block's input (half-width: 2
+# bytes per element before the fp32 scale) and, in backward, one block's
+# whole activations at a time. Selective recomputation keeps the outputs of
+# the matrix products and attention: in a Llama block with an MLP 2.7
+# times as wide, q, k, v, o, gate, up and down's outputs are about 60 % of
+# what the block keeps. Compute: a full recomputation repeats the block's
+# forward (a third of its step's FLOPs), a selective one its pointwise
+# operations (about 5 %); compiling each block is 16 % more tokens per
+# second (torchtitan's measurement on 8 H100s; 19 % on this project's CPU,
+# docs/benchmarks.md).
+_SELECTIVE_KEPT = 0.6
+_RECOMPUTE_COST = {"none": 0.0, "full": 1 / 3, "selective": 0.05}
+_COMPILED_TIME = 1 / 1.16
 
 
 # [Note: activations of a mixture of experts]
@@ -297,10 +335,13 @@ def estimate(
     seq_len: int,
     precision: str = "fp32",
     device: DeviceInfo | None = None,
+    links: Links | None = None,
 ) -> Estimate:
     """Per-rank memory and step time of ``spec`` trained with ``options``
     on ``world`` ranks, ``micro_batch`` sequences of ``seq_len`` per
-    data-parallel rank (per micro-batch for pipelines)."""
+    data-parallel rank (per micro-batch for pipelines). ``links``: the
+    nodes and the bandwidth between them (default: one node, every
+    collective at ``device.bandwidth``)."""
     shape = spec if isinstance(spec, ModelShape) else model_shape(spec)
     device = device or DeviceInfo.detect(world, precision)
     psi = shape.per_rank(options)
@@ -329,20 +370,32 @@ def estimate(
     params, grads = states.parameters, states.gradients
     master, host = states.masters, states.host
     states_bytes = states.optimizer
-    activations = _activation_bytes(shape, options, micro_batch, seq_len, precision)
+    activations = _activation_bytes(
+        shape, options, micro_batch, seq_len, precision, fused_attention=device.kind == "cuda"
+    )
     activations += _bucket_in_flight(plugin, psi, g)
     pipeline_batches = options.microbatches or options.pp if options.pp > 1 else 1
     tokens = micro_batch * seq_len * n * pipeline_batches
     flops = (6 * shape.params + 12 * shape.layers * shape.hidden * seq_len) * tokens
     compute = flops / world / (device.peak_flops * device.efficiency)
-    comm_bytes = 2 * (n - 1) / n * psi * g
-    if plugin.gathers_parameters:  # all-gather in forward and backward, reduce-scatter
-        comm_bytes = 3 * (n - 1) / n * psi * p
+    compute *= 1 + _RECOMPUTE_COST[options.activation_checkpointing] * (
+        options.activation_checkpointing_fraction
+    )
+    if options.compile:
+        compute *= _COMPILED_TIME
+    units = 3 if plugin.gathers_parameters else 2  # ZeRO-3 gathers twice and reduces once
+    comm_seconds = (links or Links()).data_parallel_seconds(
+        units, psi * (p if plugin.gathers_parameters else g), n, options.extra_dp > 1, device
+    )
     tp_bytes = 0.0
     if options.tp > 1:
         per_layer = 8 * (options.tp - 1) / options.tp * micro_batch * seq_len * shape.hidden * p
         tp_bytes = per_layer * shape.layers / options.pp * pipeline_batches
-    seconds = compute + 0.5 * comm_bytes / device.bandwidth + tp_bytes / device.bandwidth
+    if options.sp > 1:  # Ulysses: four all-to-alls of 1/sp of the tokens a layer, each way
+        sp = options.sp
+        per_layer = 8 * (sp - 1) / sp * micro_batch * seq_len * shape.hidden * p / sp
+        tp_bytes += per_layer * shape.layers / options.pp * pipeline_batches
+    seconds = compute + 0.5 * comm_seconds + tp_bytes / device.bandwidth
     if host:  # offloaded shards cross PCIe (about 25 GB/s) and step on the host (about 10 GB/s)
         seconds += 2 * host / 25e9 + host / 10e9
     if options.pp > 1:
@@ -364,7 +417,40 @@ def estimate(
         step_seconds=seconds,
         tokens_per_step=tokens,
         fits=device_bytes <= 0.9 * device.memory_bytes,
+        exposed_comm_seconds=0.5 * comm_seconds,
+        gathers_parameters=plugin.gathers_parameters,
     )
+
+
+@dataclass(frozen=True)
+class Links:
+    """The nodes a run spans and the bandwidth between them (bytes/s per
+    rank); inside a node collectives run at the device's bandwidth."""
+
+    nodes: int = 1
+    inter_bandwidth: float | None = None
+
+    def data_parallel_seconds(
+        self, units: int, model_bytes: float, n: int, two_level: bool, device: DeviceInfo
+    ) -> float:
+        """Seconds of the data-parallel collectives over ``n`` ranks, each
+        moving ``units`` times the model part's ``model_bytes`` (2: an
+        all-reduce, or a reduce-scatter and an all-gather; 3: ZeRO-3's two
+        gathers and a reduce-scatter). With a node-aware algorithm over k
+        nodes of m of the group's ranks, (m - 1) / m of each moves inside a
+        node and (k - 1) / k of it crosses nodes, split over the node's m
+        ranks (benchmarks/bench_internode_bytes.py counts the same);
+        two-level sharding keeps every collective in the node but one
+        all-reduce of each rank's 1/m across the nodes."""
+        if n <= 1:
+            return 0.0
+        k = min(self.nodes, n)
+        if k == 1:
+            return units * (n - 1) / n * model_bytes / device.bandwidth
+        m = n / k
+        inside = units * (m - 1) / m * model_bytes
+        across = (2 if two_level else units) * (k - 1) / k * model_bytes / m
+        return inside / device.bandwidth + across / (self.inter_bandwidth or device.bandwidth)
 
 
 @dataclass(frozen=True)

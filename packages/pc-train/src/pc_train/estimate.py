@@ -25,8 +25,10 @@ from pc_train.cost import (
     recommend,
 )
 from pc_train.hardware import GPUS, DeviceInfo, GiB, cpu_peak_flops, gpu_device, gpu_peak_flops
-from pc_train.models import MODEL_PRESETS, resolve_model
+from pc_train.models import MODEL_PRESETS, ModelSpec, resolve_model
 from pc_train.options import PRECISIONS, PluginKind, PluginOptions
+from pc_train.planner import Cluster, search
+from pc_train.trial import Trial
 
 __all__ = [
     "GPUS",
@@ -112,6 +114,37 @@ def _parser() -> argparse.ArgumentParser:
         help="Gemini stepping each chunk inside backward (12 bytes per parameter of model "
         "states instead of 16; training with --clip-norm 0 --accumulation 1): with --plugin "
         "gemini, estimate it; without --plugin, let the recommendation use it",
+    )
+    parser.add_argument(
+        "--search",
+        action="store_true",
+        help="search every layout (data, ZeRO stage, two-level sharding, tensor, pipeline and "
+        "sequence parallelism, recomputation, micro-batch) and rank the plans that fit",
+    )
+    parser.add_argument(
+        "--nodes", type=int, default=1, help="with --search: nodes the --world ranks span"
+    )
+    parser.add_argument(
+        "--global-batch",
+        type=int,
+        default=None,
+        help="with --search: sequences per step (default: --micro-batch x --world)",
+    )
+    parser.add_argument(
+        "--inter-node-gbps",
+        type=float,
+        default=None,
+        help="with --search: GB/s per rank between nodes (default: 50 for H100/H200, 25 for "
+        "A100, a quarter of the device's own otherwise)",
+    )
+    parser.add_argument("--top", type=int, default=10, help="with --search: plans to print")
+    parser.add_argument(
+        "--trial",
+        type=int,
+        default=0,
+        metavar="K",
+        help="with --search: run the first K plans for a step on this machine's processes and "
+        "print each one's measured peak per rank beside the prediction",
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     return parser
@@ -212,6 +245,68 @@ def _print_recommendation(
         print(f"  - {reason}")
 
 
+def _cluster(args: argparse.Namespace, device: DeviceInfo) -> Cluster:
+    if args.nodes < 1 or args.world % args.nodes:
+        raise ValueError(f"--nodes {args.nodes} must divide --world {args.world}.")
+    gbps = args.inter_node_gbps
+    if gbps is None:
+        gbps = {"H100": 50.0, "H200": 50.0, "A100": 25.0}.get(args.gpu or "", 0.0)
+    inter = gbps * 1e9 if gbps else device.bandwidth / 4
+    return Cluster(args.nodes, args.world // args.nodes, device, inter)
+
+
+def _search(
+    args: argparse.Namespace, spec: ModelSpec, shape: ModelShape, device: DeviceInfo
+) -> None:
+    """``--search`` (and ``--trial``): the ranked plans [Note: the planner]."""
+    cluster = _cluster(args, device)
+    batch = args.global_batch or args.micro_batch * args.world
+    plans = search(shape, cluster, batch, args.seq_len, args.precision)
+    if not plans:
+        raise ValueError(
+            f"no layout of {spec.name} fits {gib_text(0.9 * device.memory_bytes)} per rank on "
+            f"{args.world} rank(s); add ranks, or a --gpu with more memory."
+        )
+    shown = plans[: max(args.top, args.trial)]
+    trials: dict[int, Trial] = {}
+    if args.trial:
+        if args.gpu is not None:
+            raise ValueError("--trial runs the plans on this machine: drop --gpu.")
+        from pc_train.trial import run_trials
+
+        ran = run_trials(spec, shown[: args.trial], args.world, args.nodes, args.seq_len,
+                         args.precision)  # fmt: skip
+        trials = dict(enumerate(ran))
+    if args.json:
+        print(json.dumps([
+            {"flags": p.flags(), "micro_batch": p.micro_batch, "tokens_per_second":
+             p.tokens_per_second, "device_bytes": p.estimate.device_bytes,
+             **({"measured_bytes": trials[i].measured_bytes} if i in trials else {})}
+            for i, p in enumerate(shown)
+        ], indent=2))  # fmt: skip
+        return
+    print(
+        f"{spec.name}: {shape.params:,} parameters, {args.nodes} node(s) x "
+        f"{cluster.per_node} ranks, {batch} x {args.seq_len} tokens a step, {args.precision}, "
+        f"{gib_text(device.memory_bytes)} per rank ({device.kind}); {len(plans)} plans fit\n"
+    )
+    head = "| # | tokens/s | step s | per rank | model states | activations |"
+    head += " measured peak | predicted / measured |" if trials else ""
+    print(head + " pc-train flags |")
+    print("|---" * (head.count("|")) + "|")
+    for i, plan in enumerate(shown):
+        e = plan.estimate
+        row = (
+            f"| {i + 1} | {plan.tokens_per_second:,.0f} | {plan.step_seconds:.3g} | "
+            f"{gib_text(e.device_bytes)} | {gib_text(e.model_state_bytes)} | "
+            f"{gib_text(e.activation_bytes)} |"
+        )
+        if trials:
+            trial = trials.get(i)
+            row += f" {gib_text(trial.measured_bytes)} | {trial.ratio:.3f} |" if trial else " | |"
+        print(f"{row} `{plan.flags()}` |")
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     args = _parser().parse_args(argv)
     try:
@@ -220,6 +315,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         spec = resolve_model(args.model, args.seq_len)
         device = _device(args)
         shape = model_shape(spec)
+        if args.search or args.trial:
+            _search(args, spec, shape, device)
+            return
         if args.plugin is not None:
             _print_estimate(args, _estimate_plugin(args, shape, device))
             return

@@ -13,7 +13,7 @@ from typing import Any
 from pc_booster.plugin import Plugin
 from pc_booster.rules import PluginConfig, RunSetting, TrainPrecision
 
-__all__ = ["PLUGIN_NAMES", "PluginKind", "PluginOptions"]
+__all__ = ["PLUGIN_NAMES", "RECOMPUTE", "PluginKind", "PluginOptions"]
 
 
 class PluginKind(Enum):
@@ -43,7 +43,11 @@ _FLAGS = {
     "sequence_parallelism_mode": "--sp-mode",
     "offload_param_frac": "--offload-frac",
     "no_sync": "--accumulation",
+    "extra_dp_size": "--extra-dp",
+    "activation_checkpointing": "--activation-checkpointing",
+    "compile": "--compile",
 }
+RECOMPUTE = ("none", "full", "selective")
 
 
 def _flags_named(message: str) -> str:
@@ -68,6 +72,12 @@ class PluginOptions:
       own (hybrid; ``all_to_all``: Ulysses).
     - ``ep``: expert parallelism (hybrid, mixture-of-experts models): each
       MoE block's experts split over ``ep`` data-parallel ranks.
+    - ``tp`` with fsdp / gemini: ZeRO-3 over tensor parallelism.
+    - ``extra_dp``: two-level sharding (zero1, zero2, gemini): sharded in
+      ``extra_dp`` groups of consecutive ranks (a node's), replicated
+      across them.
+    - ``activation_checkpointing`` / ``activation_checkpointing_fraction``
+      / ``compile``: every plugin's per-block recomputation and compile.
     """
 
     kind: PluginKind
@@ -82,6 +92,10 @@ class PluginOptions:
     sp: int = 1
     sp_mode: str = "all_to_all"
     ep: int = 1
+    extra_dp: int = 1
+    activation_checkpointing: str = "none"
+    activation_checkpointing_fraction: float = 1.0
+    compile: bool = False
 
     @property
     def name(self) -> str:
@@ -91,16 +105,26 @@ class PluginOptions:
     def model_parallel(self) -> int:
         return self.tp * self.pp
 
+    def _blocks_text(self) -> str:
+        text = ""
+        if self.activation_checkpointing != "none":
+            share = self.activation_checkpointing_fraction
+            text += f" recompute {self.activation_checkpointing}"
+            text += f" {share:g}" if share != 1 else ""
+        return text + (" compiled" if self.compile else "")
+
     def describe(self) -> str:
         if self.kind is not PluginKind.HYBRID:
-            extra = f" offload {self.offload_frac:g}" if self.offload_frac else ""
+            extra = f" tp{self.tp}" if self.tp > 1 else ""
+            extra += f" x{self.extra_dp}" if self.extra_dp > 1 else ""
+            extra += f" offload {self.offload_frac:g}" if self.offload_frac else ""
             extra += " cpu-offload" if self.cpu_offload else ""
             extra += " step-in-backward" if self.step_in_backward else ""
-            return f"{self.name}{extra}"
+            return f"{self.name}{extra}{self._blocks_text()}"
         sp = " sp" if self.sequence_parallel else ""
         sp += f" {self.sp_mode} sp{self.sp}" if self.sp > 1 else ""
         sp += f" ep{self.ep}" if self.ep > 1 else ""
-        return f"hybrid tp{self.tp} pp{self.pp} zero{self.zero_stage}{sp}"
+        return f"hybrid tp{self.tp} pp{self.pp} zero{self.zero_stage}{sp}{self._blocks_text()}"
 
     def flags(self) -> str:
         """The pc-train command-line options that select this plugin."""
@@ -110,6 +134,17 @@ class PluginOptions:
             out += ["--sequence-parallel"] if self.sequence_parallel else []
             out += [f"--sp {self.sp}", f"--sp-mode {self.sp_mode}"] if self.sp > 1 else []
             out += [f"--ep {self.ep}"] if self.ep > 1 else []
+        elif self.tp > 1:
+            out.append(f"--tp {self.tp}")
+        if self.extra_dp > 1:
+            out.append(f"--extra-dp {self.extra_dp}")
+        if self.activation_checkpointing != "none":
+            out.append(f"--activation-checkpointing {self.activation_checkpointing}")
+            if self.activation_checkpointing_fraction != 1:
+                share = self.activation_checkpointing_fraction
+                out.append(f"--activation-checkpointing-fraction {share:g}")
+        if self.compile:
+            out.append("--compile")
         if self.offload_frac:
             out.append(f"--offload-frac {self.offload_frac:g}")
         if self.cpu_offload:
@@ -129,22 +164,35 @@ class PluginOptions:
         from pc_booster import plugins
 
         kind = self.kind
+        blocks: dict[str, Any] = {
+            "activation_checkpointing": self.activation_checkpointing,
+            "activation_checkpointing_fraction": self.activation_checkpointing_fraction,
+            "compile": self.compile,
+        }
         if kind is PluginKind.DDP:
-            return plugins.DDPOptions(max_norm=max_norm)
+            return plugins.DDPOptions(max_norm=max_norm, **blocks)
         if kind is PluginKind.FSDP:
-            return plugins.TorchFSDPOptions(max_norm=max_norm)
+            return plugins.TorchFSDPOptions(max_norm=max_norm, tp_size=self.tp, **blocks)
         if kind in (PluginKind.ZERO1, PluginKind.ZERO2):
             stage = 1 if kind is PluginKind.ZERO1 else 2
             return plugins.LowLevelZeroOptions(
-                stage=stage, cpu_offload=self.cpu_offload, max_norm=max_norm
+                stage=stage,
+                cpu_offload=self.cpu_offload,
+                max_norm=max_norm,
+                extra_dp_size=self.extra_dp,
+                **blocks,
             )
         if kind is PluginKind.GEMINI:
             return plugins.GeminiOptions(
                 offload_param_frac=self.offload_frac,
                 max_norm=max_norm,
                 step_in_backward=self.step_in_backward,
+                tp_size=self.tp,
+                extra_dp_size=self.extra_dp,
+                **blocks,
             )
         return plugins.HybridParallelOptions(
+            **blocks,
             tp_size=self.tp,
             pp_size=self.pp,
             zero_stage=self.zero_stage,
@@ -172,10 +220,26 @@ class PluginOptions:
                 "--sequence-parallel (Megatron's, inside tensor parallelism) and --sp "
                 f"{self.sp} (--sp-mode {self.sp_mode}) do not combine yet; pass one of them."
             )
-        if self.kind is not PluginKind.HYBRID and self.model_parallel > 1:
+        three = (PluginKind.FSDP, PluginKind.GEMINI)  # ZeRO-3 over tensor parallelism
+        if self.kind is not PluginKind.HYBRID and (
+            self.pp > 1 or (self.tp > 1 and self.kind not in three)
+        ):
             raise ValueError(
-                f"--tp {self.tp} / --pp {self.pp} need --plugin hybrid; {self.name} is data "
-                "parallel only."
+                f"--tp {self.tp} / --pp {self.pp}: --pp needs --plugin hybrid, --tp hybrid, "
+                f"fsdp or gemini; {self.name} is data parallel only."
+            )
+        if self.extra_dp < 1:
+            raise ValueError(f"--extra-dp must be at least 1, got {self.extra_dp}.")
+        two_level = (PluginKind.ZERO1, PluginKind.ZERO2, PluginKind.GEMINI)
+        if self.extra_dp > 1 and self.kind not in two_level:
+            raise ValueError(
+                f"--extra-dp {self.extra_dp} (two-level sharding) is an option of --plugin "
+                "zero1 / zero2 / gemini."
+            )
+        if self.activation_checkpointing not in RECOMPUTE:
+            raise ValueError(
+                f"--activation-checkpointing must be one of {', '.join(RECOMPUTE)}, got "
+                f"{self.activation_checkpointing!r}."
             )
         if not 0.0 <= self.offload_frac <= 1.0:
             raise ValueError(f"--offload-frac must be in [0, 1], got {self.offload_frac}.")

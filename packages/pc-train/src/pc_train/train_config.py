@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from pc_train.models import MODEL_PRESETS
-from pc_train.options import PLUGIN_NAMES, PRECISIONS, PluginOptions
+from pc_train.options import PLUGIN_NAMES, PRECISIONS, RECOMPUTE, PluginOptions
 
 __all__ = ["TrainConfig", "parse_args"]
 
@@ -25,6 +25,7 @@ _RANGES: tuple[tuple[str, Any, float, str], ...] = (
     ("clip_norm", lambda v: v >= 0, math.inf, "a finite global norm >= 0 (0: no clipping)"),
     ("timeout", lambda v: v > 0, 1e7, "a number of seconds > 0 and at most 1e7 (116 days)"),
     ("offload_frac", lambda v: v >= 0, 1.0, "a share in [0, 1]"),
+    ("activation_checkpointing_fraction", lambda v: v > 0, 1.0, "a share of blocks in (0, 1]"),
 )
 
 
@@ -55,6 +56,10 @@ class TrainConfig:
     sp: int = 1
     sp_mode: str = "all_to_all"
     ep: int = 1
+    extra_dp: int = 1
+    activation_checkpointing: str = "none"
+    activation_checkpointing_fraction: float = 1.0
+    compile: bool = False
     precision: str = "fp32"
     corpus: str | None = None
     corpus_bytes: int = 2_000_000
@@ -146,7 +151,13 @@ _HELP = {
     "warmup": "linear warm-up steps before the cosine decay",
     "clip_norm": "clip gradients to this global norm (0: off)",
     "plugin": "auto asks pc-estimate; hybrid takes --tp/--pp/--zero-stage",
-    "tp": "tensor-parallel size (hybrid)",
+    "tp": "tensor-parallel size (hybrid; fsdp and gemini: ZeRO-3 over tensor parallelism)",
+    "extra_dp": "two-level sharding (zero1, zero2, gemini): the model sharded in this many "
+    "groups of consecutive ranks (a node's), replicated across them",
+    "activation_checkpointing": "recompute each block's activations in backward: none, full, "
+    "or selective (matrix products and attention kept, pointwise operations recomputed)",
+    "activation_checkpointing_fraction": "the share of blocks (the first ones) recomputed",
+    "compile": "torch.compile each transformer block (inductor)",
     "pp": "pipeline-parallel size (hybrid: GPT-2 and Llama)",
     "zero_stage": "ZeRO stage over the data-parallel ranks (hybrid: 0, 1, 2)",
     "microbatches": "pipeline micro-batches per step (default: pp)",
@@ -220,6 +231,8 @@ def _parser() -> argparse.ArgumentParser:
             parser.add_argument(flag, choices=PLUGIN_NAMES, default=argparse.SUPPRESS, help=text)
         elif item.name == "precision":
             parser.add_argument(flag, choices=PRECISIONS, default=argparse.SUPPRESS, help=text)
+        elif item.name == "activation_checkpointing":
+            parser.add_argument(flag, choices=RECOMPUTE, default=argparse.SUPPRESS, help=text)
         else:
             parser.add_argument(flag, type=kind, default=argparse.SUPPRESS, help=text)
     return parser

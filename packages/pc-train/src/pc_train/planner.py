@@ -1,0 +1,171 @@
+"""The planner: every layout pc trains, searched for one model on one
+cluster, ranked by predicted throughput among those that fit.
+
+[Note: the planner]
+For ``nodes`` x ``per_node`` ranks and a global batch of sequences, the
+candidates are every plugin with every option pc-train exposes that
+changes memory or time: data parallelism (DDP; ZeRO-1/2, also sharded in
+each node and replicated across nodes with ``extra_dp``), ZeRO-3 (FSDP2,
+Gemini; over tensor parallelism with ``tp``; Gemini two-level), and the
+hybrid plugin's tensor (with and without Megatron's sequence parallelism),
+pipeline and Ulysses sequence parallelism with ZeRO 0 or 1; each with no,
+selective or full recomputation, and every micro-batch size dividing the
+rank's share of the batch (the rest accumulated, or a pipeline's
+micro-batches). Tensor parallelism stays inside a node (tp divides the
+ranks per node and the head counts); a pipeline's stages divide the
+blocks. Each candidate is checked by its plugin's own rules (what they
+refuse is not a plan), estimated (:func:`pc_train.cost.estimate`: per-rank
+memory with activations and in-flight micro-batches; step time as compute
+at the device's efficiency plus each collective over the link it crosses)
+and kept when it fits; the plans are ranked by predicted tokens per
+second, then by memory. ``pc-estimate --search`` prints them; ``--trial
+K`` runs the first K on this machine and prints each rank's measured peak
+against the prediction.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+
+from pc_train.cost import Estimate, Links, ModelShape, estimate
+from pc_train.hardware import DeviceInfo
+from pc_train.options import PluginKind, PluginOptions
+
+__all__ = ["Cluster", "Plan", "candidates", "search"]
+
+_RECOMPUTE = ("none", "selective", "full")
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """``nodes`` x ``per_node`` ranks of ``device``; ``inter_bandwidth``
+    between nodes (bytes/s per rank; default the device's own)."""
+
+    nodes: int
+    per_node: int
+    device: DeviceInfo
+    inter_bandwidth: float | None = None
+
+    @property
+    def world(self) -> int:
+        return self.nodes * self.per_node
+
+    @property
+    def links(self) -> Links:
+        return Links(self.nodes, self.inter_bandwidth)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A layout that fits, with its micro-batch and its estimate."""
+
+    options: PluginOptions
+    micro_batch: int
+    accumulation: int
+    estimate: Estimate
+
+    @property
+    def step_seconds(self) -> float:
+        """One optimizer step: every micro-batch's compute (a pipeline's are
+        in its estimate); the data-parallel collectives once a step, but
+        ZeRO-3's two gathers once a micro-batch."""
+        e, a = self.estimate, self.accumulation
+        comm = e.exposed_comm_seconds
+        gathers = (2 * a + 1) / 3 if e.gathers_parameters else 1.0
+        return a * (e.step_seconds - comm) + comm * gathers
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.estimate.tokens_per_step * self.accumulation / self.step_seconds
+
+    def flags(self) -> str:
+        """pc-train's flags for this plan (the micro-batch as accumulation)."""
+        extra = f" --accumulation {self.accumulation}" if self.accumulation > 1 else ""
+        pipeline = self.options.microbatches
+        extra += f" --microbatches {pipeline}" if pipeline else ""
+        return self.options.flags() + extra
+
+
+def _divisors(n: int, limit: int) -> list[int]:
+    return [d for d in range(1, min(n, limit) + 1) if n % d == 0]
+
+
+def _layouts(shape: ModelShape, cluster: Cluster) -> Iterator[PluginOptions]:
+    """Every plugin and model-parallel layout [Note: the planner]."""
+    world, nodes = cluster.world, cluster.nodes
+    tps = [t for t in _divisors(cluster.per_node, 8) if shape.heads % t == 0]
+    yield PluginOptions(PluginKind.DDP)
+    for kind in (PluginKind.ZERO1, PluginKind.ZERO2):
+        yield PluginOptions(kind)
+        if nodes > 1:
+            yield PluginOptions(kind, extra_dp=nodes)
+    for tp in tps:
+        yield PluginOptions(PluginKind.FSDP, tp=tp)
+        yield PluginOptions(PluginKind.GEMINI, tp=tp)
+    if nodes > 1:
+        yield PluginOptions(PluginKind.GEMINI, extra_dp=nodes)
+    for tp in tps:
+        for pp in _divisors(shape.layers, 16):
+            if world % (tp * pp) or (tp == 1 and pp == 1):
+                continue
+            for zero in (0, 1):
+                yield PluginOptions(PluginKind.HYBRID, tp=tp, pp=pp, zero_stage=zero)
+                if tp > 1:
+                    yield PluginOptions(
+                        PluginKind.HYBRID, tp=tp, pp=pp, zero_stage=zero, sequence_parallel=True
+                    )
+    for sp in (2, 4, 8):
+        if sp <= cluster.per_node and world % sp == 0 and shape.heads % sp == 0:
+            yield PluginOptions(PluginKind.HYBRID, sp=sp, zero_stage=1)
+
+
+def candidates(
+    shape: ModelShape, cluster: Cluster, global_batch: int
+) -> Iterator[tuple[PluginOptions, int, int]]:
+    """(options, micro-batch, accumulation) of every candidate."""
+    for layout in _layouts(shape, cluster):
+        dp = layout.dp_size(cluster.world)
+        if dp < 1 or global_batch % dp:
+            continue
+        share = global_batch // dp
+        for recompute in _RECOMPUTE:
+            options = replace(layout, activation_checkpointing=recompute)
+            for micro in _divisors(share, 64):
+                if options.pp > 1:  # the share is one step's pipeline micro-batches
+                    chunks = share // micro
+                    if chunks < options.pp:
+                        continue
+                    yield replace(options, microbatches=chunks), micro, 1
+                else:
+                    yield options, micro, share // micro
+
+
+def search(
+    shape: ModelShape,
+    cluster: Cluster,
+    global_batch: int,
+    seq_len: int,
+    precision: str = "bf16",
+) -> list[Plan]:
+    """Every plan that fits, fastest first [Note: the planner]."""
+    plans = []
+    for options, micro, accumulation in candidates(shape, cluster, global_batch):
+        try:
+            options.check(
+                cluster.world,
+                precision,
+                shape.layers,
+                accumulation=accumulation,
+                heads=shape.heads,
+            )
+        except ValueError:
+            continue  # the plugin's own rules refuse it
+        result = estimate(
+            shape, options, cluster.world, micro, seq_len, precision, cluster.device,
+            cluster.links,
+        )  # fmt: skip
+        if result.fits:
+            plans.append(Plan(options, micro, accumulation, result))
+    plans.sort(key=lambda p: (-p.tokens_per_second, p.estimate.device_bytes))
+    return plans

@@ -1,0 +1,102 @@
+"""pc-estimate's planner [Note: the planner] and the pc-train flags it
+writes: every plan is one the plugins' rules accept, fits the device, and
+round-trips through pc-train's command line; plans are ranked by
+predicted throughput; layouts beyond data parallelism appear where data
+parallelism does not fit; the options pc-train gained (tp for ZeRO-3,
+two-level sharding, recomputation, compile) reach the plugin."""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import replace
+
+import pytest
+
+from pc_train.cost import Links, model_shape
+from pc_train.hardware import gpu_device
+from pc_train.models import resolve_model
+from pc_train.options import PluginKind, PluginOptions
+from pc_train.planner import Cluster, search
+from pc_train.train_config import parse_args
+
+
+@pytest.fixture(scope="module")
+def llama13b_plans() -> list:  # type: ignore[type-arg]
+    shape = model_shape(resolve_model("llama-13b", 4096))
+    cluster = Cluster(2, 8, gpu_device("H100", "bf16"), 50e9)
+    return search(shape, cluster, 64, 4096, "bf16")
+
+
+def test_plans_fit_are_accepted_and_ranked(llama13b_plans: list) -> None:  # type: ignore[type-arg]
+    plans = llama13b_plans
+    assert len(plans) > 20
+    rates = [p.tokens_per_second for p in plans]
+    assert rates == sorted(rates, reverse=True)
+    budget = 0.9 * gpu_device("H100", "bf16").memory_bytes
+    for plan in plans:
+        assert plan.estimate.device_bytes <= budget
+        plan.options.check(16, "bf16", 40, accumulation=plan.accumulation, heads=40)
+
+
+def test_every_axis_is_searched(llama13b_plans: list) -> None:  # type: ignore[type-arg]
+    seen = {p.options.kind for p in llama13b_plans}
+    assert {PluginKind.ZERO2, PluginKind.GEMINI, PluginKind.HYBRID} <= seen
+    options = [p.options for p in llama13b_plans]
+    assert any(o.tp > 1 and o.kind is PluginKind.FSDP for o in options)
+    assert any(o.pp > 1 for o in options)
+    assert any(o.sp > 1 for o in options)
+    assert any(o.extra_dp > 1 for o in options)
+    assert any(o.activation_checkpointing == "full" for o in options)
+    assert any(o.sequence_parallel for o in options)
+
+
+def test_a_model_data_parallelism_cannot_hold_gets_another_layout() -> None:
+    """A 67 B-parameter Llama-like model on 16 H100s: DDP and ZeRO-1 keep
+    whole bf16 parameters and gradients (2 x 134 GB), so only sharded or
+    split layouts fit."""
+    shape = model_shape(resolve_model("llama-7b", 4096))  # scaled ten times below
+    cluster = Cluster(2, 8, gpu_device("H100", "bf16"), 50e9)
+    big = replace(
+        shape,
+        params=shape.params * 10,
+        tp_sharded=shape.tp_sharded * 10,
+        stage_params=tuple(p * 10 for p in shape.stage_params),
+    )
+    plans = search(big, cluster, 64, 4096, "bf16")
+    assert plans
+    assert all(p.options.kind not in (PluginKind.DDP, PluginKind.ZERO1) for p in plans)
+
+
+def test_plan_flags_round_trip_through_pc_train(llama13b_plans: list) -> None:  # type: ignore[type-arg]
+    for plan in llama13b_plans[:40]:
+        config = parse_args(["--model", "llama-13b", *shlex.split(plan.flags())])
+        assert config.plugin_options() == plan.options, plan.flags()
+        assert config.accumulation == plan.accumulation
+
+
+def test_new_pc_train_options_reach_the_plugin() -> None:
+    fsdp = PluginOptions(PluginKind.FSDP, tp=2, activation_checkpointing="selective", compile=True)
+    config = fsdp.config()
+    assert (config.tp_size, config.activation_checkpointing, config.compile) == (  # type: ignore[attr-defined]
+        2, "selective", True,
+    )  # fmt: skip
+    gemini = PluginOptions(PluginKind.GEMINI, extra_dp=2).config()
+    assert gemini.extra_dp_size == 2  # type: ignore[attr-defined]
+    with pytest.raises(ValueError, match=r"--extra-dp 2 .* is an option of --plugin zero1"):
+        PluginOptions(PluginKind.DDP, extra_dp=2).check_flags()
+    with pytest.raises(ValueError, match="--tp hybrid, fsdp or gemini"):
+        PluginOptions(PluginKind.ZERO2, tp=2).check_flags()
+    with pytest.raises(ValueError, match="activation-checkpointing must be one of"):
+        PluginOptions(PluginKind.DDP, activation_checkpointing="some").check_flags()
+
+
+def test_two_level_sharding_moves_less_between_nodes_in_the_estimate() -> None:
+    """The links model [Note: the planner]: ZeRO-3's gathers stay in the
+    node under two-level sharding, so fewer bytes cross the slow link."""
+    device = gpu_device("H100", "bf16")
+    links = Links(nodes=4, inter_bandwidth=5e9)
+    full = links.data_parallel_seconds(3, 1e9, 32, False, device)
+    two_level = links.data_parallel_seconds(3, 1e9, 32, True, device)
+    assert two_level < full
+    one_node = Links().data_parallel_seconds(3, 1e9, 32, False, device)
+    assert one_node == pytest.approx(3 * 31 / 32 * 1e9 / device.bandwidth)
