@@ -100,7 +100,7 @@ def test_plugin_options_are_checked_against_the_world() -> None:
         hybrid.check(8, "fp32", layers=3)
     with pytest.raises(ValueError, match=r"max_norm=1\.0 cannot clip.*max_norm is --clip-norm"):
         PluginOptions(PluginKind.GEMINI, step_in_backward=True).check(2, "fp32", max_norm=1.0)
-    with pytest.raises(ValueError, match="--tp hybrid, fsdp or gemini; zero2 is data parallel only"):
+    with pytest.raises(ValueError, match="--tp hybrid, fsdp or gemini; zero2 is data parallel"):
         PluginOptions(PluginKind.ZERO2, tp=2).check(4, "fp32")
     PluginOptions(PluginKind.DDP).check(2, "fp16")  # torch's AMP: fp32 parameters, fp16 compute
     # zero_stage=0 in bf16: fp32 parameters under autocast (no longer refused)

@@ -224,12 +224,6 @@ def _block_options(options: Any, setting: RunSetting) -> str | None:
             "activation_checkpointing_fraction is the share of blocks recomputed, in (0, 1]; "
             f"got {fraction!r}."
         )
-    if options.changes_blocks() and getattr(options, "pp_size", 1) > 1:
-        return (
-            "compile / activation_checkpointing with pipelines (pp_size > 1) are not built yet: "
-            "the stages run the blocks through their own schedule. Use them with tensor or data "
-            "parallelism, or recompute through the model's own gradient_checkpointing_enable()."
-        )
     return None
 
 
@@ -254,7 +248,7 @@ class PluginConfig(BlockOptions, ABC):
         ),
         Rule("accumulation below 1", _accumulation_positive, ({}, RunSetting(accumulation=0))),
         Rule(
-            "compile / activation_checkpointing options out of range, or with pipelines",
+            "compile / activation_checkpointing options out of range",
             _block_options,
             ({"activation_checkpointing": "some"}, RunSetting()),
         ),

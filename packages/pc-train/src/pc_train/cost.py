@@ -82,7 +82,9 @@ class ModelShape:
         return math.ceil(stage / options.ep)
 
     def _stage_total(self, options: PluginOptions) -> int:
-        per_stage = self.layers // options.pp
+        # Blocks per stage, rounded up: an uneven split (126 blocks over 16
+        # stages) puts the larger share on the busiest stage.
+        per_stage = -(-self.layers // options.pp)
         blocks = [
             sum(self.stage_params[i : i + per_stage]) for i in range(0, self.layers, per_stage)
         ]
@@ -272,7 +274,9 @@ def _activation_bytes(
         recomputed = layers * options.activation_checkpointing_fraction
         if options.activation_checkpointing == "full":
             block_input = 2 * s * b * h / (options.sp * (t if options.sequence_parallel else 1))
-            total = per_layer * (layers - recomputed + 1) + block_input * recomputed
+            total = per_layer * (layers - recomputed) + block_input * recomputed
+            # One block's activations while it is recomputed: one micro-batch at a time.
+            transient += (2.0 if precision == "fp32" or amp else 1.0) * per_layer
         else:
             total = per_layer * (layers - recomputed * (1 - _SELECTIVE_KEPT))
     if shape.moe_layers and options.ep > 1:  # [Note: activations of a mixture of experts]
