@@ -37,6 +37,15 @@ class Run:
 # Megatron-LM and Megatron-DeepSpeed recompute every block's activations
 # (assumed for Llama 3 too, whose paper does not say).
 _RECOMPUTED = "full"
+
+
+def _megatron(tp: int, pp: int, zero: int) -> PluginOptions:
+    """A tp x pp layout with ZeRO ``zero`` and full recomputation."""
+    return PluginOptions(
+        PluginKind.HYBRID, tp=tp, pp=pp, zero_stage=zero, activation_checkpointing=_RECOMPUTED
+    )
+
+
 _LLAMA3 = {"vocab_size": 128256, "num_key_value_heads": 8, "max_position_embeddings": 8192}
 RUNS = [
     Run(
@@ -44,7 +53,7 @@ RUNS = [
         {**_LLAMA3, "hidden_size": 16384, "intermediate_size": 53248, "num_hidden_layers": 126,
          "num_attention_heads": 128},
         "H100", 2048, 8, 50.0, 8192, 2048,
-        PluginOptions(PluginKind.HYBRID, tp=8, pp=16, zero_stage=1, activation_checkpointing=_RECOMPUTED),
+        _megatron(8, 16, 1),
         "Llama 3 paper, table 4: 16,384 H100, TP 8, PP 16, DP 128, 16 M tokens a step",
     ),
     Run(
@@ -66,7 +75,7 @@ RUNS = [
         {"vocab_size": 50257, "n_positions": 2048, "n_embd": 12288, "n_layer": 96,
          "n_head": 96},
         "A100", 128, 8, 25.0, 2048, 1536,
-        PluginOptions(PluginKind.HYBRID, tp=8, pp=8, zero_stage=0, activation_checkpointing=_RECOMPUTED),
+        _megatron(8, 8, 0),
         "GPT-3's layout is not in its paper (V100s); Megatron-LM's run of the same model "
         "(Narayanan et al. 2021): 1,024 A100, TP 8, PP 8, batch 1,536",
     ),
@@ -74,7 +83,7 @@ RUNS = [
         "Bloom 176B", "BloomConfig",
         {"vocab_size": 250880, "hidden_size": 14336, "n_layer": 70, "n_head": 112},
         "A100", 48, 8, 25.0, 2048, 2048,
-        PluginOptions(PluginKind.HYBRID, tp=4, pp=12, zero_stage=1, activation_checkpointing=_RECOMPUTED),
+        _megatron(4, 12, 1),
         "BigScience: 384 A100 80GB, TP 4, PP 12, DP 8, ZeRO-1, batch 2,048",
         2,
     ),
@@ -83,7 +92,7 @@ RUNS = [
         {"vocab_size": 50257, "n_positions": 2048, "n_embd": 20480, "n_layer": 105,
          "n_head": 128},
         "A100", 280, 8, 25.0, 2048, 1920,
-        PluginOptions(PluginKind.HYBRID, tp=8, pp=35, zero_stage=0, activation_checkpointing=_RECOMPUTED),
+        _megatron(8, 35, 0),
         "Smith et al. 2022: 2,240 A100 80GB (280 DGX), TP 8, PP 35, DP 8, batch 1,920",
     ),
 ]  # fmt: skip
