@@ -201,7 +201,7 @@ def test_reads_no_other_packages_underscore_attributes(module: str) -> None:
 PLUGIN_MODULES = ROOT / "packages" / "pc-booster" / "src" / "pc_booster" / "plugins"
 HELPER_MODULES = {
     "common", "rules", "hybrid_options", "hybrid_pipeline", "hybrid_state", "layout",
-    "optimizations", "sharded", "experts", "hybrid_experts_state",
+    "optimizations", "sharded", "experts", "hybrid_experts_state", "fsdp_tp", "tp_state",
 }  # fmt: skip
 
 

@@ -53,6 +53,7 @@ __all__ = [
     "load_trainer_state",
     "model_and_optimizer",
     "prune_checkpoints",
+    "rank_file",
     "rng_state",
     "save_checkpoint",
     "set_rng_state",
@@ -191,9 +192,9 @@ def _check_model_opens(path: Path) -> None:
     sharded = path / "model" / ".metadata"
     try:
         if sharded.exists() or not (path / "model.safetensors").exists():
-            from pc_zero import read_metadata
+            from pc_booster.checkpoint.files import saved_keys  # no code from the file runs
 
-            read_metadata(path / "model")
+            saved_keys(path / "model")
             return
         from safetensors import safe_open
 
@@ -350,3 +351,22 @@ def prune_checkpoints(root: Path, keep: int) -> None:
         shutil.rmtree(partial, ignore_errors=True)
     for old in _step_dirs(root)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def rank_file(path: Path, file: Path) -> Any:
+    """This rank's ``file`` of checkpoint ``path`` (read with the
+    weights-only unpickler: nothing in it runs as code); when it does not
+    load on any rank, every rank raises, naming the rank and the file."""
+    problem: str | None = None
+    loaded: Any = None
+    try:
+        loaded = torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as error:  # missing, truncated, or a pickle naming code
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        problem = f"{file.name} does not load on rank {dist.get_rank()}: {first}"
+    found: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(found, problem)
+    failed = next((p for p in found if p), None)
+    if failed:
+        raise CheckpointError(f"checkpoint {path} does not load: {failed}")
+    return loaded

@@ -29,6 +29,7 @@ from pc_train.checkpoint import (
     find_checkpoint,
     load_trainer_state,
     model_and_optimizer,
+    rank_file,
     rng_state,
     save_checkpoint,
     set_rng_state,
@@ -250,7 +251,7 @@ class Trainer:
         rng = path / f"rng-rank{env.rank}.pt"
         same_world = state["world"] == env.world_size
         if same_world:
-            set_rng_state(_rank_file(path, rng))
+            set_rng_state(rank_file(path, rng))
         elif self.rank0:
             print(
                 f"pc-train: saved at world {state['world']}, resumed at {env.world_size}: RNG "
@@ -583,22 +584,3 @@ def train(
 
 def _periodic(config: TrainConfig, step: int) -> bool:
     return bool(config.checkpoint_every) and step % config.checkpoint_every == 0
-
-
-def _rank_file(path: Path, file: Path) -> Any:
-    """This rank's ``file`` of checkpoint ``path`` (read with the
-    weights-only unpickler: nothing in it runs as code); when it does not
-    load on any rank, every rank raises, naming the rank and the file."""
-    problem: str | None = None
-    loaded: Any = None
-    try:
-        loaded = torch.load(file, map_location="cpu", weights_only=True)
-    except Exception as error:  # missing, truncated, or a pickle naming code
-        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        problem = f"{file.name} does not load on rank {dist.get_rank()}: {first}"
-    found: list[str | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(found, problem)
-    failed = next((p for p in found if p), None)
-    if failed:
-        raise CheckpointError(f"checkpoint {path} does not load: {failed}")
-    return loaded
