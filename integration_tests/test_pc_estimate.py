@@ -200,11 +200,12 @@ def test_recommendation_follows_memory() -> None:
     roomy = DeviceInfo("cuda", 80 * 2**30, 989e12, 150e9, 0.45)
     assert recommend(small, 1, 8, 64, "fp32", roomy).options.kind is PluginKind.DDP
     assert recommend(small, 8, 8, 64, "fp32", roomy).options.kind is PluginKind.ZERO2
-    # Llama 13B in bf16 on 8 GPUs of 96 GiB, sequences of 2048: ZeRO-2
-    # (2 + 14/8 bytes per parameter, 45 GiB, plus 45 GiB of activations)
-    # does not fit; ZeRO-3's 16/8 bytes (24 GiB) do.
+    # Llama 13B in bf16 on 8 GPUs of 64 GiB, sequences of 2048: ZeRO-2
+    # (2 + 14/8 bytes per parameter, 45 GiB, plus 13 GiB of activations:
+    # a GPU's fused attention keeps no scores) does not fit in 57.6 GiB;
+    # ZeRO-3's 16/8 bytes (24 GiB) do.
     big = model_shape(resolve_model("llama-13b", 2048))
-    choice = recommend(big, 8, 1, 2048, "bf16", DeviceInfo("cuda", 96 * 2**30, 989e12, 150e9, 0.45))
+    choice = recommend(big, 8, 1, 2048, "bf16", DeviceInfo("cuda", 64 * 2**30, 989e12, 150e9, 0.45))
     assert choice.options.kind is PluginKind.GEMINI
     assert choice.options.offload_frac == 0
     assert any("zero2 would need" in reason for reason in choice.reasons)
@@ -225,9 +226,10 @@ def test_recommendation_steps_in_backward_only_when_allowed() -> None:
     smaller one it offloads less. Not allowed, the reasons say what it would
     save; fp16 never gets it."""
     seven = model_shape(resolve_model("llama-7b", 512))
-    plain = estimate(seven, PluginOptions(PluginKind.GEMINI), 2, 1, 512, "bf16")
+    cuda = DeviceInfo("cuda", 80 * 2**30, 165e12, 32e9, 0.45)  # a GPU's activations
+    plain = estimate(seven, PluginOptions(PluginKind.GEMINI), 2, 1, 512, "bf16", cuda)
     in_bwd = estimate(
-        seven, PluginOptions(PluginKind.GEMINI, step_in_backward=True), 2, 1, 512, "bf16"
+        seven, PluginOptions(PluginKind.GEMINI, step_in_backward=True), 2, 1, 512, "bf16", cuda
     )
     assert in_bwd.model_state_bytes == pytest.approx(0.75 * plain.model_state_bytes)
     # A device between the two: 0.9 x memory holds one and not the other.

@@ -40,7 +40,14 @@ from torch import nn
 from torch.optim import Optimizer
 
 from pc_booster.rules import StateBytes, TrainPrecision
-from pc_train.activations import COMPILED_TIME, RECOMPUTE_COST, activation_bytes, bucket_in_flight
+from pc_train.activations import (
+    COMPILED_TIME,
+    RECOMPUTE_COST,
+    activation_bytes,
+    bucket_in_flight,
+    gemini_reduce_bytes,
+    step_working_bytes,
+)
 from pc_train.hardware import DeviceInfo, GiB
 from pc_train.models import ModelSpec, build_model
 from pc_train.network import Links
@@ -207,6 +214,8 @@ class Estimate:
     fits: bool
     # The data-parallel collectives' share of step_seconds (not hidden behind compute).
     exposed_comm_seconds: float = 0.0
+    # Working memory of the optimizer step [Note: the step's working memory].
+    step_bytes: int = 0
     gathers_parameters: bool = False
 
     @property
@@ -215,7 +224,10 @@ class Estimate:
 
     @property
     def device_bytes(self) -> int:
-        return self.model_state_bytes - self.host_bytes + self.activation_bytes
+        """The peak: in backward (states and activations) or at the
+        optimizer step (states and the step's working memory)."""
+        working = max(self.activation_bytes, self.step_bytes)
+        return self.model_state_bytes - self.host_bytes + working
 
     @property
     def async_save_bytes(self) -> int:
@@ -279,6 +291,7 @@ def estimate(
         shape, options, micro_batch, seq_len, precision, fused_attention=device.kind == "cuda"
     )
     activations += bucket_in_flight(plugin, psi, g)
+    activations += int(gemini_reduce_bytes(options, psi, n * options.sp))
     pipeline_batches = options.microbatches or options.pp if options.pp > 1 else 1
     tokens = micro_batch * seq_len * n * pipeline_batches
     flops = (6 * shape.params + 12 * shape.layers * shape.hidden * seq_len) * tokens
@@ -323,6 +336,7 @@ def estimate(
         tokens_per_step=tokens,
         fits=device_bytes <= 0.9 * device.memory_bytes,
         exposed_comm_seconds=0.5 * comm_seconds,
+        step_bytes=int(step_working_bytes(options, states_bytes - host)),
         gathers_parameters=plugin.gathers_parameters,
     )
 
