@@ -292,3 +292,36 @@ def _all_to_all() -> None:
 @pytest.mark.parametrize("world", [2, 3])
 def test_all_to_all_moves_uneven_pieces(world: int) -> None:
     spawn(_all_to_all, world, timeout=60)
+
+
+def _segment_modes(out: str) -> None:
+    """Construct a communicator with os.unlink watched: the mode of each
+    segment file when rank 0 removes its name."""
+    modes: list[int] = []
+    unlink = os.unlink
+
+    def watched(path: str) -> None:
+        if os.path.basename(str(path)).startswith("pc-comm-"):
+            modes.append(os.stat(path).st_mode & 0o777)
+        unlink(path)
+
+    previous = os.umask(0o022)  # the usual umask: files would be 0644
+    os.unlink = watched  # type: ignore[assignment]  # this process only
+    try:
+        comm = ShmCommunicator()
+        comm.all_reduce(torch.ones(4))
+    finally:
+        os.unlink = unlink
+        os.umask(previous)
+    if dist.get_rank() == 0:
+        Path(out).write_text(" ".join(oct(m) for m in modes))
+
+
+def test_segments_are_readable_by_their_owner_only(tmp_path: Path) -> None:
+    """Issue 44: another local user must not read a run's gradients from
+    /dev/shm (the segments were 0644)."""
+    out = tmp_path / "modes"
+    spawn(_segment_modes, 2, args=(str(out),), timeout=60)
+    modes = out.read_text().split()
+    assert modes, "no segment was created"
+    assert set(modes) == {"0o600"}, modes

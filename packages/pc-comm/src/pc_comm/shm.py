@@ -7,7 +7,10 @@ all have mapped it (one barrier over the process group, at construction) rank
 it disappears when the last process that maps it exits, normally, by an
 exception or by SIGKILL. Nothing can be left in /dev/shm after construction
 returns; only a rank killed during construction itself can leave a name
-behind.
+behind. The file is created readable and writable by its owner only
+(0600, whatever the umask): it holds gradients and parameters, and another
+local user who opened it before the unlink could read them for the whole
+run.
 
 [Note: synchronisation without the store]
 The hot path never touches the TCP store or a socket. The segment holds one
@@ -319,8 +322,14 @@ class ShmCommunicator(HostExecutor):
         names: list[str | None] = [None]
         if self._rank == 0:
             created = str(_shm_dir() / f"pc-comm-{uuid.uuid4().hex}")
-            with open(created, "wb") as handle:
-                handle.truncate(nbytes)
+            # Readable by this user only [Note: segment lifetime]: the
+            # segment holds training data (gradients, parameters).
+            handle = os.open(created, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            try:
+                os.fchmod(handle, 0o600)  # whatever the umask
+                os.ftruncate(handle, nbytes)
+            finally:
+                os.close(handle)
             names = [created]
         dist.broadcast_object_list(names, group=self.group, group_src=0)
         path = names[0]

@@ -52,6 +52,7 @@ __all__ = [
     "has_checkpoint",
     "load_trainer_state",
     "model_and_optimizer",
+    "private_dir",
     "prune_checkpoints",
     "rank_file",
     "rng_state",
@@ -186,6 +187,19 @@ def _compare(path: Path, sums: dict[str, str]) -> None:
             )
 
 
+def private_dir(path: Path) -> None:
+    """Make ``path`` and the missing directories above it readable by this
+    user only (0700): checkpoints, logs and reports hold the model and the
+    run's data. Directories that exist already keep their modes."""
+    missing = [p for p in (path, *path.parents) if not p.exists()]
+    for folder in reversed(missing):
+        try:
+            folder.mkdir(mode=0o700)
+        except FileExistsError:  # another rank made it meanwhile
+            continue
+        os.chmod(folder, 0o700)  # whatever the umask
+
+
 def _check_model_opens(path: Path) -> None:
     """The model's index opens: a sharded checkpoint's metadata, or the
     safetensors header of a checkpoint of earlier pc-train versions."""
@@ -256,7 +270,7 @@ def save_checkpoint(
     rank = dist.get_rank()
     if rank == 0:
         shutil.rmtree(partial, ignore_errors=True)
-        partial.mkdir(parents=True)
+        private_dir(partial)
     dist.barrier()
     # The small files first: every rank's are on disk before any rank's
     # background write starts, so the rename after those writes moves them.

@@ -162,8 +162,13 @@ def traceback_file(config: TrainConfig, rank: int, error: BaseException) -> Path
     for folder in (Path(config.output_dir) / "logs", Path(tempfile.gettempdir())):
         path = folder / name if folder.name == "logs" else folder / f"pc-train-{os.getpid()}-{name}"
         try:
-            folder.mkdir(parents=True, exist_ok=True)
-            path.write_text(text)
+            if folder.name == "logs":
+                from pc_train.checkpoint import private_dir
+
+                private_dir(folder)
+            handle = os.open(path, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o600)
+            with os.fdopen(handle, "w") as file:  # readable by this user only
+                file.write(text)
         except OSError:
             continue
         return path

@@ -13,7 +13,12 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from pc_train.checkpoint import find_checkpoint, has_checkpoint, load_trainer_state
+from pc_train.checkpoint import (
+    find_checkpoint,
+    has_checkpoint,
+    load_trainer_state,
+    private_dir,
+)
 from pc_train.cost import model_shape, recommend
 from pc_train.data import corpus_bytes_available, min_corpus_tokens, tokenizer_source
 from pc_train.failures import bytes_text, os_reason
@@ -176,7 +181,7 @@ def preflight(config: TrainConfig, spec: ModelSpec) -> None:
     out = Path(config.output_dir)
     probe = out / f".pc-train-probe-{os.getpid()}"
     try:
-        out.mkdir(parents=True, exist_ok=True)
+        private_dir(out)
         probe.write_bytes(b"pc-train")
         probe.unlink()
     except OSError as error:

@@ -9,6 +9,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from pc_train.checkpoint import private_dir
+
 __all__ = ["closing_lines", "write_report"]
 
 
@@ -75,7 +77,7 @@ def _plots(history: dict[str, Any], out: Path) -> list[str]:
 
 def write_report(out: Path, summary: dict[str, Any], history: dict[str, Any]) -> list[Path]:
     """Write the report and plots into ``out``; returns the paths written."""
-    out.mkdir(parents=True, exist_ok=True)
+    private_dir(out)
     plots = _plots(history, out)
     data = {**summary, "plots": plots, "history": history}
     (out / "report.json").write_text(json.dumps(data, indent=2))
