@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Sequence
+from contextlib import ExitStack
 
 import torch
 
@@ -25,6 +26,7 @@ from pc_train.checkpoint import CheckpointError
 from pc_train.data import load_byte_corpus
 from pc_train.failures import EXIT_USER_ERROR, describe_failure
 from pc_train.launch import launch_local, run_rank
+from pc_train.lock import RunLockedError, run_lock
 from pc_train.models import MODEL_PRESETS
 from pc_train.plan import prepare
 from pc_train.train_config import TrainConfig, parse_args
@@ -81,10 +83,19 @@ def main(argv: Sequence[str] | None = None) -> None:
         code, text = describe_failure(error, config)
         print(f"pc-train: error: before any rank started: {text}", file=sys.stderr)
         raise SystemExit(code) from None
-    if under_torchrun:  # join torchrun's job
-        run_rank(config, reasons)
-        return
-    launch_local(config, reasons, start_method)
+    with ExitStack() as held:
+        # One run per output directory [Note: the run lock in pc_train.lock]:
+        # the launcher holds it, or rank 0 under torchrun.
+        if not under_torchrun or os.environ.get("RANK") == "0":
+            try:
+                held.enter_context(run_lock(config.output_dir))
+            except RunLockedError as error:
+                print(f"pc-train: error: {error}", file=sys.stderr)
+                raise SystemExit(EXIT_USER_ERROR) from None
+        if under_torchrun:  # join torchrun's job
+            run_rank(config, reasons)
+            return
+        launch_local(config, reasons, start_method)
 
 
 if __name__ == "__main__":
