@@ -52,6 +52,7 @@ __all__ = [
     "has_checkpoint",
     "load_trainer_state",
     "model_and_optimizer",
+    "model_config_dict",
     "private_dir",
     "prune_checkpoints",
     "rank_file",
@@ -65,6 +66,7 @@ _STATE = "trainer_state.json"
 # (steps, logging, checkpoint cadence) may change.
 _MUST_MATCH = (
     "model",
+    "clip_norm",
     "global_batch_size",
     "seq_len",
     "seed",
@@ -153,9 +155,51 @@ def load_trainer_state(
             f"checkpoint {path} comes from a run with other settings ({details}); resume with "
             "the same settings, or use another --output-dir for a new run."
         )
+    _check_model_config(path, state, config)
     if step > config.steps:
         raise CheckpointError(f"checkpoint {path} is at step {step}, past --steps {config.steps}.")
+    schedule = int(state.get("schedule_steps", saved.get("steps", config.steps)))
+    if config.steps > schedule and not getattr(config, "extend_schedule", False):
+        raise CheckpointError(
+            f"--steps {config.steps} goes past the learning-rate schedule of the run in {path}, "
+            f"which reaches 0 at step {schedule}: steps after it would not learn. Pass "
+            f"--extend-schedule to stretch the schedule to {config.steps} steps (the warm-up "
+            "as it was, the cosine decay over the new length, from the learning rate it "
+            f"reaches at step {step} then), or start a new run from the exported model "
+            f"(pc-export {path} <dir>, then --model <dir>)."
+        )
     return state
+
+
+# Keys of a model config that say nothing about the model's computation.
+_CONFIG_NOISE = {"transformers_version", "_name_or_path", "architectures", "torch_dtype", "dtype"}
+
+
+def model_config_dict(config: Any) -> dict[str, Any]:
+    """What the trainer state records of the model's config (JSON values)."""
+    raw = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+    kept = {k: v for k, v in sorted(raw.items()) if k not in _CONFIG_NOISE}
+    recorded: dict[str, Any] = json.loads(json.dumps(kept, default=str))  # as the file holds it
+    return recorded
+
+
+def _check_model_config(path: Path, state: dict[str, Any], config: Any) -> None:
+    """A checkpoint records its model's config: a config file edited since
+    (an activation, a width) is refused with the difference."""
+    saved = state.get("model_config")
+    if not isinstance(saved, dict):
+        return  # checkpoints of earlier versions
+    from pc_train.models import resolve_model
+
+    now = model_config_dict(resolve_model(config.model, config.seq_len).config)
+    keys = sorted(set(saved) | set(now))
+    differ = [k for k in keys if saved.get(k) != now.get(k)]
+    if differ:
+        details = ", ".join(f"{k}: saved {saved.get(k)!r}, now {now.get(k)!r}" for k in differ[:5])
+        raise CheckpointError(
+            f"checkpoint {path} was trained with another model config ({details}): the "
+            f"config of --model {config.model} changed since. Restore it, or start a new run."
+        )
 
 
 def _inside_a_rank() -> bool:

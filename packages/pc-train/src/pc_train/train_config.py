@@ -69,6 +69,7 @@ class TrainConfig:
     keep_last: int = 2
     async_save: bool = False
     resume: str | None = None
+    extend_schedule: bool = False
     eval_every: int = 50
     log_every: int = 10
     deterministic: bool = True
@@ -181,6 +182,8 @@ _HELP = {
     "memory and training goes on (the report gives the stall per save)",
     "resume": "'latest' (a bare --resume), a checkpoint directory, or 'auto' (resume when a "
     "checkpoint exists, else start: for restarts of one command line)",
+    "extend_schedule": "with --resume and --steps past the saved run's schedule: stretch "
+    "the cosine decay to the new --steps (the warm-up as it was) instead of refusing",
     "eval_every": "held-out loss every N steps (0: only at the start and end)",
     "log_every": "progress and TensorBoard every N steps",
     "deterministic": "deterministic kernels, so a resumed run repeats the loss curve bitwise",

@@ -29,6 +29,7 @@ from pc_train.checkpoint import (
     find_checkpoint,
     load_trainer_state,
     model_and_optimizer,
+    model_config_dict,
     rank_file,
     rng_state,
     save_checkpoint,
@@ -74,7 +75,7 @@ def _schedule(total: int, warmup: int) -> Any:
 def _schedule_steps(config: TrainConfig, state: dict[str, Any] | None) -> int:
     """The schedule's length: the saved one on resume (a checkpoint written
     before it was recorded: the --steps it was saved under), else --steps."""
-    if state is None:
+    if state is None or config.extend_schedule:
         return config.steps
     saved = state.get("schedule_steps", state.get("config", {}).get("steps", config.steps))
     return int(saved)
@@ -265,7 +266,6 @@ class Trainer:
             print(
                 f"pc-train: --steps {config.steps}, the learning-rate schedule stays the saved "
                 f"run's: warm-up, then cosine to 0 at step {self.schedule_steps}"
-                + (", 0 after it" if config.steps > self.schedule_steps else "")
                 + f" (a schedule is fixed when its run starts; for a new one, pc-export {path} "
                 "<dir>, then start a run with --model <dir>)",
                 flush=True,
@@ -522,7 +522,8 @@ class Trainer:
             self.phases.enter("save", step)
             state = {"step": step, "history": self.history, "config": config.to_dict(),
                      "world": self.env.world_size, "resumed_at": self.resumed_at,
-                     "schedule_steps": self.schedule_steps}  # fmt: skip
+                     "schedule_steps": self.schedule_steps,
+                     "model_config": model_config_dict(self.spec.config)}  # fmt: skip
             self.pending_save = save_checkpoint(
                 self.booster, self.model, self.optimizer, self.schedule, config.checkpoint_dir,
                 step, copy.deepcopy(state), rng_state(),
