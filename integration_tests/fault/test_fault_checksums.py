@@ -91,7 +91,7 @@ def test_pc_train_refuses_a_garbled_model_shard_before_any_rank_starts(
     out, latest = _garbled_run(saved_run, tmp_path)
     err = io.StringIO()
     with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as stop:
-        main([*ARGV, "--steps", "4", "--output-dir", str(out), "--resume"])
+        main([*ARGV, "--steps", "4", "--extend-schedule", "--output-dir", str(out), "--resume"])
     assert stop.value.code == 2, err.getvalue()
     assert f"checkpoint {latest} is corrupt: model/__1_0.distcp has checksum crc32:" in (
         err.getvalue()
@@ -101,7 +101,9 @@ def test_pc_train_refuses_a_garbled_model_shard_before_any_rank_starts(
 
 
 def _resume_refused_on_every_rank(out: str) -> None:
-    config = TrainConfig(**{**SETTINGS, "steps": 4}, output_dir=out, resume="latest")
+    config = TrainConfig(
+        **{**SETTINGS, "steps": 4, "extend_schedule": True}, output_dir=out, resume="latest"
+    )
     with pytest.raises(CheckpointError, match=r"is corrupt: __1_0\.distcp has checksum"):
         train(config, fault_runs.context())
     dist.barrier()  # every rank got here: each raised the error itself
@@ -126,7 +128,7 @@ def test_a_pc_train_checkpoint_without_checksums_still_loads(
         del state["files"][str(sidecar.relative_to(latest))]
         sidecar.unlink()
     (latest / "trainer_state.json").write_text(json.dumps(state))
-    config = TrainConfig(**{**SETTINGS, "steps": 4}, output_dir=str(out))
+    config = TrainConfig(**{**SETTINGS, "steps": 4, "extend_schedule": True}, output_dir=str(out))
     assert load_trainer_state(latest, config)["step"] == 2
 
 

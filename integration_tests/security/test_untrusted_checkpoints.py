@@ -91,7 +91,9 @@ def _planted_run(saved_run: Path, root: Path, target: str) -> tuple[Path, Path, 
 
 def _resume(root: str, target: str) -> None:
     config = TrainConfig(
-        **{**SETTINGS, "steps": 4}, output_dir=str(Path(root) / target), resume="latest"
+        **{**SETTINGS, "steps": 4, "extend_schedule": True},
+        output_dir=str(Path(root) / target),
+        resume="latest",
     )
     with pytest.raises(CheckpointError, match=REFUSED):
         train(config, fault_runs.context())
@@ -102,7 +104,9 @@ def test_pc_train_resume_runs_no_code_from_any_checkpoint_file(
     saved_run: Path, tmp_path: Path
 ) -> None:
     markers = [_planted_run(saved_run, tmp_path, t)[2] for t in TRAIN_FILES]
-    config = TrainConfig(**{**SETTINGS, "steps": 4}, output_dir=str(tmp_path / "x"))
+    config = TrainConfig(
+        **{**SETTINGS, "steps": 4, "extend_schedule": True}, output_dir=str(tmp_path / "x")
+    )
     # The launcher's preflight (one process, before any rank starts) reads
     # the model's metadata: refused there, with a CheckpointError (exit 2).
     with pytest.raises(CheckpointError, match="could run code"):
