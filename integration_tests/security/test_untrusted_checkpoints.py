@@ -283,3 +283,33 @@ def test_compat_general_checkpoint_io_runs_no_code(tmp_path: Path) -> None:
         with pytest.raises(pickle.UnpicklingError, match=r"posix\.system"):
             load()
         assert not marker.exists(), name
+
+
+def test_an_older_pc_zero_blob_with_a_tensor_still_loads() -> None:
+    """pc-zero's object items were bare pickles before they went through
+    torch.save; an optimizer's 0-d step tensor among them loads (its
+    storage through the weights-only unpickler), a payload does not run."""
+    from pc_zero.safe_load import UnsafeCheckpointError, legacy_loads
+
+    step = torch.tensor(3.0)
+    loaded = legacy_loads(pickle.dumps({"step": step, "betas": (0.9, 0.99)}), "an old blob")
+    assert torch.equal(loaded["step"], step)
+    assert loaded["betas"] == (0.9, 0.99)
+    with pytest.raises(UnsafeCheckpointError, match=r"posix\.system"):
+        legacy_loads(pickle.dumps(plant.Payload(Path("/nonexistent/ran"))), "an old blob")
+
+
+def test_metadata_naming_a_file_outside_its_directory_is_refused(tmp_path: Path) -> None:
+    """A .metadata whose items point at another path (../../etc/passwd)
+    would have DCP read it as tensor bytes: refused before any read."""
+    from torch.distributed.checkpoint.state_dict_saver import save
+
+    from pc_zero.safe_load import UnsafeCheckpointError, read_metadata
+
+    save({"w": torch.zeros(4)}, checkpoint_id=str(tmp_path), no_dist=True)
+    metadata = pickle.loads((tmp_path / ".metadata").read_bytes())
+    for info in metadata.storage_data.values():
+        info.relative_path = "../../etc/passwd"
+    (tmp_path / ".metadata").write_bytes(pickle.dumps(metadata))
+    with pytest.raises(UnsafeCheckpointError, match="outside its directory"):
+        read_metadata(tmp_path)

@@ -59,7 +59,10 @@ def activation_bytes(
         per_layer = s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
     layers = shape.layers / options.pp
     in_flight = min(options.pp, options.microbatches or options.pp) if options.pp > 1 else 1
-    logits = 3 * b * s * shape.vocab * 4 / (t * options.sp)  # fp32 logits, softmax, gradient
+    # fp32 logits, softmax, gradient; split by vocabulary under pc-tensor's
+    # tensor parallelism, whole under FSDP2's (its output layer is whole).
+    vocab_split = 1 if options.kind is PluginKind.FSDP else t
+    logits = 3 * b * s * shape.vocab * 4 / (vocab_split * options.sp)
     total = per_layer * layers
     if options.activation_checkpointing != "none":  # [Note: recomputation in the estimate]
         recomputed = layers * options.activation_checkpointing_fraction

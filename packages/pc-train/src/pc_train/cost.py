@@ -82,6 +82,7 @@ class ModelShape:
     moe_layers: int = 0  # blocks whose MLP is a mixture of experts
     top_k: int = 0  # experts each token is routed to
     expert_ffn: int = 0  # one expert's intermediate width
+    kv_heads: int = 0  # key/value heads (grouped-query attention; 0: as many as heads)
 
     def experts_per_rank(self, options: PluginOptions) -> int:
         """Expert parameters one rank holds: its stage's share, 1/ep of them."""
@@ -111,6 +112,8 @@ class ModelShape:
         if options.ep > 1:  # pc's expert parallelism: no tensor parallelism with it
             stage_experts = self.experts_per_rank(options) * options.ep
             return total - stage_experts + self.experts_per_rank(options)
+        if options.kind is PluginKind.FSDP:  # torch's styles split the blocks' projections only
+            sharded = max(0, sharded - self.embed_params - self.head_params)
         return total - sharded + math.ceil(sharded / options.tp)
 
 
@@ -166,6 +169,7 @@ def model_shape(spec: ModelSpec) -> ModelShape:
         embed, head = _numel(layers[0]), _numel(layers[-1])
     config = spec.config
     heads = int(getattr(config, "num_attention_heads", getattr(config, "n_head", 1)))
+    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
     from pc_tensor import find_experts
 
     try:
@@ -182,6 +186,7 @@ def model_shape(spec: ModelSpec) -> ModelShape:
         hidden=spec.hidden,
         layers=len(per_block),
         heads=heads,
+        kv_heads=kv_heads,
         vocab=spec.vocab_size,
         tp_sharded=sharded,
         stage_params=per_block,

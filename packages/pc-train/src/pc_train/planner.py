@@ -94,7 +94,8 @@ def _divisors(n: int, limit: int) -> list[int]:
 def _layouts(shape: ModelShape, cluster: Cluster) -> Iterator[PluginOptions]:
     """Every plugin and model-parallel layout [Note: the planner]."""
     world, nodes = cluster.world, cluster.nodes
-    tps = [t for t in _divisors(cluster.per_node, 8) if shape.heads % t == 0]
+    kv = shape.kv_heads or shape.heads
+    tps = [t for t in _divisors(cluster.per_node, 8) if shape.heads % t == 0 and kv % t == 0]
     yield PluginOptions(PluginKind.DDP)
     for kind in (PluginKind.ZERO1, PluginKind.ZERO2):
         yield PluginOptions(kind)

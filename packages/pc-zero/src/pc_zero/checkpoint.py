@@ -32,8 +32,8 @@ from torch.optim import Optimizer
 from pc_zero.pieces import PiecesLoadPlanner
 from pc_zero.safe_load import (
     SafeFileSystemReader,
+    legacy_loads,
     named_dcp_failures,
-    restricted_loads,
     safe_load_bytes,
 )
 from pc_zero.sharded import ShardedModule
@@ -98,7 +98,7 @@ def _unblob(data: bytes, source: str) -> Any:
     through the restricted unpickler [Note: loading runs no code]."""
     if data[:2] == b"PK":  # torch.save's zip format
         return safe_load_bytes(io.BytesIO(data), source)
-    return restricted_loads(data, source)
+    return legacy_loads(data, source)
 
 
 def _overlaps(

@@ -35,6 +35,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemReader
 __all__ = [
     "SafeFileSystemReader",
     "UnsafeCheckpointError",
+    "legacy_loads",
     "named_dcp_failures",
     "read_metadata",
     "restricted_load",
@@ -43,10 +44,12 @@ __all__ = [
 ]
 
 _DCP_METADATA = "torch.distributed.checkpoint.metadata"
+_PATHS = frozenset({"Path", "PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"})
 _ALLOWED: dict[str, frozenset[str]] = {
-    "builtins": frozenset({"set", "frozenset", "complex", "bytearray", "range", "slice"}),
+    "builtins": frozenset({"set", "frozenset"}),
     "collections": frozenset({"OrderedDict"}),
-    "pathlib": frozenset({"Path", "PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"}),
+    "pathlib": _PATHS,
+    "pathlib._local": _PATHS,  # where Python 3.13 pickles them from
     "torch": frozenset({"Size"}),
     "torch.serialization": frozenset({"_get_layout"}),
     "torch.distributed.checkpoint.filesystem": frozenset({"_StorageInfo"}),
@@ -74,8 +77,8 @@ class _Restricted(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if name in _ALLOWED.get(module, ()):
             return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
+        if module == "torch" and isinstance(torch.__dict__.get(name), torch.dtype):
+            return torch.__dict__[name]  # no attribute lookup: nothing imported
         if module == _DCP_METADATA and "." not in name:
             found = super().find_class(module, name)
             if isinstance(found, type) and found.__module__ == _DCP_METADATA:
@@ -94,6 +97,32 @@ def restricted_load(file: IO[bytes], source: str) -> Any:
 
 def restricted_loads(data: bytes, source: str) -> Any:
     return restricted_load(io.BytesIO(data), source)
+
+
+def _storage_from_bytes(data: bytes) -> Any:
+    """A tensor's storage pickled by ``pickle.dumps`` (torch's
+    ``_load_from_bytes`` loads it with the full unpickler): read with the
+    weights-only one."""
+    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+
+
+class _LegacyBlob(_Restricted):
+    """Bare pickles pc-zero wrote before its objects went through
+    ``torch.save`` (an optimizer's 0-d ``step`` tensor among them): the
+    restricted unpickler plus torch's tensor rebuild, its storages read by
+    the weights-only unpickler."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == ("torch.storage", "_load_from_bytes"):
+            return _storage_from_bytes
+        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
+            return torch._utils._rebuild_tensor_v2
+        return super().find_class(module, name)
+
+
+def legacy_loads(data: bytes, source: str) -> Any:
+    """A bare pickle of pc-zero's earlier object items [Note: loading runs no code]."""
+    return _LegacyBlob(io.BytesIO(data), source).load()
 
 
 def safe_load_bytes(value: IO[bytes], source: str) -> Any:
@@ -134,6 +163,13 @@ class SafeFileSystemReader(FileSystemReader):
             raise UnsafeCheckpointError(
                 f"{path} is not DCP metadata (it holds a {type(metadata).__name__})."
             )
+        for info in (getattr(metadata, "storage_data", None) or {}).values():
+            relative = str(getattr(info, "relative_path", ""))
+            if not relative or "/" in relative or "\\" in relative or relative in (".", ".."):
+                raise UnsafeCheckpointError(
+                    f"{path} names the data file {relative!r}, outside its directory: a "
+                    "checkpoint's files are read from its own directory only."
+                )
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id

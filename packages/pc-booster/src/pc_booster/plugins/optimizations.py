@@ -94,7 +94,8 @@ def apply_block_options(model: nn.Module, options: Any, *, torch_ddp: bool = Fal
 
     blocks = transformer_blocks(model)
     recompute = options.activation_checkpointing
-    count = math.ceil(options.activation_checkpointing_fraction * len(blocks))
+    # The first share of the blocks, at least one (0.28 of 25 blocks: 7).
+    count = max(1, math.floor(options.activation_checkpointing_fraction * len(blocks) + 1e-9))
     for index, block in enumerate(blocks):
         recomputed = recompute != "none" and index < count
         if recomputed:
