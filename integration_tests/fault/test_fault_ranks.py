@@ -97,5 +97,7 @@ def test_a_failed_rank_ends_the_job_with_its_story(scenario: str, tmp_path: Path
     root = tmp_path / "checkpoints"
     latest = find_checkpoint(root, "latest")
     assert latest.name == "step-000002", sorted(p.name for p in root.iterdir())
-    config = TrainConfig(model="gpt2-tiny", steps=8, output_dir=str(tmp_path))
+    # Resumed with the run's own settings (a changed --clip-norm is refused).
+    clip = float(options[options.index("--clip-norm") + 1]) if "--clip-norm" in options else 1.0
+    config = TrainConfig(model="gpt2-tiny", steps=8, output_dir=str(tmp_path), clip_norm=clip)
     assert load_trainer_state(latest, config)["step"] == 2
