@@ -9,6 +9,8 @@ still load."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import shutil
 import struct
@@ -205,3 +207,19 @@ def _booster_sharded_saves(root: str) -> None:
 
 def test_booster_refuses_a_garbled_sharded_save(tmp_path: Path) -> None:
     spawn(_booster_sharded_saves, 2, args=(str(tmp_path),), timeout=180)
+
+
+def test_pc_export_refuses_a_garbled_checkpoint(saved_run: Path, tmp_path: Path) -> None:
+    """Issue 44: pc-export exported garbled bytes with exit 0 and wrote fresh
+    checksums over them (which Booster.load_model then accepted); it now
+    verifies the source's checksums first and writes nothing."""
+    from pc_train.export import main as export_main
+
+    _, latest = _garbled_run(saved_run, tmp_path)
+    out = tmp_path / "exported"
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as stop:
+        export_main([str(latest), str(out)])
+    assert stop.value.code == 2, err.getvalue()
+    assert "is corrupt: __1_0.distcp has checksum" in err.getvalue(), err.getvalue()
+    assert not out.exists() or not any(out.iterdir())

@@ -55,6 +55,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "Booster.load_model loads under any plugin",
     )
     args = parser.parse_args(argv)
+    from pc_booster.checkpoint.checksum import verify_sidecar
     from pc_booster.checkpoint.export import (
         export_files,
         import_pretrained,
@@ -70,6 +71,9 @@ def main(argv: Sequence[str] | None = None) -> None:
             print(f"pc-export: wrote the sharded checkpoint {out}")
             return
         checkpoint = _sharded_model_dir(source)
+        # A damaged source is refused before anything is written: an export
+        # would carry its bytes on under fresh checksums (issue 44).
+        verify_sidecar(checkpoint, collective=False)
         plan = plan_export(checkpoint, args.size_per_shard)
         names = shard_names(out, len(plan.files))
         export_files(checkpoint, out, plan, names)
