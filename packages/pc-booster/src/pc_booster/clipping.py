@@ -18,11 +18,10 @@ def clip_replicated(params: Sequence[torch.Tensor], max_norm: float) -> float:
     (a tensor-parallel weight on (dp, tp), a norm weight on dp alone) are
     normed per mesh and combined: torch's ``clip_grad_norm_`` refuses to
     stack norms of different meshes."""
-    params = [p for p in params if p.grad is not None]
     by_mesh: dict[object, list[torch.Tensor]] = {}
     for param in params:
-        assert param.grad is not None
-        by_mesh.setdefault(getattr(param.grad, "device_mesh", None), []).append(param.grad)
+        if param.grad is not None:
+            by_mesh.setdefault(getattr(param.grad, "device_mesh", None), []).append(param.grad)
     squares = torch.zeros((), dtype=torch.float64)
     for grads in by_mesh.values():
         norm = torch.nn.utils.get_total_norm(grads, 2.0)
@@ -30,10 +29,9 @@ def clip_replicated(params: Sequence[torch.Tensor], max_norm: float) -> float:
         squares += float(full() if full is not None else norm) ** 2
     total = torch.sqrt(squares).float()  # one mesh: exactly torch's norm
     # As torch's clip_grads_with_norm_, in fp32; a Python scalar multiplies
-    # a DTensor gradient on any mesh.
+    # the gradients of each mesh in one foreach call.
     coef = float(torch.clamp(torch.tensor(max_norm) / (total + 1e-6), max=1.0))
     with torch.no_grad():
-        for param in params:
-            assert param.grad is not None
-            param.grad.mul_(coef)
+        for grads in by_mesh.values():
+            torch._foreach_mul_(grads, coef)
     return float(total)

@@ -39,7 +39,6 @@ __all__ = [
     "named_dcp_failures",
     "read_metadata",
     "restricted_load",
-    "restricted_loads",
     "safe_load_bytes",
 ]
 
@@ -93,10 +92,6 @@ def restricted_load(file: IO[bytes], source: str) -> Any:
     """Unpickle ``file`` (named ``source`` in errors), building only the
     types [Note: loading runs no code] lists."""
     return _Restricted(file, source).load()
-
-
-def restricted_loads(data: bytes, source: str) -> Any:
-    return restricted_load(io.BytesIO(data), source)
 
 
 def _storage_from_bytes(data: bytes) -> Any:
