@@ -4,6 +4,7 @@ paper's formulas at large sizes, and it recommends plugins by memory."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -258,34 +259,50 @@ def test_recommendation_steps_in_backward_only_when_allowed() -> None:
     assert not any("step-in-backward" in reason for reason in fp16.reasons)
 
 
-def test_pc_train_auto_steps_in_backward_without_clipping(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``pc-train --plugin auto`` on a device too small for plain Gemini
-    picks --step-in-backward when the run neither clips nor accumulates,
-    and plain Gemini with offload (and the reason) otherwise."""
+def test_pc_train_auto_runs_the_planners_first_plan(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``pc-train --plugin auto`` takes the planner's first plan among those
+    with the user's accumulation, flags and all: on a device too small for
+    any plugin's model states with 1 micro-step of 4 sequences, Gemini
+    stepping in backward with the least share of chunks on the host where
+    the run does not clip, a plan that clips (and offloads) where it does,
+    and never stepping in backward with accumulation."""
+    from pc_train.planner import Cluster, search
     from pc_train.train import prepare
     from pc_train.train_config import parse_args
 
     shape = model_shape(resolve_model("gpt2-small", 64))
-    plain = estimate(shape, PluginOptions(PluginKind.GEMINI), 2, 4, 64, "fp32")
     in_bwd = estimate(
         shape, PluginOptions(PluginKind.GEMINI, step_in_backward=True), 2, 4, 64, "fp32"
     )
-    middle = (in_bwd.device_bytes + plain.device_bytes) / 2 / 0.9
-    device = DeviceInfo("cpu", int(middle), 1e11, 2e9, 0.5)
+    device = DeviceInfo("cpu", int(0.97 * in_bwd.device_bytes / 0.9), 1e11, 2e9, 0.5)
     monkeypatch.setattr(DeviceInfo, "detect", staticmethod(lambda *a, **k: device))
+    cluster = Cluster(1, 2, device, device.bandwidth / 4)
     base = ["--model", "gpt2-small", "--plugin", "auto", "--seq-len", "64",
             "--global-batch-size", "8", "--nproc", "2"]  # fmt: skip
-    config, _, reasons = prepare(parse_args([*base, "--clip-norm", "0"]), 2)
-    assert (config.plugin, config.step_in_backward, config.offload_frac) == ("gemini", True, 0.0)
-    config, _, reasons = prepare(parse_args(base), 2)  # clips by default
-    assert config.plugin == "gemini"
-    assert not config.step_in_backward
-    assert config.offload_frac > 0
-    assert any("--step-in-backward" in reason for reason in reasons)
-    accumulate = ["--clip-norm", "0", "--accumulation", "2", "--global-batch-size", "16"]
-    config, _, reasons = prepare(parse_args([*base, *accumulate]), 2)  # same micro-batch
-    assert not config.step_in_backward
-    assert config.offload_frac > 0
+
+    def first(max_norm: float, accumulation: int, batch: int = 8) -> PluginOptions:
+        plans = search(shape, cluster, batch, 64, "fp32", max_norm=max_norm)
+        return next(p.options for p in plans if p.accumulation == accumulation)
+
+    for argv, max_norm, accumulation, batch in (
+        (["--clip-norm", "0"], 0.0, 1, 8),
+        ([], 1.0, 1, 8),  # clips by default
+        (["--clip-norm", "0", "--accumulation", "2", "--global-batch-size", "16"], 0.0, 2, 16),
+    ):
+        config, _, reasons = prepare(parse_args([*base, *argv]), 2)
+        plan = first(max_norm, accumulation, batch)
+        assert config.plugin_options() == plan, (argv, config.plugin_options(), plan)
+        assert config.accumulation == accumulation
+        assert plan.describe() in reasons[0], reasons
+        if max_norm == 0 and accumulation == 1:
+            assert plan.kind is PluginKind.GEMINI and plan.step_in_backward, plan
+            assert plan.offload_frac > 0, plan
+            less = replace(plan, offload_frac=round(plan.offload_frac - 0.05, 2))
+            assert not estimate(shape, less, 2, 4, 64, "fp32", device).fits  # the least share
+        else:  # the rules refuse stepping in backward with clipping or accumulation
+            assert not plan.step_in_backward, plan
+        if max_norm:
+            assert plan.offload_frac or plan.cpu_offload, plan  # nothing fits without
 
 
 def test_checkpoint_memory_is_counted() -> None:

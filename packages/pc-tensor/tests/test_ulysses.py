@@ -34,6 +34,7 @@ def _build(family: str) -> torch.nn.Module:
         family, vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
         tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        **({"attn_pdrop": 0.0, "resid_pdrop": 0.0, "embd_pdrop": 0.0} if family == "gpt2" else {}),
     )  # fmt: skip
     torch.manual_seed(0)
     model: torch.nn.Module = transformers.AutoModelForCausalLM.from_config(
@@ -125,7 +126,9 @@ def check_ulysses(family: str, layout: str, mode: str) -> None:
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_ulysses_matches_single_process(world_size: int) -> None:
     layouts = ["sp"] if world_size == 2 else ["sp", "dp-sp", "tp-sp"]
-    cases = {"family": ["llama", "qwen2"], "layout": layouts, "mode": ["ulysses", "ring"]}
+    # GPT-2's head is GPT2LMHeadModel: a causal language model by another name.
+    families = ["llama", "qwen2", "gpt2"] if world_size == 2 else ["llama", "qwen2"]
+    cases = {"family": families, "layout": layouts, "mode": ["ulysses", "ring"]}
     run_subtests(check_ulysses, world_size, cases, timeout=280)
 
 

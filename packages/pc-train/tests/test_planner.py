@@ -12,7 +12,7 @@ from dataclasses import replace
 
 import pytest
 
-from pc_train.cost import Links, model_shape
+from pc_train.cost import Links, estimate, model_shape
 from pc_train.hardware import gpu_device
 from pc_train.models import resolve_model
 from pc_train.options import PluginKind, PluginOptions
@@ -100,3 +100,47 @@ def test_two_level_sharding_moves_less_between_nodes_in_the_estimate() -> None:
     assert two_level < full
     one_node = Links().data_parallel_seconds(3, 1e9, 32, False, device)
     assert one_node == pytest.approx(3 * 31 / 32 * 1e9 / device.bandwidth)
+
+
+def test_experts_and_offload_are_searched() -> None:
+    """Mixtral 8x7B on 2 x 8 H100s: expert parallelism (ep dividing the
+    data-parallel ranks and the 8 experts) appears among the plans, and
+    the only expert-parallel plans are hybrid ones the rules accept; a
+    dense model gets none."""
+    shape = model_shape(resolve_model("mixtral-8x7b", 4096))
+    assert shape.experts == 8
+    cluster = Cluster(2, 8, gpu_device("H100", "bf16"), 50e9)
+    plans = search(shape, cluster, 64, 4096, "bf16")
+    split = [p.options for p in plans if p.options.ep > 1]
+    assert split, "no expert-parallel plan"
+    for options in split:
+        assert options.kind is PluginKind.HYBRID
+        assert 8 % options.ep == 0
+        assert options.dp_size(16) % options.ep == 0
+    dense = model_shape(resolve_model("llama-7b", 4096))
+    assert not any(p.options.ep > 1 for p in search(dense, cluster, 64, 4096, "bf16"))
+
+
+def test_offload_and_stepping_in_backward_where_they_are_needed() -> None:
+    """A device that holds no plugin's model states: only offloaded plans
+    fit (ZeRO's optimizer on the host, or the least share of Gemini's
+    chunks that fits), and Gemini stepping in backward is a plan only when
+    the run does not clip."""
+    shape = model_shape(resolve_model("llama-7b", 4096))
+    device = replace(gpu_device("H100", "bf16"), memory_bytes=int(40e9))
+    cluster = Cluster(1, 2, device, 50e9)
+    clipped = search(shape, cluster, 4, 4096, "bf16")
+    assert clipped, "nothing fits with offload"
+    for plan in clipped:
+        assert plan.estimate.host_bytes > 0, plan.options.describe()
+        assert not plan.options.step_in_backward
+    assert any(p.options.cpu_offload for p in clipped)
+    gemini = [p for p in clipped if p.options.kind is PluginKind.GEMINI]
+    assert gemini
+    for plan in gemini:  # the least share: 5 % less does not fit
+        less = replace(plan.options, offload_frac=round(plan.options.offload_frac - 0.05, 2))
+        assert not estimate(
+            shape, less, 2, plan.micro_batch, 4096, "bf16", device, cluster.links
+        ).fits
+    unclipped = search(shape, cluster, 4, 4096, "bf16", max_norm=0.0)
+    assert any(p.options.step_in_backward for p in unclipped)

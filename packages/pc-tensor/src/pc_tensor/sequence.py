@@ -112,9 +112,24 @@ def prepare(
     """``model`` set to run the registered ``attention`` (name, function)
     over ``group``, its forward wrapped to take the whole batch."""
     group = attend(model, group, attention)
-    causal = type(model).__name__.endswith("ForCausalLM")
+    causal = is_causal_lm(model)
     model.forward = _SequenceForward(model.forward, group, causal, grad_scale, zigzag, label)
     return model
+
+
+def is_causal_lm(model: nn.Module) -> bool:
+    """Whether ``model`` is a causal language model whose loss is over the
+    next tokens: a class transformers lists as one (``GPT2LMHeadModel`` as
+    well as the ``...ForCausalLM`` ones), or one named like them."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    name = type(model).__name__
+    listed = {n for names in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values() for n in _names(names)}
+    return name in listed or name.endswith("ForCausalLM")
+
+
+def _names(value: str | tuple[str, ...]) -> tuple[str, ...]:
+    return (value,) if isinstance(value, str) else tuple(value)
 
 
 def attend(

@@ -83,6 +83,7 @@ class ModelShape:
     top_k: int = 0  # experts each token is routed to
     expert_ffn: int = 0  # one expert's intermediate width
     kv_heads: int = 0  # key/value heads (grouped-query attention; 0: as many as heads)
+    experts: int = 0  # experts in each mixture-of-experts block
 
     def experts_per_rank(self, options: PluginOptions) -> int:
         """Expert parameters one rank holds: its stage's share, 1/ep of them."""
@@ -196,6 +197,7 @@ def model_shape(spec: ModelSpec) -> ModelShape:
         moe_layers=len(found),
         top_k=top_k,
         expert_ffn=ffn,
+        experts=count,
     )
 
 

@@ -137,6 +137,13 @@ def _parser() -> argparse.ArgumentParser:
         help="with --search: GB/s per rank between nodes (default: 50 for H100/H200, 25 for "
         "A100, a quarter of the device's own otherwise)",
     )
+    parser.add_argument(
+        "--clip-norm",
+        type=float,
+        default=1.0,
+        help="with --search: the run's gradient clipping, as pc-train's (default 1.0; 0: none, "
+        "which lets Gemini step in backward)",
+    )
     parser.add_argument("--top", type=int, default=10, help="with --search: plans to print")
     parser.add_argument(
         "--trial",
@@ -261,7 +268,7 @@ def _search(
     """``--search`` (and ``--trial``): the ranked plans [Note: the planner]."""
     cluster = _cluster(args, device)
     batch = args.global_batch or args.micro_batch * args.world
-    plans = search(shape, cluster, batch, args.seq_len, args.precision)
+    plans = search(shape, cluster, batch, args.seq_len, args.precision, max_norm=args.clip_norm)
     if not plans:
         raise ValueError(
             f"no layout of {spec.name} fits {gib_text(0.9 * device.memory_bytes)} per rank on "

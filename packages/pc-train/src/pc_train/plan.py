@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import shutil
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -19,12 +19,13 @@ from pc_train.checkpoint import (
     load_trainer_state,
     private_dir,
 )
-from pc_train.cost import model_shape, recommend
+from pc_train.cost import gib_text, model_shape
 from pc_train.data import corpus_bytes_available, min_corpus_tokens, tokenizer_source
 from pc_train.failures import bytes_text, os_reason
 from pc_train.hardware import DeviceInfo
 from pc_train.models import ModelSpec, resolve_model
 from pc_train.options import PluginKind, PluginOptions
+from pc_train.planner import Cluster, search
 from pc_train.train_config import TrainConfig
 
 __all__ = ["checkpoint_bytes", "preflight", "prepare"]
@@ -89,40 +90,54 @@ def _check_inputs(config: TrainConfig, spec: ModelSpec) -> None:
 def _choose_plugin(
     config: TrainConfig, spec: ModelSpec, world: int, fork_safe: bool
 ) -> tuple[TrainConfig, list[str]]:
-    """``--plugin auto``: the recommended plugin written into ``config``,
-    and the reasons for it."""
-    dp_batch = config.global_batch_size // max(1, world)
-    micro = max(1, dp_batch // config.accumulation)
+    """``--plugin auto``: the planner's first plan [Note: the planner] for
+    this model, world, batch and precision on this machine, among those
+    that keep what the user chose (the accumulation, the clipping), written
+    into ``config``, and the reasons for it."""
     device = DeviceInfo.detect(config.nproc, config.precision, fork_safe=fork_safe)
     if config.step_in_backward:  # the plugin's own refusals (fp16)
         PluginOptions(PluginKind.GEMINI, step_in_backward=True).check(
             world, config.precision, max_norm=config.clip_norm, accumulation=config.accumulation
         )
-    # Stepping in backward is chosen only where it changes nothing the
-    # user asked for: no clipping, no accumulation (recommend excludes fp16).
-    in_bwd = config.step_in_backward or (config.clip_norm == 0 and config.accumulation == 1)
-    choice = recommend(
-        model_shape(spec),
-        world,
-        micro,
-        config.seq_len,
-        config.precision,
-        device,
-        step_in_backward=in_bwd,
-    )
-    opts = choice.options
-    reasons = list(choice.reasons)
-    if config.step_in_backward and not opts.step_in_backward:
-        reasons.append(
-            f"--step-in-backward is not used: {opts.describe()} is recommended (--plugin "
-            "auto steps in backward only where plain gemini does not fit, and not in fp16)."
+    nodes = world // config.nproc if config.nproc and world % config.nproc == 0 else 1
+    cluster = Cluster(nodes, world // nodes, device, device.bandwidth / 4)
+    found = search(
+        model_shape(spec), cluster, config.global_batch_size, config.seq_len, config.precision,
+        max_norm=config.clip_norm,
+    )  # fmt: skip
+    # The user's accumulation stays (a pipeline's micro-batches replace it).
+    plans = [plan for plan in found if plan.accumulation == config.accumulation]
+    if not plans:
+        raise ValueError(
+            f"no layout of {spec.name} fits {gib_text(0.9 * device.memory_bytes)} per rank on "
+            f"{world} rank(s) with {config.global_batch_size} x {config.seq_len} tokens a step "
+            f"and --accumulation {config.accumulation}; raise --accumulation, lower "
+            "--global-batch-size or --seq-len, or add ranks (pc-estimate --search lists what "
+            "each layout needs)."
         )
-    config = replace(
-        config,
-        plugin=opts.name,
-        offload_frac=opts.offload_frac,
-        step_in_backward=opts.step_in_backward,
-    )
+    best = plans[0]
+    options = best.options
+    e = best.estimate
+    reasons = [
+        f"pc-estimate's planner ranked {len(plans)} plan(s) that fit {world} rank(s) "
+        f"({nodes} node(s)); first: {options.describe()}, {best.tokens_per_second:,.0f} tokens/s "
+        f"predicted, {gib_text(e.device_bytes)} of {gib_text(0.9 * device.memory_bytes)} "
+        "per rank.",
+    ]
+    if len(plans) > 1:
+        runner = plans[1]
+        reasons.append(
+            f"next: {runner.options.describe()} at {runner.tokens_per_second:,.0f} tokens/s, "
+            f"{gib_text(runner.estimate.device_bytes)} per rank."
+        )
+    if config.step_in_backward and not options.step_in_backward:
+        reasons.append(
+            f"--step-in-backward is not used: {options.describe()} is predicted faster (--plugin "
+            "auto steps in backward where that plan ranks first)."
+        )
+    chosen = {f.name: getattr(options, f.name) for f in fields(PluginOptions) if f.name != "kind"}
+    chosen["compile"] = config.compile  # the planner does not choose it
+    config = replace(config, plugin=options.name, **chosen)
     return config, reasons
 
 

@@ -8,24 +8,27 @@ changes memory or time: data parallelism (DDP; ZeRO-1/2, also sharded in
 each node and replicated across nodes with ``extra_dp``), ZeRO-3 (FSDP2,
 Gemini; over tensor parallelism with ``tp``; Gemini two-level), and the
 hybrid plugin's tensor (with and without Megatron's sequence parallelism),
-pipeline and Ulysses sequence parallelism with ZeRO 0 or 1; each with no,
-selective or full recomputation, and every micro-batch size dividing the
-rank's share of the batch (the rest accumulated, or a pipeline's
-micro-batches). Tensor parallelism stays inside a node (tp divides the
-ranks per node and the head counts); a pipeline's stages divide the
-blocks. Each candidate is checked by its plugin's own rules (what they
-refuse is not a plan), estimated (:func:`pc_train.cost.estimate`: per-rank
-memory with activations and in-flight micro-batches; step time as compute
-at the device's efficiency plus each collective over the link it crosses)
-and kept when it fits; the plans are ranked by predicted tokens per
-second, then by memory. ``pc-estimate --search`` prints them; ``--trial
-K`` runs the first K on this machine and prints each rank's measured peak
-against the prediction.
+pipeline and Ulysses sequence parallelism with ZeRO 0 or 1, and for a
+mixture of experts every expert-parallel split of the hybrid layouts;
+offload (ZeRO-1/2's optimizer on the host, a share of Gemini's chunks on
+the host) and Gemini stepping in backward (where the run does not clip);
+each with no, selective or full recomputation, and every micro-batch size
+dividing the rank's share of the batch (the rest accumulated, or a
+pipeline's micro-batches). Tensor parallelism stays inside a node (tp
+divides the ranks per node and the head counts); a pipeline's stages
+divide the blocks. Each candidate is checked by its plugin's own rules
+(what they refuse is not a plan), estimated
+(:func:`pc_train.cost.estimate`: per-rank memory with activations and in-
+flight micro-batches; step time as compute at the device's efficiency plus
+each collective over the link it crosses) and kept when it fits; the plans
+are ranked by predicted tokens per second, then by memory. ``pc-estimate
+--search`` prints them; ``--trial K`` runs the first K on this machine and
+prints each rank's measured peak against the prediction.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 
 from pc_train.cost import Estimate, Links, ModelShape, estimate
@@ -91,34 +94,56 @@ def _divisors(n: int, limit: int) -> list[int]:
     return [d for d in range(1, min(n, limit) + 1) if n % d == 0]
 
 
+_OFFLOAD_STEPS = 20  # Gemini's share of chunks on the host, in steps of 5 %
+
+
 def _layouts(shape: ModelShape, cluster: Cluster) -> Iterator[PluginOptions]:
     """Every plugin and model-parallel layout [Note: the planner]."""
     world, nodes = cluster.world, cluster.nodes
     kv = shape.kv_heads or shape.heads
     tps = [t for t in _divisors(cluster.per_node, 8) if shape.heads % t == 0 and kv % t == 0]
     yield PluginOptions(PluginKind.DDP)
-    for kind in (PluginKind.ZERO1, PluginKind.ZERO2):
-        yield PluginOptions(kind)
-        if nodes > 1:
-            yield PluginOptions(kind, extra_dp=nodes)
+    # Equal predictions keep this order: ZeRO-2 before ZeRO-1 (it measured
+    # faster here, each rank stepping its share).
+    for kind in (PluginKind.ZERO2, PluginKind.ZERO1):
+        for offload in (False, True):  # the optimizer's shards and step on the host
+            yield PluginOptions(kind, cpu_offload=offload)
+            if nodes > 1:
+                yield PluginOptions(kind, extra_dp=nodes, cpu_offload=offload)
     for tp in tps:
         yield PluginOptions(PluginKind.FSDP, tp=tp)
         yield PluginOptions(PluginKind.GEMINI, tp=tp)
+    # Stepping in backward, where nothing clips (the rules refuse it otherwise).
+    yield PluginOptions(PluginKind.GEMINI, step_in_backward=True)
     if nodes > 1:
         yield PluginOptions(PluginKind.GEMINI, extra_dp=nodes)
     for tp in tps:
         for pp in _divisors(shape.layers, 16):
-            if world % (tp * pp) or (tp == 1 and pp == 1):
+            if world % (tp * pp):
                 continue
             for zero in (0, 1):
-                yield PluginOptions(PluginKind.HYBRID, tp=tp, pp=pp, zero_stage=zero)
+                hybrid = PluginOptions(PluginKind.HYBRID, tp=tp, pp=pp, zero_stage=zero)
+                if tp > 1 or pp > 1:
+                    yield hybrid
                 if tp > 1:
-                    yield PluginOptions(
-                        PluginKind.HYBRID, tp=tp, pp=pp, zero_stage=zero, sequence_parallel=True
-                    )
+                    yield replace(hybrid, sequence_parallel=True)
+                yield from _expert_layouts(shape, hybrid, world)
     for sp in (2, 4, 8):
         if sp <= cluster.per_node and world % sp == 0 and shape.heads % sp == 0:
             yield PluginOptions(PluginKind.HYBRID, sp=sp, zero_stage=1)
+
+
+def _expert_layouts(
+    shape: ModelShape, hybrid: PluginOptions, world: int
+) -> Iterator[PluginOptions]:
+    """A mixture of experts' ``ep`` splits of one hybrid layout: every ep
+    dividing its data-parallel ranks and the experts of a block."""
+    if not shape.experts:
+        return
+    dp = hybrid.dp_size(world)
+    for ep in _divisors(dp, dp):
+        if ep > 1 and shape.experts % ep == 0:
+            yield replace(hybrid, ep=ep)
 
 
 def candidates(
@@ -148,8 +173,11 @@ def search(
     global_batch: int,
     seq_len: int,
     precision: str = "bf16",
+    max_norm: float = 1.0,
 ) -> list[Plan]:
-    """Every plan that fits, fastest first [Note: the planner]."""
+    """Every plan that fits, fastest first [Note: the planner].
+    ``max_norm``: the run's clipping (0: none), which some plans refuse
+    (Gemini stepping in backward cannot clip by the global norm)."""
     plans = []
     for options, micro, accumulation in candidates(shape, cluster, global_batch):
         try:
@@ -157,16 +185,40 @@ def search(
                 cluster.world,
                 precision,
                 shape.layers,
+                max_norm=max_norm,
                 accumulation=accumulation,
                 heads=shape.heads,
             )
         except ValueError:
             continue  # the plugin's own rules refuse it
-        result = estimate(
-            shape, options, cluster.world, micro, seq_len, precision, cluster.device,
-            cluster.links,
-        )  # fmt: skip
+
+        def run(options: PluginOptions, micro: int = micro) -> Estimate:
+            return estimate(
+                shape, options, cluster.world, micro, seq_len, precision, cluster.device,
+                cluster.links,
+            )  # fmt: skip
+
+        result = run(options)
+        if not result.fits and options.kind is PluginKind.GEMINI and options.tp == 1:
+            options, result = _least_offload(options, run)
         if result.fits:
             plans.append(Plan(options, micro, accumulation, result))
     plans.sort(key=lambda p: (-p.tokens_per_second, p.estimate.device_bytes))
     return plans
+
+
+def _least_offload(
+    options: PluginOptions, run: Callable[[PluginOptions], Estimate]
+) -> tuple[PluginOptions, Estimate]:
+    """Gemini with the least share of its chunks on the host (in steps of
+    5 %) that fits, found by bisection (more on the host never needs more
+    device memory); 100 % and its estimate when nothing fits."""
+    low, high = 0, _OFFLOAD_STEPS  # low does not fit; high is tried last
+    while high - low > 1:
+        middle = (low + high) // 2
+        if run(replace(options, offload_frac=middle / _OFFLOAD_STEPS)).fits:
+            high = middle
+        else:
+            low = middle
+    options = replace(options, offload_frac=high / _OFFLOAD_STEPS)
+    return options, run(options)
