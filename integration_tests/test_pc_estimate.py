@@ -295,7 +295,8 @@ def test_pc_train_auto_runs_the_planners_first_plan(monkeypatch: pytest.MonkeyPa
         assert config.accumulation == accumulation
         assert plan.describe() in reasons[0], reasons
         if max_norm == 0 and accumulation == 1:
-            assert plan.kind is PluginKind.GEMINI and plan.step_in_backward, plan
+            assert plan.kind is PluginKind.GEMINI, plan
+            assert plan.step_in_backward, plan
             assert plan.offload_frac > 0, plan
             less = replace(plan, offload_frac=round(plan.offload_frac - 0.05, 2))
             assert not estimate(shape, less, 2, 4, 64, "fp32", device).fits  # the least share
