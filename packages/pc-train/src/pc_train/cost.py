@@ -45,6 +45,7 @@ from pc_train.activations import (
     RECOMPUTE_COST,
     activation_bytes,
     bucket_in_flight,
+    fsdp_gathered_bytes,
     gemini_reduce_bytes,
     step_working_bytes,
 )
@@ -299,6 +300,7 @@ def estimate(
     )
     activations += bucket_in_flight(plugin, psi, g)
     activations += int(gemini_reduce_bytes(options, psi, n * options.sp))
+    activations += fsdp_gathered_bytes(shape, options, precision)
     pipeline_batches = options.microbatches or options.pp if options.pp > 1 else 1
     tokens = micro_batch * seq_len * n * pipeline_batches
     flops = (6 * shape.params + 12 * shape.layers * shape.hidden * seq_len) * tokens
