@@ -25,6 +25,7 @@ from pc_booster.plugins import (
     TorchFSDPPlugin,
 )
 from pc_booster.rules import PluginConfig, RunSetting, TrainPrecision
+from pc_zero import NonFiniteGradientError  # what a step raises on a non-finite norm
 
 __all__ = [
     "Booster",
@@ -36,6 +37,7 @@ __all__ = [
     "HybridParallelPlugin",
     "LowLevelZeroOptions",
     "LowLevelZeroPlugin",
+    "NonFiniteGradientError",
     "ParallelLayout",
     "Plugin",
     "PluginConfig",

@@ -8,6 +8,8 @@ from collections.abc import Sequence
 
 import torch
 
+from pc_zero import NonFiniteGradientError
+
 __all__ = ["clip_replicated"]
 
 
@@ -17,7 +19,8 @@ def clip_replicated(params: Sequence[torch.Tensor], max_norm: float) -> float:
     whose norm torch reduces over their mesh. Gradients on different meshes
     (a tensor-parallel weight on (dp, tp), a norm weight on dp alone) are
     normed per mesh and combined: torch's ``clip_grad_norm_`` refuses to
-    stack norms of different meshes."""
+    stack norms of different meshes. A non-finite norm raises
+    :class:`~pc_zero.NonFiniteGradientError` with nothing changed."""
     by_mesh: dict[object, list[torch.Tensor]] = {}
     for param in params:
         if param.grad is not None:
@@ -28,6 +31,8 @@ def clip_replicated(params: Sequence[torch.Tensor], max_norm: float) -> float:
         full = getattr(norm, "full_tensor", None)
         squares += float(full() if full is not None else norm) ** 2
     total = torch.sqrt(squares).float()  # one mesh: exactly torch's norm
+    if not bool(torch.isfinite(total)):  # a NaN coefficient would poison every gradient
+        raise NonFiniteGradientError(float(total))
     # As torch's clip_grads_with_norm_, in fp32; a Python scalar multiplies
     # the gradients of each mesh in one foreach call.
     coef = float(torch.clamp(torch.tensor(max_norm) / (total + 1e-6), max=1.0))

@@ -4,7 +4,9 @@ stall, or run each rank under a memory cap.
 :class:`FaultInjector` reads ``PC_TRAIN_FAULT=rank=1,step=3,phase=backward,
 action=kill`` (``action`` ``kill``: SIGKILL itself, ``stall``: sleep until
 killed, ``raise``: raise :class:`InjectedFaultError`, an exception pc-train
-does not expect; ``phase`` one of :data:`PHASES`). It exists for the fault tests
+does not expect, ``nan-grad``: with ``phase=backward``, NaN gradients on
+this rank while its loss stays finite; ``phase`` one of
+:data:`PHASES`). It exists for the fault tests
 (integration_tests/fault/) and for trying the failure handling yourself; it
 does nothing without the variable. What a surviving rank reports about the
 others comes from pc-comm's health board (``pc_comm.health``).
@@ -22,12 +24,20 @@ import os
 import signal
 import time
 
+import torch
 import torch.distributed as dist
 
-__all__ = ["ACTIONS", "PHASES", "FaultInjector", "InjectedFaultError", "join_memory_cgroup"]
+__all__ = [
+    "ACTIONS",
+    "PHASES",
+    "FaultInjector",
+    "InjectedFaultError",
+    "join_memory_cgroup",
+    "nan_gradient",
+]
 
 PHASES = ("forward", "backward", "step", "save", "eval")
-ACTIONS = ("kill", "stall", "raise")
+ACTIONS = ("kill", "stall", "raise", "nan-grad")
 
 
 class InjectedFaultError(RuntimeError):
@@ -60,6 +70,8 @@ class FaultInjector:
     def at(self, phase: str, step: int) -> None:
         if self.target is None or self.target != (self.rank, step, phase, self.target[3]):
             return
+        if self.target[3] == "nan-grad":
+            return  # the loss carries it: see poison
         if self.target[3] == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         if self.target[3] == "raise":
@@ -68,6 +80,32 @@ class FaultInjector:
             )
         while True:  # stall: a live rank that never arrives
             time.sleep(3600)
+
+    def poison(self, loss: torch.Tensor, step: int) -> torch.Tensor:
+        """``action=nan-grad`` at (this rank, ``step``, backward): ``loss``
+        plus a term that is 0 forward and NaN backward (every gradient NaN,
+        the loss finite); ``loss`` itself otherwise."""
+        if self.target != (self.rank, step, "backward", "nan-grad"):
+            return loss
+        return nan_gradient(loss)
+
+
+def nan_gradient(x: torch.Tensor) -> torch.Tensor:
+    """``x`` unchanged forward; NaN as the gradient backward."""
+    term: torch.Tensor = _NanGradient.apply(x)  # type: ignore[no-untyped-call]
+    return x + term
+
+
+class _NanGradient(torch.autograd.Function):
+    """0 forward; NaN as the gradient of its input."""
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(x)
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> torch.Tensor:
+        return torch.full_like(grad, float("nan"))
 
 
 def join_memory_cgroup(rank: int) -> bool:

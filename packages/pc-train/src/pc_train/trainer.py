@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from pc_booster import NonFiniteGradientError
 from pc_train.checkpoint import (
     CheckpointError,
     find_checkpoint,
@@ -48,6 +49,7 @@ from pc_train.faults import FaultInjector
 from pc_train.hardware import peak_flops
 from pc_train.memory import PhaseMemory, peak_memory
 from pc_train.models import build_model, reads_pretrained_after_boost, resolve_model
+from pc_train.options import PluginOptions
 from pc_train.progress import Progress, tensorboard_writer
 from pc_train.report import closing_lines, write_report
 from pc_train.stopping import Phases, Stop
@@ -58,6 +60,20 @@ __all__ = ["NonFiniteLossError", "Trainer", "train"]
 
 class NonFiniteLossError(ValueError):
     """The loss became inf or NaN (``--check-finite``)."""
+
+
+def _plugin_max_norm(config: TrainConfig, options: PluginOptions) -> float:
+    """The plugin's clip: ``--clip-norm``; without clipping but with
+    ``--check-finite``, one no gradient reaches (1e30), which clips nothing
+    but has every plugin compute the global gradient norm and refuse the
+    step when it is not finite (Gemini stepping in backward has no global norm: its loss
+    is checked alone)."""
+    if config.clip_norm > 0 or not config.check_finite or options.step_in_backward:
+        return config.clip_norm
+    return _NEVER_CLIPS
+
+
+_NEVER_CLIPS = 1e30
 
 
 def _schedule(total: int, warmup: int) -> Any:
@@ -164,7 +180,7 @@ class Trainer:
         config = self.config
         self.spec = resolve_model(config.model, config.seq_len)
         self.options = config.plugin_options()
-        self.plugin = self.options.make(config.clip_norm, config.timeout)
+        self.plugin = self.options.make(_plugin_max_norm(config, self.options), config.timeout)
         self.booster = Booster(
             plugin=self.plugin,
             mixed_precision=None if config.precision == "fp32" else config.precision,
@@ -381,7 +397,10 @@ class Trainer:
             raise self._not_finite(bad)
         if self.step == self.start + 1 and not self.model_states:
             self.model_states = self.measure_model_states()
-        self.optimizer.step()
+        try:
+            self.optimizer.step()
+        except NonFiniteGradientError as error:  # on every rank: the norm is all-reduced
+            raise self._not_finite_gradient(error) from None
         self.optimizer.zero_grad()
         self.schedule.step()
         dist.all_reduce(total, group=self.group)
@@ -408,11 +427,13 @@ class Trainer:
                 nullcontext() if last else self.booster.no_sync(self.model, self.optimizer)
             )
             with sync:
-                loss = self.model(input_ids=part, labels=part).loss / config.accumulation
+                part_loss = self.model(input_ids=part, labels=part).loss / config.accumulation
                 self.phases.enter("backward", step)
                 self.fault.at("backward", step)
-                self.booster.backward(loss, self.optimizer)
-            total += loss.detach().float()
+                if last:
+                    part_loss = self.fault.poison(part_loss, step)
+                self.booster.backward(part_loss, self.optimizer)
+            total += part_loss.detach().float()
         return total
 
     def _not_finite(self, bad: list[int]) -> NonFiniteLossError:
@@ -430,6 +451,17 @@ class Trainer:
             f"{', '.join(map(str, bad))}; {when} "
             f"(--check-finite), {where}. Lower --lr, use bf16 rather than fp16, or "
             "--resume from an earlier checkpoint."
+        )
+
+    def _not_finite_gradient(self, error: NonFiniteGradientError) -> NonFiniteLossError:
+        config, step = self.config, self.step
+        saved = max((s for s in range(self.start, step + 1) if _periodic(config, s)), default=0)
+        where = f"the last checkpoint is at step {saved}" if saved else "no checkpoint yet"
+        return NonFiniteLossError(
+            f"step {step + 1}: the loss is finite but the gradients' global norm is "
+            f"{error.norm}; stopped before the optimizer step, the weights unchanged "
+            f"(pc never clips by a non-finite norm), {where}. Lower --lr, "
+            "check the data, use fp32 rather than bf16, or --resume from an earlier checkpoint."
         )
 
     def measure_model_states(self) -> dict[str, float]:

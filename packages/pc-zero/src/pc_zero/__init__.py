@@ -16,6 +16,7 @@ from pc_zero.layout import Bucket, Slot, plan_buckets
 from pc_zero.loss_scale import (
     DynamicLossScaler,
     LossScaleConfig,
+    NonFiniteGradientError,
     counts_under_tensor_parallel,
     unscale_clip_and_check,
 )
@@ -49,6 +50,7 @@ __all__ = [
     "MixedPrecision",
     "ModelStateMemory",
     "ModuleSizePolicy",
+    "NonFiniteGradientError",
     "OwnedPiece",
     "Pieces",
     "PiecesLoadPlanner",

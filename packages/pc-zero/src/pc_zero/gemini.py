@@ -108,6 +108,7 @@ from pc_zero.gemini_search import ChunkOptions, searched_chunk_size
 from pc_zero.loss_scale import (
     DynamicLossScaler,
     LossScaleConfig,
+    NonFiniteGradientError,
     counts_under_tensor_parallel,
     unscale_clip_and_check,
 )
@@ -558,10 +559,15 @@ class GeminiOptimizer(ClipsInStep, Optimizer):
         device = self.module.manager.device
         max_norm = self._step_max_norm()
         groups, ranges = ((), None) if self.tp_group is None else self._tp_counts(chunks)
-        ok, _ = unscale_clip_and_check(
-            grads, self.module.comm, self.scaler, max_norm, device,
-            count_ranges=ranges, model_parallel_groups=groups,
-        )  # fmt: skip
+        try:
+            ok, _ = unscale_clip_and_check(
+                grads, self.module.comm, self.scaler, max_norm, device,
+                count_ranges=ranges, model_parallel_groups=groups,
+            )  # fmt: skip
+        except NonFiniteGradientError:
+            self._clear_grads()  # nothing stepped; the next step starts afresh
+            self._step_clipped()
+            raise
         self.last_step_skipped = not ok
         if ok:
             self.inner.step()

@@ -41,12 +41,30 @@ from pc_comm import Communicator, ReduceOp
 __all__ = [
     "DynamicLossScaler",
     "LossScaleConfig",
+    "NonFiniteGradientError",
     "counts_under_tensor_parallel",
     "norm_groups",
     "unscale_clip_and_check",
 ]
 
 _NORM_DTYPE = {torch.float16: torch.float32, torch.bfloat16: torch.float32}
+
+
+class NonFiniteGradientError(FloatingPointError):
+    """Gradients to clip whose global norm is inf or NaN, without a loss
+    scale to skip the step on: clipping by that norm would multiply every
+    gradient by NaN (or zero them all) and the step would write garbage
+    over good weights, so nothing is changed and this is raised on every
+    rank (the norm is all-reduced, so every rank sees it)."""
+
+    def __init__(self, norm: float) -> None:
+        self.norm = norm
+        super().__init__(
+            f"the gradients' global norm is {norm}: a gradient is inf or NaN, so they were "
+            "not clipped and the step was not applied (the weights are unchanged). Find the "
+            "cause (learning rate, data, an overflow in bf16) and resume from a checkpoint; "
+            "fp16 with a loss scale skips such steps instead."
+        )
 
 
 @dataclass(frozen=True)
@@ -95,8 +113,9 @@ def unscale_clip_and_check(
     ``device``), then one multiply per tensor. A non-finite gradient
     anywhere makes that sum inf or NaN (squares of fp32 values cannot
     overflow fp64), so it is also the overflow flag; on overflow the scaler
-    backs off and nothing is changed. Returns (step may proceed, unscaled
-    global norm).
+    backs off and nothing is changed; without a scaler, a non-finite norm
+    raises :class:`NonFiniteGradientError` and nothing is changed. Returns
+    (step may proceed, unscaled global norm).
 
     ``comm``: the data-parallel ranks that each hold a shard of the same
     gradients (their sums add up), or None where this rank's gradients are
@@ -121,6 +140,8 @@ def unscale_clip_and_check(
     if scaler is not None and not math.isfinite(total):
         scaler.update(True)
         return False, math.inf
+    if not math.isfinite(total):  # nothing to skip the step on [NonFiniteGradientError]
+        raise NonFiniteGradientError(total)
     factor, norm = step_factor(total, scaler.scale if scaler is not None else 1.0, max_norm)
     if factor != 1.0:
         for grad in grads:

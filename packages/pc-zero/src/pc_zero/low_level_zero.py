@@ -51,6 +51,7 @@ from pc_zero.layout import Bucket, Slot, plan_buckets
 from pc_zero.loss_scale import (
     DynamicLossScaler,
     LossScaleConfig,
+    NonFiniteGradientError,
     counts_under_tensor_parallel,
     norm_groups,
     reduced_squares,
@@ -553,7 +554,12 @@ class LowLevelZeroOptimizer(ClipsInStep, Optimizer):
             with torch.enable_grad():
                 loss = closure()
         grads = self.step_gradients()
-        if not self._checks_pass(grads):
+        try:
+            ok = self._checks_pass(grads)
+        except NonFiniteGradientError:
+            self._end_step()  # nothing stepped; the next step starts afresh
+            raise
+        if not ok:
             self._end_step()
             return loss
         self.step_with(grads, 1.0)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from pc_zero.loss_scale import step_factor
+from pc_zero.loss_scale import NonFiniteGradientError, step_factor
 from pc_zero.low_level_zero import LowLevelZeroOptimizer
 
 __all__ = ["step_together"]
@@ -23,7 +23,8 @@ def step_together(optimizers: Sequence[LowLevelZeroOptimizer]) -> float:
     optimizer's squared norm is summed over the ranks that hold its
     parameters, so the total counts every parameter once. Returns the
     unscaled global norm (nan when neither clipping nor fp16 needed it, inf
-    on overflow)."""
+    on overflow); a non-finite norm without fp16's loss scale skips every
+    step and raises :class:`~pc_zero.NonFiniteGradientError`."""
     if not optimizers:
         raise ValueError("step_together: no optimizers given.")
     lead = optimizers[0]
@@ -42,9 +43,11 @@ def step_together(optimizers: Sequence[LowLevelZeroOptimizer]) -> float:
             o.step_with(g, 1.0)
         return math.nan
     total = sum(o.gradient_squares(g) for o, g in zip(optimizers, grads, strict=True))
-    if lead.scaler is not None and not math.isfinite(total):
+    if not math.isfinite(total):
         for o in optimizers:
-            o.skip_step()  # each backs its loss scale off
+            o.skip_step()  # each backs its loss scale off (fp16)
+        if lead.scaler is None:  # nothing to skip on: refused [NonFiniteGradientError]
+            raise NonFiniteGradientError(total)
         return math.inf
     factor, norm = step_factor(total, lead.loss_scale, max_norm)
     for o, g in zip(optimizers, grads, strict=True):
