@@ -1,6 +1,7 @@
 """Issue 44, nothing trained on garbage: a NaN gradient with a finite loss.
 
-Through the Booster, for every plugin that clips by the global norm, in
+Through the Booster, for every plugin that clips by the global norm
+(expert parallelism's two optimizers stepped together included), in
 fp32 and bf16: one rank's gradients are NaN while its loss is finite;
 the step raises :class:`pc_booster.NonFiniteGradientError` on every rank
 with the weights unchanged (clipping by a NaN norm would have written NaN
@@ -39,7 +40,7 @@ from pc_train.train import NonFiniteLossError
 
 pytestmark = pytest.mark.timeout(600)
 
-PLUGINS = ("ddp", "torch_ddp", "zero1", "zero2", "gemini", "fsdp", "hybrid_tp2")
+PLUGINS = ("ddp", "torch_ddp", "zero1", "zero2", "gemini", "fsdp", "hybrid_tp2", "hybrid_ep2")
 
 
 def _plugin(name: str) -> Plugin:
@@ -53,13 +54,16 @@ def _plugin(name: str) -> Plugin:
         return GeminiPlugin(max_norm=1.0)
     if name == "fsdp":
         return TorchFSDPPlugin(max_norm=1.0)
+    if name == "hybrid_ep2":  # experts and dense parts stepped together
+        return HybridParallelPlugin(tp_size=1, pp_size=1, ep_size=2, zero_stage=1, max_norm=1.0)
     return HybridParallelPlugin(tp_size=2, pp_size=1, zero_stage=0, max_norm=1.0)
 
 
 def _nan_case(plugin: str, precision: str) -> None:
     made = _plugin(plugin)
     booster = Booster(plugin=made, mixed_precision=None if precision == "fp32" else precision)
-    net = build_model(resolve_model("gpt2-tiny", 16), seed=0)
+    model = "mixtral-tiny" if plugin == "hybrid_ep2" else "gpt2-tiny"
+    net = build_model(resolve_model(model, 16), seed=0)
     net, optimizer, *_ = booster.boost(net, torch.optim.SGD(net.parameters(), lr=0.1))
     ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
 
