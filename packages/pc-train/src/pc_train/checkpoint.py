@@ -35,7 +35,7 @@ import os
 import random
 import shutil
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -326,6 +326,8 @@ def save_checkpoint(
         booster.save_optimizer(optimizer, partial / "optimizer", shard=True, use_async=use_async),
     ]
 
+    world = dist.get_world_size()
+
     def commit() -> Path:
         for write in writes:
             if write is not None:
@@ -334,12 +336,21 @@ def save_checkpoint(
             written()
         if not use_async:
             dist.barrier()
-        if rank == 0:
-            _commit(partial, final, root, state)
-            if keep_last is not None:
-                prune_checkpoints(root, keep_last)
-        if not use_async:
-            dist.barrier()
+        problem: str | None = None
+        if rank == 0:  # [Note: a verified commit]
+            try:
+                _commit(partial, final, root, state, world)
+                if keep_last is not None:
+                    prune_checkpoints(root, keep_last)
+            except CheckpointError as error:
+                if use_async:
+                    raise
+                problem = str(error)
+        if not use_async:  # every rank learns rank 0's verdict, and raises it too
+            verdict = [problem]
+            dist.broadcast_object_list(verdict, src=0)
+            if verdict[0] is not None:
+                raise CheckpointError(verdict[0])
         return final
 
     done: Future[Path] = Future()
@@ -357,9 +368,75 @@ def save_checkpoint(
     return done
 
 
-def _commit(partial: Path, final: Path, root: Path, state: dict[str, Any]) -> None:
-    """Rank 0: the trainer state (with every file's size and checksum),
-    then the rename that makes the checkpoint one."""
+# [Note: a verified commit]
+# Nothing unverified becomes a checkpoint: before rank 0 renames
+# ``step-N.partial`` to ``step-N`` it checks the directory against what the
+# ranks reported writing. Each sharded folder (model/, optimizer/) must
+# hold DCP's .metadata and its checksum sidecar, which rank 0 wrote from
+# every rank's list of the shard files it wrote with their checksums; each
+# of those files must be there with that checksum (re-read,
+# several files at a time); and every rank's RNG file and the scheduler's
+# must be there. A file lost or changed between the writes and the commit
+# (a full or failing disk, another process) leaves the partial directory
+# as it is, the earlier checkpoints unpruned, and a CheckpointError naming
+# the files on every rank (an async save raises it on rank 0, whose
+# failure pc-train's launcher reports for the others).
+
+
+def _verify_partial(partial: Path, world: int) -> None:
+    """Raise CheckpointError unless ``partial`` holds every file the ranks
+    reported writing, with their checksums [Note: a verified commit]."""
+    missing: list[str] = []
+    wrong: list[str] = []
+    for name in ("scheduler.pt", *(f"rng-rank{r}.pt" for r in range(world))):
+        if not (partial / name).is_file():
+            missing.append(name)
+    for folder in ("model", "optimizer"):
+        directory = partial / folder
+        for name in (".metadata", CHECKSUMS):
+            if not (directory / name).is_file():
+                missing.append(f"{folder}/{name}")
+        reported = read_sidecar(directory) if (directory / CHECKSUMS).is_file() else {}
+        present = {n: v for n, v in reported.items() if (directory / n).is_file()}
+        missing += [f"{folder}/{n}" for n in sorted(reported) if n not in present]
+        actual = _checksums_of(directory, present)
+        missing += [f"{folder}/{n}" for n in sorted(present) if actual[n] is None]
+        wrong += [
+            f"{folder}/{n} (checksum {actual[n]}, reported {v})"
+            for n, v in sorted(present.items())
+            if actual[n] is not None and actual[n] != v
+        ]
+    if missing or wrong:
+        named = ([f"missing: {', '.join(missing)}"] if missing else []) + (
+            [f"changed: {', '.join(wrong)}"] if wrong else []
+        )
+        raise CheckpointError(
+            f"checkpoint {partial} was not committed: the files on disk differ from what the "
+            f"ranks wrote ({'; '.join(named)}). The earlier checkpoints are kept as they were; "
+            "check the disk (space, errors, another process writing there) and --resume from "
+            "the latest one."
+        )
+
+
+def _checksums_of(directory: Path, names: Iterable[str]) -> dict[str, str | None]:
+    """The checksums of ``directory``'s files ``names`` (None: gone while read)."""
+    try:
+        return dict(file_checksums(directory, names))
+    except OSError:  # one went missing meanwhile: one at a time, naming it
+        sums: dict[str, str | None] = {}
+        for name in names:
+            try:
+                sums[name] = file_checksums(directory, [name])[name]
+            except OSError:
+                sums[name] = None
+        return sums
+
+
+def _commit(partial: Path, final: Path, root: Path, state: dict[str, Any], world: int) -> None:
+    """Rank 0: the directory verified [Note: a verified commit], the
+    trainer state (with every file's size and checksum), then the rename
+    that makes the checkpoint one."""
+    _verify_partial(partial, world)
     files = {
         str(p.relative_to(partial)): p.stat().st_size
         for p in sorted(partial.rglob("*"))
