@@ -60,6 +60,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         export_files,
         import_pretrained,
         plan_export,
+        remove_orphans,
         shard_names,
         write_index,
     )
@@ -75,6 +76,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         # would carry its bytes on under fresh checksums (issue 44).
         verify_sidecar(checkpoint, collective=False)
         plan = plan_export(checkpoint, args.size_per_shard)
+        # What an export killed midway left (shards no index names, temporary
+        # files) goes first: a rerun leaves only the export (issue 44).
+        removed = remove_orphans(out)
+        if removed:
+            print(f"pc-export: removed {len(removed)} file(s) an unfinished export left in {out}")
         names = shard_names(out, len(plan.files))
         export_files(checkpoint, out, plan, names)
         write_index(out, plan, names)

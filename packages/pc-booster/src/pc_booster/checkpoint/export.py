@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import struct
 import warnings
 from collections.abc import Sequence
@@ -45,6 +46,7 @@ __all__ = [
     "plan_export",
     "pretrained_reader",
     "remove_files",
+    "remove_orphans",
     "shard_names",
     "write_index",
 ]
@@ -193,6 +195,33 @@ def indexed_files(directory: Path) -> set[str]:
         return set(json.loads((directory / INDEX).read_text())["weight_map"].values())
     except (OSError, ValueError, KeyError, TypeError):
         return set()
+
+
+_SHARD = re.compile(r"model-(?:[0-9a-f]{8}-)?\d{5}-of-\d{5}\.safetensors")
+_TEMPORARY = re.compile(
+    r"\.(?:model.*\.safetensors|model\.safetensors\.index\.json|config\.json)\.tmp-\d+"
+)
+
+
+def remove_orphans(directory: Path) -> list[str]:
+    """Remove what an export killed midway left in ``directory``: shard
+    files in transformers' pattern that its index does not name, and the
+    temporary files of unfinished writes. The index's own files, and
+    everything else, stay. Returns the names removed."""
+    if not directory.is_dir():
+        return []
+    named = indexed_files(directory)
+    gone = [
+        path.name
+        for path in directory.iterdir()
+        if path.is_file()
+        and (
+            (_SHARD.fullmatch(path.name) is not None and path.name not in named)
+            or _TEMPORARY.fullmatch(path.name) is not None
+        )
+    ]
+    remove_files(directory, set(gone))
+    return sorted(gone)
 
 
 def shard_names(directory: Path, count: int) -> list[str]:

@@ -152,12 +152,20 @@ class CheckpointIO:
         checkpoint in ``directory/.pc-export``, then writes its part of the
         output files one tensor at a time; rank 0 writes the index last and
         removes the staging checkpoint."""
-        from pc_booster.checkpoint.export import export_files, plan_export, shard_names, write_index
+        from pc_booster.checkpoint.export import (
+            export_files,
+            plan_export,
+            remove_orphans,
+            shard_names,
+            write_index,
+        )
 
         out = Path(directory)
         staging = out / ".pc-export"
         self.save_model(model, staging, shard=True)
         plan = plan_export(staging, size_per_shard)
+        if dist.get_rank() == 0:  # what an export killed midway left here
+            remove_orphans(out)
         names = [shard_names(out, len(plan.files)) if dist.get_rank() == 0 else None]
         dist.broadcast_object_list(names, src=0)  # a fresh token is drawn on rank 0
         rank, world = dist.get_rank(), dist.get_world_size()
