@@ -26,6 +26,8 @@ on a mismatch); inside a rank (torchrun's, or ``train()`` called directly)
 only the files no sidecar covers are verified, and the Booster's loads
 verify the sidecars' files split over the ranks, so no rank reads the
 whole model. Checkpoints of earlier versions (sizes only) load as before.
+With ``PC_CHECKPOINT_KEY`` set, checkpoints are signed and checked for
+tampering too ([Note: signed checkpoints] in ``pc_train.signing``).
 """
 
 from __future__ import annotations
@@ -45,6 +47,14 @@ import torch.distributed as dist
 from torch.optim import Optimizer
 
 from pc_booster.checkpoint.checksum import CHECKSUMS, file_checksums, read_sidecar
+from pc_train.signing import (
+    SIGNATURE,
+    SignatureError,
+    sha256_files,
+    sign,
+    signing_key,
+    verify_signed,
+)
 
 __all__ = [
     "CheckpointError",
@@ -122,7 +132,8 @@ def load_trainer_state(
     preflight), else False [Note: checkpoint checksums]."""
     file = path / _STATE
     try:
-        state: dict[str, Any] = json.loads(file.read_text())
+        raw = file.read_bytes()
+        state: dict[str, Any] = json.loads(raw)
         files: dict[str, int] = state["files"]
         step = int(state["step"])
         saved: dict[str, Any] = state["config"]
@@ -143,6 +154,12 @@ def load_trainer_state(
                 f"checkpoint {path} is corrupt: {name} has {part.stat().st_size} bytes, "
                 f"{size} were written. Resume from an earlier checkpoint."
             )
+    key = signing_key()
+    if key is not None:  # [Note: signed checkpoints]
+        try:
+            verify_signed(path, raw, state, key)
+        except SignatureError as error:
+            raise CheckpointError(str(error)) from None
     if verify_contents is None:
         verify_contents = not _inside_a_rank()
     _verify_checksums(path, state.get("checksums", {}), verify_contents)
@@ -442,9 +459,14 @@ def _commit(partial: Path, final: Path, root: Path, state: dict[str, Any], world
         for p in sorted(partial.rglob("*"))
         if p.is_file()
     }
-    (partial / _STATE).write_text(
-        json.dumps({**state, "files": files, "checksums": _checksums(partial, files)})
-    )
+    payload = {**state, "files": files, "checksums": _checksums(partial, files)}
+    key = signing_key()
+    if key is not None:  # [Note: signed checkpoints]
+        payload["sha256"] = sha256_files(partial, files)
+    text = json.dumps(payload).encode()
+    (partial / _STATE).write_bytes(text)
+    if key is not None:
+        (partial / SIGNATURE).write_text(sign(text, key))
     _fsync_dir(partial)
     if final.exists():
         shutil.rmtree(final)

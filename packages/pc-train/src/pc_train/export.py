@@ -35,6 +35,30 @@ def _sharded_model_dir(path: Path) -> Path:
     )
 
 
+def _verify_signature(source: Path) -> None:
+    """With ``PC_CHECKPOINT_KEY`` set, only a pc-train checkpoint signed
+    with it is exported [Note: signed checkpoints in ``pc_train.signing``]."""
+    import json
+
+    from pc_train.signing import KEY_ENV, signing_key, verify_signed
+
+    key = signing_key()
+    if key is None:
+        return
+    state_file = source / "trainer_state.json"
+    if not state_file.is_file():
+        raise ValueError(
+            f"{source} is not a signed pc-train checkpoint, and {KEY_ENV} is set: only "
+            f"checkpoints signed with that key are exported. Unset {KEY_ENV} to export it."
+        )
+    raw = state_file.read_bytes()
+    try:
+        state = json.loads(raw)
+    except ValueError as error:
+        raise ValueError(f"{state_file} is corrupt ({error}).") from None
+    verify_signed(source, raw, state, key)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="pc-export",
@@ -72,6 +96,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             print(f"pc-export: wrote the sharded checkpoint {out}")
             return
         checkpoint = _sharded_model_dir(source)
+        _verify_signature(source)
         # A damaged source is refused before anything is written: an export
         # would carry its bytes on under fresh checksums (issue 44).
         verify_sidecar(checkpoint, collective=False)
