@@ -80,6 +80,34 @@ def test_a_stalled_peer_is_named_within_the_timeout(tmp_path: Path) -> None:
     assert "1 operation(s) behind this rank" in message, message
 
 
+def _stops(out: str) -> None:
+    health.start_board(interval=0.2)
+    group = dist.new_group(timeout=timedelta(seconds=3))
+    comm = TorchCommunicator(group)
+    comm.all_reduce(torch.ones(4))  # one operation each
+    if dist.get_rank() == 1:
+        set_phase("backward of step 2")
+        Path(out, "pid").write_text(str(os.getpid()))
+        os.kill(os.getpid(), signal.SIGSTOP)  # alive, every thread stopped
+        return
+    set_phase("step 2")
+    time.sleep(1.5)  # its entry falls silent: 3 intervals + 2 s, from its last heartbeat
+    _expect_failure(out, comm, 4)
+    os.kill(int(Path(out, "pid").read_text()), signal.SIGKILL)
+
+
+def test_a_stopped_peer_is_named_stopped_not_gone(tmp_path: Path) -> None:
+    """Issue 44: a rank stopped by SIGSTOP was reported as 'its process or
+    host is gone'; on its host it is named stopped, with how to resume it."""
+    with pytest.raises(DistributedTestError, match=r"\(first: rank 1\)"):
+        spawn(_stops, 2, args=(str(tmp_path),), timeout=60, grace=20)
+    elapsed, _, suspects, message = (tmp_path / "error.txt").read_text().split("\n", 3)
+    assert float(elapsed) < 7, elapsed  # the group's timeout
+    assert suspects == "[1]"
+    assert "rank 1: stopped, alive but not running (SIGSTOP" in message, message
+    assert "gone" not in message, message
+
+
 def _mistakes_are_not_peer_failures() -> None:
     comm = TorchCommunicator()
     # A wrong call is the caller's error, raised as it was, not blamed on a peer.

@@ -15,9 +15,10 @@ Starting an operation only sets attributes: no store traffic on the hot path.
 
 When an operation fails, :func:`diagnose` reads the peers' entries and
 returns a :class:`PeerFailureError` naming, for each peer, whether its
-process is gone (same host: its pid; any host: a silent entry), or where it
-is and for how long, and how many operations it has started against this
-rank's. The peer that is gone, or furthest behind, is the one to look at.
+process is gone (same host: its pid; any host: a silent entry), stopped or
+frozen (same host: its state), or where it is and for how long, and how
+many operations it has started against this rank's. The peer that is gone,
+or furthest behind, is the one to look at.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ __all__ = [
     "op_name",
     "peers_report",
     "process_alive",
+    "process_state",
     "set_group_timeout",
     "set_phase",
     "start_board",
@@ -92,13 +94,28 @@ class RankState:
         """A line about this rank, and whether it is a suspect."""
         where = f"it was in {self.phase}" if self.phase else "no phase declared"
         last = f"last operation {self.op} #{self.ops}" if self.ops else "no operation yet"
-        if self.host == socket.gethostname() and not process_alive(self.pid):
+        here = self.host == socket.gethostname()
+        if here and not process_alive(self.pid):
             return f"rank {self.rank}: its process is gone ({where}; {last})", True
         silent = now - self.published
         if silent > 3 * interval + 2:
+            if not here:
+                return (
+                    f"rank {self.rank}: silent for {silent:.1f} s: its process or host is gone, "
+                    f"or it is stopped ({where}; {last})",
+                    True,
+                )
+            if process_state(self.pid) in ("T", "t"):  # [Note: stopped, frozen or gone]
+                return (
+                    f"rank {self.rank}: stopped, alive but not running (SIGSTOP, Ctrl-Z or a "
+                    f"debugger holds pid {self.pid}; kill -CONT {self.pid} resumes it), silent "
+                    f"for {silent:.1f} s ({where}; {last})",
+                    True,
+                )
             return (
-                f"rank {self.rank}: silent for {silent:.1f} s, its process or host is gone "
-                f"({where}; {last})",
+                f"rank {self.rank}: frozen, its process (pid {self.pid}) is alive but has not "
+                f"published for {silent:.1f} s: every thread blocked, swapping, or starved "
+                f"of CPU ({where}; {last})",
                 True,
             )
         behind = self.ops < mine
@@ -421,6 +438,25 @@ def peers_report(ranks: list[int] | None = None) -> tuple[str, list[int]]:
         else " The rank in its phase longest is the one to look at."
     )
     return f"Where the other ranks are: {behind}.{blame}", suspects
+
+
+# [Note: stopped, frozen or gone]
+# A peer whose entry is silent is gone, stopped or frozen. On this host
+# the three are told apart: no process (or a zombie) is gone; a process in
+# state T (SIGSTOP, SIGTSTP) or t (a tracer's stop) is stopped: alive, and
+# resumed by SIGCONT; any other state is frozen (alive, publishing
+# nothing: its heartbeat thread cannot run). On another host only the
+# silence is known, and the line says all three.
+
+
+def process_state(pid: int) -> str | None:
+    """Process ``pid``'s state letter from ``/proc/<pid>/stat`` (``R``,
+    ``S``, ``T``, ...); None where it is gone or there is no /proc."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
 
 
 def process_alive(pid: int) -> bool:
