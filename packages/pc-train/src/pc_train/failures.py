@@ -149,6 +149,19 @@ def describe_failure(error: BaseException, config: TrainConfig) -> tuple[int, st
             f"{kind}: cannot write {where}: {os_reason(cause)} ({text}); pass a writable "
             "--output-dir."
         )
+    from pc_train import memory_limits
+
+    if memory_limits.is_allocation_failure(error):  # [Note: out of memory, named]
+        limit = memory_limits.address_space_limit()
+        cap = (
+            f"the address-space limit (ulimit -v, RLIMIT_AS) of {bytes_text(limit)}"
+            if limit is not None
+            else "the memory this process may use"
+        )
+        return EXIT_USER_ERROR, (
+            f"out of memory: an allocation failed at {cap} ({kind}: {text}); raise the limit, "
+            "or lower the memory each rank needs (pc-estimate --search shows each layout's)."
+        )
     if isinstance(error, _USER_ERRORS):
         return EXIT_USER_ERROR, f"{kind}: {text}"
     return EXIT_FAILURE, f"{kind}: {text}"

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from pc_comm import health, tune_host_allocator
+from pc_train import memory_limits
 from pc_train.failures import (
     ERROR_DIR,
     EXIT_FAILURE,
@@ -78,6 +79,7 @@ def run_rank(config: TrainConfig, reasons: Sequence[str]) -> None:
     rank = context.env.rank
     try:
         join_memory_cgroup(rank)  # PC_TRAIN_CGROUP: the memory tests' per-rank caps
+        memory_limits.record(rank, os.environ.get(ERROR_DIR))  # [Note: out of memory, named]
         train(config, context, reasons, phases)
     except Exception as error:  # every rank's first exception, in one line
         if isinstance(error, RuntimeError) and health.is_peer_failure(error):
@@ -111,9 +113,31 @@ def _report_failure(failure: Any, errors: Path, config: TrainConfig) -> None:
     how = (
         f"killed by {cause.signal_name()}" if cause.exitcode < 0 else f"exit code {cause.exitcode}"
     )
+    named = None  # [Note: out of memory, named]
+    # torch's launcher reports the first failure it polled, which may be a
+    # survivor's; a rank that left no line died without a word: the OOM
+    # killer's count in its cgroup says whether it was that.
+    silent = [r for r in range(config.nproc) if not (errors / f"rank{r}.txt").exists()]
+    for rank in dict.fromkeys([first, *silent] if killed else silent):
+        named = memory_limits.explain_kill(rank, errors, machine=False)
+        if named is not None:
+            first = rank
+            break
+    if named is None and cause.signal_name() == "SIGKILL":  # the machine's OOM killer?
+        named = memory_limits.explain_kill(first, errors)
+    if named is None and cause.signal_name() == "SIGBUS":
+        named = (
+            "killed by SIGBUS: a shared-memory page could not be backed, "
+            f"{memory_limits.shm_text()} (pc-comm's collectives keep their buffers there); "
+            "enlarge it (docker run --shm-size, mount -o remount,size=... /dev/shm) or run "
+            "fewer ranks here"
+        )
+    if named is not None:
+        how = named
+        codes = {*codes, EXIT_USER_ERROR}
     for message in messages:
         print(f"pc-train: {message}", file=sys.stderr)
-    if killed or not messages:
+    if killed or named or not messages:
         latest = config.checkpoint_dir
         print(
             f"pc-train: rank {first} failed first ({how}); the launcher stopped the other "

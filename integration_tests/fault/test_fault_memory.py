@@ -1,0 +1,101 @@
+"""Issue 44, out of memory named for what it is ([Note: out of memory,
+named] in ``pc_train.memory_limits``):
+
+- a rank killed by the kernel's OOM killer at its memory cgroup's limit
+  was reported as "killed by SIGKILL"; now the launcher names the OOM
+  killer, the cgroup and its limit, exit code 2;
+- an address-space limit (``ulimit -v``) failed a rank with "can't start
+  new thread" (exit 1); now it is named out of memory with the limit, exit
+  code 2, whichever way the allocation failed (a thread's stack, a tensor).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parents[1]))  # integration_tests: memory_cap
+from memory_cap import MemoryCap, unavailable
+
+from pc_train.failures import bytes_text
+
+pytestmark = pytest.mark.timeout(300)
+
+COMMAND = [sys.executable, "-m", "pc_train.train", "--model", "gpt2-tiny", "--plugin", "zero2",
+           "--steps", "3", "--eval-every", "0", "--no-tensorboard", "--no-progress",
+           "--timeout", "20", "--corpus-bytes", "20000", "--seq-len", "16",
+           "--global-batch-size", "4"]  # fmt: skip
+
+
+@pytest.mark.skipif(unavailable() is not None, reason=f"memory caps: {unavailable()}")
+def test_a_cgroup_oom_kill_is_named_with_the_cgroup_and_its_limit(tmp_path: Path) -> None:
+    prefix = f"pc-oom-{os.getpid()}"
+    caps = [MemoryCap(f"{prefix}-rank0", 4 * 2**30), MemoryCap(f"{prefix}-rank1", 4 * 2**20)]
+    env = {**os.environ, "PC_TRAIN_CGROUP": prefix}
+    proc = subprocess.Popen(
+        [*COMMAND, "--output-dir", str(tmp_path)], env=env, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        _, err = proc.communicate(timeout=200)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        for cap in caps:
+            cap.path.rmdir()
+    assert proc.returncode == 2, err[-3000:]
+    expected = (
+        f"rank 1 failed first (killed by the kernel's out-of-memory killer: its memory cgroup "
+        f"/sys/fs/cgroup/memory/{prefix}-rank1 reached its limit of {bytes_text(4 * 2**20)}"
+    )
+    assert expected in err, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+
+
+_UNDER_A_LIMIT = """
+import resource, sys, threading
+import torch
+from pc_train.failures import describe_failure
+from pc_train.train_config import TrainConfig
+
+def attempt(how):
+    if how == "thread":  # alive together: 64 stacks of 8 MiB of address space
+        hold = threading.Event()
+        for _ in range(64):
+            threading.Thread(target=hold.wait, daemon=True).start()
+    else:
+        torch.empty(2**31, dtype=torch.uint8).fill_(1)
+
+used = int(open("/proc/self/statm").read().split()[0]) * resource.getpagesize()
+resource.setrlimit(resource.RLIMIT_AS, (used + 64 * 2**20, resource.RLIM_INFINITY))
+try:
+    attempt(sys.argv[1])
+except BaseException as error:
+    code, text = describe_failure(error, TrainConfig(output_dir=sys.argv[2]))
+    print(code, text)
+else:
+    print("no failure")
+"""
+
+
+@pytest.mark.parametrize("how", ["thread", "tensor"])
+def test_an_address_space_limit_is_named_out_of_memory(how: str, tmp_path: Path) -> None:
+    """The real exceptions an allocation raises under RLIMIT_AS (a thread's
+    stack, a tensor), through pc-train's classification."""
+    script = tmp_path / "limit.py"
+    script.write_text(textwrap.dedent(_UNDER_A_LIMIT))
+    done = subprocess.run(
+        [sys.executable, str(script), how, str(tmp_path)], capture_output=True, text=True,
+        timeout=120,
+    )  # fmt: skip
+    code, _, text = done.stdout.strip().partition(" ")
+    assert code == "2", done.stdout + done.stderr[-2000:]
+    assert text.startswith("out of memory: an allocation failed at the address-space limit"), text
+    assert "(ulimit -v, RLIMIT_AS) of " in text, text
