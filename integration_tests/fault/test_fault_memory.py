@@ -6,12 +6,16 @@ named] in ``pc_train.memory_limits``):
   killer, the cgroup and its limit, exit code 2;
 - an address-space limit (``ulimit -v``) failed a rank with "can't start
   new thread" (exit 1); now it is named out of memory with the limit, exit
-  code 2, whichever way the allocation failed (a thread's stack, a tensor).
+  code 2, whichever way the allocation failed (a thread's stack, a tensor);
+- a /dev/shm too small for the shared-memory collectives killed a rank
+  with SIGBUS; now every rank refuses at start naming /dev/shm's space and
+  the need, and a SIGBUS is named with /dev/shm's space.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -99,3 +103,42 @@ def test_an_address_space_limit_is_named_out_of_memory(how: str, tmp_path: Path)
     assert code == "2", done.stdout + done.stderr[-2000:]
     assert text.startswith("out of memory: an allocation failed at the address-space limit"), text
     assert "(ulimit -v, RLIMIT_AS) of " in text, text
+
+
+def _small_shm(size: str, *argv: str, env: dict[str, str] | None = None) -> tuple[int, str]:
+    """pc-train in a mount namespace of its own whose /dev/shm is ``size``."""
+    inner = " ".join([*COMMAND, *argv])
+    done = subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+         f"mount -t tmpfs -o size={size} tmpfs /dev/shm && exec {inner}"],
+        capture_output=True, text=True, timeout=200, env=env,
+    )  # fmt: skip
+    return done.returncode, done.stderr
+
+
+@pytest.mark.skipif(shutil.which("unshare") is None or os.geteuid() != 0, reason="needs root")
+def test_a_small_dev_shm_is_named_at_start(tmp_path: Path) -> None:
+    """A /dev/shm too small for the shared-memory collectives killed a rank
+    with SIGBUS and no word of /dev/shm; now every rank refuses at start,
+    naming the space and the need, exit code 2."""
+    code, err = _small_shm("8m", "--output-dir", str(tmp_path))
+    assert code == 2, err[-3000:]
+    for rank in (0, 1):
+        assert (
+            f"rank {rank} in start-up: ShmSpaceError: /dev/shm has 8.0 MiB free of 8.0 MiB; "
+            "pc-comm's shared-memory collectives need a segment of 48.0 MiB"
+        ) in err, err[-3000:]
+    assert "docker run --shm-size" in err
+
+
+def test_a_sigbus_is_named_with_dev_shm(tmp_path: Path) -> None:
+    """A rank killed by SIGBUS (what a write to a page a full tmpfs cannot
+    back gets) is named with /dev/shm's space and the fix, exit code 2."""
+    env = {**os.environ, "PC_TRAIN_FAULT": "rank=1,step=2,phase=backward,action=sigbus"}
+    done = subprocess.run(
+        [*COMMAND, "--output-dir", str(tmp_path)], capture_output=True, text=True, timeout=200,
+        env=env,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr[-3000:]
+    expected = "rank 1 failed first (killed by SIGBUS: a shared-memory page could not be backed"
+    assert f"{expected}, /dev/shm has " in done.stderr, done.stderr[-3000:]

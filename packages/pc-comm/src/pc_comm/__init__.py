@@ -26,7 +26,7 @@ from pc_comm.health import PeerFailureError, set_phase
 from pc_comm.hierarchical import HierarchicalCommunicator
 from pc_comm.host_allocator import HostAllocatorSettings, tune_host_allocator
 from pc_comm.launch import DistContext, init_distributed
-from pc_comm.shm import ShmCommunicator, ShmPeerError, usable_cores
+from pc_comm.shm import ShmCommunicator, ShmPeerError, ShmSpaceError, usable_cores
 from pc_comm.topology import Coord, ParallelDims, Subgroups, make_subgroups, two_level_groups
 from pc_comm.torch_communicator import TorchCommunicator
 
@@ -51,6 +51,7 @@ __all__ = [
     "ReduceOp",
     "ShmCommunicator",
     "ShmPeerError",
+    "ShmSpaceError",
     "Subgroups",
     "SymmetricAllocator",
     "TorchCommunicator",

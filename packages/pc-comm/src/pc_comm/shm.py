@@ -93,7 +93,7 @@ from pc_comm.communicator import (
 )
 from pc_comm.shm_p2p import P2PChannels
 
-__all__ = ["ShmCommunicator", "ShmPeerError"]
+__all__ = ["ShmCommunicator", "ShmPeerError", "ShmSpaceError"]
 
 _LINE = 128  # bytes per control line: two cache lines, so ranks never share one
 _LINE_INT64 = _LINE // 8
@@ -149,6 +149,45 @@ _DTYPES = (
     torch.bool,
 )
 _Signature = tuple[int, int, int, int]
+
+
+class ShmSpaceError(ValueError):
+    """The shared-memory file system has no room for a segment [Note: room
+    in /dev/shm]: a limit the user raises, not a failure to retry."""
+
+
+# [Note: room in /dev/shm]
+# A segment is a file in /dev/shm (tmpfs) sized with ftruncate: its pages
+# are allocated only when first written, so a tmpfs too small for it
+# (docker's default /dev/shm is 64 MiB) is found not at creation but at the
+# first write past its end, by SIGBUS, which kills the rank without a word
+# about /dev/shm. So before creating a segment that will be written through
+# (a communicator's slots, a symmetric buffer), rank 0 checks that
+# /dev/shm's free space holds it, and every rank raises ShmSpaceError
+# naming the need, the space and the fix when it does not. The
+# point-to-point rings, written only between the pairs that send, are not
+# checked. Several segments that each fit but together do not still end in
+# SIGBUS, which pc-train's launcher names with /dev/shm's space.
+
+
+def _no_room(nbytes: int, world: int) -> str | None:
+    """Why a segment of ``nbytes`` does not fit in the shared-memory
+    directory now, or None when it does."""
+    directory = _shm_dir()
+    try:
+        stat = os.statvfs(directory)
+    except OSError:
+        return None  # nothing to measure: let the kernel decide
+    free, total = stat.f_bavail * stat.f_frsize, stat.f_blocks * stat.f_frsize
+    if nbytes <= free:
+        return None
+    mib = 2**20
+    return (
+        f"{directory} has {free / mib:.1f} MiB free of {total / mib:.1f} MiB; pc-comm's "
+        f"shared-memory collectives need a segment of {nbytes / mib:.1f} MiB there for "
+        f"{world} ranks (more for larger models and more ranks). Enlarge it (docker run "
+        f"--shm-size=2g, or mount -o remount,size=2g {directory}) or free space there."
+    )
 
 
 def _signature(
@@ -293,7 +332,8 @@ class ShmCommunicator(HostExecutor):
         # before any rank returns [Note: segment lifetime].
         self._p2p = P2PChannels(
             self._map_shared(
-                P2PChannels.segment_bytes(self._world_size, _P2P_SLOT_BYTES, _P2P_SLOTS)
+                P2PChannels.segment_bytes(self._world_size, _P2P_SLOT_BYTES, _P2P_SLOTS),
+                sparse=True,
             ),
             self._rank,
             self._world_size,
@@ -316,11 +356,17 @@ class ShmCommunicator(HostExecutor):
                 "Use HierarchicalCommunicator across nodes."
             )
 
-    def _map_shared(self, nbytes: int) -> torch.Tensor:
+    def _map_shared(self, nbytes: int, sparse: bool = False) -> torch.Tensor:
         """Collective: a segment of ``nbytes`` mapped by every rank, whose name
-        is gone from the file system when this returns [Note: segment lifetime]."""
+        is gone from the file system when this returns [Note: segment lifetime].
+        Unless ``sparse`` (pages written only where used), the space for it
+        must be free [Note: room in /dev/shm]."""
         names: list[str | None] = [None]
         if self._rank == 0:
+            short = None if sparse else _no_room(nbytes, self._world_size)
+            if short is not None:
+                names = [f"!{short}"]
+        if self._rank == 0 and names[0] is None:
             created = str(_shm_dir() / f"pc-comm-{uuid.uuid4().hex}")
             # Readable by this user only [Note: segment lifetime]: the
             # segment holds training data (gradients, parameters).
@@ -334,6 +380,8 @@ class ShmCommunicator(HostExecutor):
         dist.broadcast_object_list(names, group=self.group, group_src=0)
         path = names[0]
         assert path is not None
+        if path.startswith("!"):  # rank 0 found no room: every rank says so
+            raise ShmSpaceError(path[1:])
         try:
             segment = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
             dist.barrier(group=self.group)  # every rank has mapped the file

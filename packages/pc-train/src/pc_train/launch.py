@@ -7,6 +7,7 @@ ranks' failures with the job's exit code ([Note: exit codes] in
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
 import re
@@ -80,6 +81,7 @@ def run_rank(config: TrainConfig, reasons: Sequence[str]) -> None:
     try:
         join_memory_cgroup(rank)  # PC_TRAIN_CGROUP: the memory tests' per-rank caps
         memory_limits.record(rank, os.environ.get(ERROR_DIR))  # [Note: out of memory, named]
+        _fatal_signals_to_file(rank, os.environ.get(ERROR_DIR))
         train(config, context, reasons, phases)
     except Exception as error:  # every rank's first exception, in one line
         if isinstance(error, RuntimeError) and health.is_peer_failure(error):
@@ -95,6 +97,32 @@ def run_rank(config: TrainConfig, reasons: Sequence[str]) -> None:
         health.stop_board()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+_FAULT_LOG: list[Any] = []  # the open file faulthandler writes to, kept alive
+
+
+def _fatal_signals_to_file(rank: int, directory: str | None) -> None:
+    """A rank killed by SIGBUS or SIGSEGV cannot leave its line; Python's
+    faulthandler writes which signal and the stacks to ``rank<N>.fault``
+    for the launcher instead [Note: out of memory, named]."""
+    if not directory:
+        return
+    log = open(Path(directory) / f"rank{rank}.fault", "w")  # noqa: SIM115 (open for the process)
+    _FAULT_LOG.append(log)
+    faulthandler.enable(file=log, all_threads=True)
+
+
+def _fatal_signal(rank: int, errors: Path) -> str | None:
+    """The fatal signal faulthandler recorded for ``rank``, if any."""
+    try:
+        text = (errors / f"rank{rank}.fault").read_text()
+    except OSError:
+        return None
+    for words, name in (("Bus error", "SIGBUS"), ("Segmentation fault", "SIGSEGV")):
+        if words in text:
+            return name
+    return None
 
 
 def _report_failure(failure: Any, errors: Path, config: TrainConfig) -> None:
@@ -125,7 +153,9 @@ def _report_failure(failure: Any, errors: Path, config: TrainConfig) -> None:
             break
     if named is None and cause.signal_name() == "SIGKILL":  # the machine's OOM killer?
         named = memory_limits.explain_kill(first, errors)
-    if named is None and cause.signal_name() == "SIGBUS":
+    bus = [r for r in silent if _fatal_signal(r, errors) == "SIGBUS"]
+    if named is None and (cause.signal_name() == "SIGBUS" or bus):
+        first = first if cause.signal_name() == "SIGBUS" else bus[0]
         named = (
             "killed by SIGBUS: a shared-memory page could not be backed, "
             f"{memory_limits.shm_text()} (pc-comm's collectives keep their buffers there); "
