@@ -132,3 +132,45 @@ def test_a_stall_ends_within_the_timeout(plugin: str, tmp_path: Path) -> None:
     assert "rank 1: in backward of step 3 for" in err, err[-3000:]
     assert ended_after < TIMEOUT_S + 10, (ended_after, err[-3000:])
     print(f"{plugin}: the job ended {ended_after:.1f} s after the stall began")
+
+
+def test_a_busy_master_port_without_a_launcher_ends_within_the_timeout(tmp_path: Path) -> None:
+    """Issue 44: ranks started by hand (RANK, WORLD_SIZE, MASTER_ADDR,
+    MASTER_PORT; no launcher) on a MASTER_PORT another program holds: rank 0
+    could not serve the store and rank 1 hung past 180 s with --timeout 30.
+    Now rank 0 names the port in use at once, and rank 1 gives up within
+    --timeout, naming the address; both exit 2."""
+    import threading
+
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen(8)
+    port = holder.getsockname()[1]
+    held: list[socket.socket] = []
+    threading.Thread(target=lambda: held.extend(holder.accept() for _ in range(4)) and None,
+                     daemon=True).start()  # fmt: skip  # accepts, never answers
+    command = [sys.executable, "-m", "pc_train.train", "--model", "gpt2-tiny", "--plugin",
+               "zero2", "--steps", "2", "--timeout", "10", "--eval-every", "0",
+               "--no-tensorboard", "--no-progress", "--output-dir", str(tmp_path)]  # fmt: skip
+    start = time.monotonic()
+    procs = []
+    for rank in (0, 1):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
+               "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(port)}  # fmt: skip
+        procs.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))  # fmt: skip
+    try:
+        results = [p.communicate(timeout=90) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        holder.close()
+    elapsed = time.monotonic() - start
+    (_, err0), (_, err1) = results
+    assert [p.returncode for p in procs] == [2, 2], err0[-2000:] + err1[-2000:]
+    assert f"rank 0 cannot serve the job's store on 127.0.0.1:{port}: the port is in use" in err0
+    assert f"rank 1 could not join the job's store at 127.0.0.1:{port} within 10 s" in err1
+    assert "Traceback" not in err0 + err1
+    assert elapsed < 60, elapsed  # --timeout 10, plus start-up

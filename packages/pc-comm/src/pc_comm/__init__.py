@@ -25,7 +25,7 @@ from pc_comm.env import DistEnv, DistEnvError, read_dist_env
 from pc_comm.health import PeerFailureError, set_phase
 from pc_comm.hierarchical import HierarchicalCommunicator
 from pc_comm.host_allocator import HostAllocatorSettings, tune_host_allocator
-from pc_comm.launch import DistContext, init_distributed
+from pc_comm.launch import DistContext, StoreUnreachableError, init_distributed
 from pc_comm.shm import ShmCommunicator, ShmPeerError, ShmSpaceError, usable_cores
 from pc_comm.topology import Coord, ParallelDims, Subgroups, make_subgroups, two_level_groups
 from pc_comm.torch_communicator import TorchCommunicator
@@ -52,6 +52,7 @@ __all__ = [
     "ShmCommunicator",
     "ShmPeerError",
     "ShmSpaceError",
+    "StoreUnreachableError",
     "Subgroups",
     "SymmetricAllocator",
     "TorchCommunicator",

@@ -18,7 +18,7 @@ from torch.distributed import Store  # type: ignore[attr-defined]  # not in torc
 from pc_comm import health
 from pc_comm.env import DistEnv, read_dist_env
 
-__all__ = ["DistContext", "init_distributed"]
+__all__ = ["DistContext", "StoreUnreachableError", "connect_store", "init_distributed"]
 
 # Long enough for a slow first NCCL communicator on a big job, short enough
 # that a dead peer does not hold a job for torch's 30-minute default.
@@ -87,6 +87,71 @@ def _check_existing(env: DistEnv, chosen: str, backend: str | None) -> DistConte
             f"not the requested {chosen!r}. Call dist.destroy_process_group() first."
         )
     return DistContext(env=env, backend=running, device=_device_for(running, env))
+
+
+# [Note: a store reached within the timeout]
+# Without a launcher, rank 0 serves the job's store on MASTER_PORT and the
+# others dial it. When that port is held by another program, rank 0 fails
+# at once (the address is in use), but a rank that dials it reaches the
+# other program, which accepts and never answers, and torch's store client
+# then waits past any timeout for its handshake. So the store is made here,
+# in a thread given the group's timeout: a rank that has not joined by then
+# raises StoreUnreachableError naming the address and the likely causes,
+# and rank 0 names the port in use. Under torchrun, the agent's store is
+# joined as before.
+
+
+class StoreUnreachableError(RuntimeError):
+    """The job's store did not answer within the timeout, or its port is
+    held by another program."""
+
+
+def connect_store(env: DistEnv, timeout: timedelta) -> Store:
+    """The job's TCP store at MASTER_ADDR:MASTER_PORT, served by rank 0,
+    reached within ``timeout`` [Note: a store reached within the timeout]."""
+    import threading
+
+    where = f"{env.master_addr}:{env.master_port}"
+    made: list[Store] = []
+    failed: list[BaseException] = []
+
+    def make() -> None:
+        try:
+            store = dist.TCPStore(  # type: ignore[attr-defined]
+                env.master_addr,
+                env.master_port,
+                env.world_size,
+                env.rank == 0,
+                timeout,
+                multi_tenant=True,
+            )
+            made.append(store)
+        except BaseException as error:  # handed to the caller
+            failed.append(error)
+
+    worker = threading.Thread(target=make, name="pc-comm-store", daemon=True)
+    worker.start()
+    worker.join(timeout.total_seconds())
+    if made:
+        return made[0]
+    seconds = f"{timeout.total_seconds():g} s"
+    if failed:
+        text = " ".join(str(failed[0]).split())[:300]
+        if env.rank == 0 and ("in use" in text or "EADDRINUSE" in text or "bind" in text):
+            raise StoreUnreachableError(
+                f"rank 0 cannot serve the job's store on {where}: the port is in use by another "
+                f"program ({text}). Choose a free MASTER_PORT for every rank."
+            ) from None
+        raise StoreUnreachableError(
+            f"rank {env.rank} could not reach the job's store at {where} within {seconds} "
+            f"({text}). Check MASTER_ADDR / MASTER_PORT, and that rank 0 started."
+        ) from None
+    raise StoreUnreachableError(
+        f"rank {env.rank} could not join the job's store at {where} within {seconds}: "
+        "something there accepted the connection but never answered as a torch store (the "
+        "port is held by another program, or rank 0 is not up: look at its output). Choose a "
+        "free MASTER_PORT for every rank."
+    )
 
 
 def _start_group(
@@ -158,6 +223,9 @@ def init_distributed(
     # (TORCHELASTIC_USE_AGENT_STORE); only env:// knows to join it rather
     # than bind the port again.
     init_method = "env://" if environ is None else f"tcp://{env.master_addr}:{env.master_port}"
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    if store is None and not (agent and environ is None):
+        store = connect_store(env, timeout)  # [Note: a store reached within the timeout]
     return _start_group(
         env,
         chosen,

@@ -12,6 +12,7 @@ import sys
 import tempfile
 import traceback
 from pathlib import Path
+from typing import NoReturn
 
 from pc_train.train_config import TrainConfig
 
@@ -188,7 +189,7 @@ def traceback_file(config: TrainConfig, rank: int, error: BaseException) -> Path
     return None
 
 
-def fail(message: str, code: int = EXIT_USER_ERROR) -> None:
+def fail(message: str, code: int = EXIT_USER_ERROR) -> NoReturn:
     """Report an error once, without a traceback, and exit with ``code``."""
     folder = os.environ.get(ERROR_DIR)
     if folder:  # our own launcher prints it once

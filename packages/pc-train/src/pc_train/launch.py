@@ -55,7 +55,7 @@ def run_rank(config: TrainConfig, reasons: Sequence[str]) -> None:
     train, and on an exception leave one line saying what it was (the
     traceback in a file when it is not one of pc-train's own) and exit
     with its code."""
-    from pc_comm import init_distributed
+    from pc_comm import StoreUnreachableError, init_distributed
 
     # A forked worker inherits the launcher's handlers; a rank's own are
     # Python's defaults until the training loop installs its Stop's.
@@ -69,9 +69,12 @@ def run_rank(config: TrainConfig, reasons: Sequence[str]) -> None:
     if config.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
-    context = init_distributed(
-        timeout=timedelta(seconds=config.timeout), debug_collectives=config.debug_collectives
-    )
+    try:
+        context = init_distributed(
+            timeout=timedelta(seconds=config.timeout), debug_collectives=config.debug_collectives
+        )
+    except StoreUnreachableError as error:  # a busy or wrong MASTER_PORT, bounded by --timeout
+        fail(f"rank {os.environ.get('RANK', '?')} in start-up: {error}", EXIT_USER_ERROR)
     if context.device.type == "cpu":
         # Ranks share the host's cores; oversubscribing them slows every rank.
         torch.set_num_threads(_cpu_threads(context.env.local_world_size))
