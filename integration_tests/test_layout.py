@@ -202,6 +202,7 @@ PLUGIN_MODULES = ROOT / "packages" / "pc-booster" / "src" / "pc_booster" / "plug
 HELPER_MODULES = {
     "common", "rules", "hybrid_options", "hybrid_pipeline", "hybrid_state", "layout",
     "optimizations", "sharded", "experts", "hybrid_experts_state", "fsdp_tp", "tp_state",
+    "pipeline_tp",
 }  # fmt: skip
 
 

@@ -45,7 +45,7 @@ from pc_tensor.hooks import (
 )
 from pc_tensor.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from pc_tensor.policies import Policy
-from pc_tensor.specs import ShardSpec, shard_tensor, unshard_tensor
+from pc_tensor.specs import ShardSpec, full_shape, shard_tensor, unshard_tensor
 
 M = TypeVar("M", bound=nn.Module)
 
@@ -503,7 +503,9 @@ def full_state_dict(model: nn.Module, *, grads: bool = False) -> dict[str, torch
     """The unsharded model's state dict (its keys and layouts: ``Conv1D``
     transposed back, vocabulary padding dropped), gathered on every rank of
     the group; ``load_state_dict`` of the original model takes it. With
-    ``grads=True``, the full gradients instead (zeros where none)."""
+    ``grads=True``, the full gradients instead (zeros where none). A meta
+    tensor (another pipeline stage's layer, held by none of these ranks)
+    reads as zeros of its full shape."""
     info = shard_info(model)
     out: dict[str, torch.Tensor] = {}
     for key, value in model.state_dict(keep_vars=True).items():
@@ -512,6 +514,11 @@ def full_state_dict(model: nn.Module, *, grads: bool = False) -> dict[str, torch
             grad = value.grad if isinstance(value, nn.Parameter) else None
             tensor = grad if grad is not None else torch.zeros_like(value)
         spec = info.specs.get(key)
+        if value.is_meta:  # another pipeline stage's, held by no rank of this group
+            world = dist.get_world_size(info.group)
+            shape = full_shape(spec, value.shape, world) if spec is not None else value.shape
+            out[key] = torch.zeros(shape, dtype=value.dtype)
+            continue
         out[key] = (
             unshard_tensor(tensor, spec, info.group)
             if spec is not None

@@ -14,6 +14,8 @@ import traceback
 from pathlib import Path
 from typing import NoReturn
 
+from pc_train import memory_limits
+from pc_train.memory_limits import bytes_text
 from pc_train.train_config import TrainConfig
 
 __all__ = [
@@ -47,14 +49,6 @@ EXIT_USER_ERROR = 2
 
 # Raised by pc-train's own checks, with a message that says the fix.
 _USER_ERRORS = (ValueError, TypeError, FileNotFoundError, MemoryError)
-
-
-def bytes_text(n: float) -> str:
-    """``n`` bytes for a message: ``1.5 GiB``, ``12.0 MiB``, ``300 bytes``."""
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= size:
-            return f"{n / size:,.1f} {unit}"
-    return f"{n:,.0f} bytes"
 
 
 def os_reason(error: OSError) -> str:
@@ -150,8 +144,6 @@ def describe_failure(error: BaseException, config: TrainConfig) -> tuple[int, st
             f"{kind}: cannot write {where}: {os_reason(cause)} ({text}); pass a writable "
             "--output-dir."
         )
-    from pc_train import memory_limits
-
     if memory_limits.is_allocation_failure(error):  # [Note: out of memory, named]
         limit = memory_limits.address_space_limit()
         cap = (

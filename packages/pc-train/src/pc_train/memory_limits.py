@@ -32,6 +32,7 @@ from typing import Any
 
 __all__ = [
     "address_space_limit",
+    "bytes_text",
     "explain_kill",
     "is_allocation_failure",
     "record",
@@ -40,6 +41,14 @@ __all__ = [
 ]
 
 _CGROUP = Path("/sys/fs/cgroup")
+
+
+def bytes_text(n: float) -> str:
+    """``n`` bytes for a message: ``1.5 GiB``, ``12.0 MiB``, ``300 bytes``."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:,.1f} {unit}"
+    return f"{n:,.0f} bytes"
 
 
 def _memory_cgroup() -> Path | None:
@@ -120,8 +129,6 @@ def explain_kill(rank: int, directory: Path, machine: bool = True) -> str | None
         state: dict[str, Any] = json.loads((directory / f"rank{rank}.memory").read_text())
     except (OSError, ValueError):
         return None
-    from pc_train.failures import bytes_text
-
     cgroup = state.get("cgroup")
     if cgroup:
         group = Path(cgroup)
@@ -166,8 +173,6 @@ def is_allocation_failure(error: BaseException) -> bool:
 
 def shm_text() -> str:
     """``/dev/shm``'s free and total space, in words."""
-    from pc_train.failures import bytes_text
-
     try:
         stat = os.statvfs("/dev/shm")
     except OSError:

@@ -46,34 +46,22 @@ from pc_train.data import (
     windows,
 )
 from pc_train.faults import FaultInjector
+from pc_train.finite import (
+    NonFiniteLossError,
+    non_finite_gradient,
+    non_finite_loss,
+    periodic,
+    plugin_max_norm,
+)
 from pc_train.hardware import peak_flops
 from pc_train.memory import PhaseMemory, peak_memory
 from pc_train.models import build_model, reads_pretrained_after_boost, resolve_model
-from pc_train.options import PluginOptions
 from pc_train.progress import Progress, tensorboard_writer
 from pc_train.report import closing_lines, write_report
 from pc_train.stopping import Phases, Stop
 from pc_train.train_config import TrainConfig
 
 __all__ = ["NonFiniteLossError", "Trainer", "train"]
-
-
-class NonFiniteLossError(ValueError):
-    """The loss became inf or NaN (``--check-finite``)."""
-
-
-def _plugin_max_norm(config: TrainConfig, options: PluginOptions) -> float:
-    """The plugin's clip: ``--clip-norm``; without clipping but with
-    ``--check-finite``, one no gradient reaches (1e30), which clips nothing
-    but has every plugin compute the global gradient norm and refuse the
-    step when it is not finite (Gemini stepping in backward has no global norm: its loss
-    is checked alone)."""
-    if config.clip_norm > 0 or not config.check_finite or options.step_in_backward:
-        return config.clip_norm
-    return _NEVER_CLIPS
-
-
-_NEVER_CLIPS = 1e30
 
 
 def _schedule(total: int, warmup: int) -> Any:
@@ -180,7 +168,7 @@ class Trainer:
         config = self.config
         self.spec = resolve_model(config.model, config.seq_len)
         self.options = config.plugin_options()
-        self.plugin = self.options.make(_plugin_max_norm(config, self.options), config.timeout)
+        self.plugin = self.options.make(plugin_max_norm(config, self.options), config.timeout)
         self.booster = Booster(
             plugin=self.plugin,
             mixed_precision=None if config.precision == "fp32" else config.precision,
@@ -322,7 +310,7 @@ class Trainer:
             every = config.eval_every
             if every and self.step % every == 0 and self.step < config.steps:
                 self.periodic_evaluate()
-            if _periodic(config, self.step) or interrupted or self.step == config.steps:
+            if periodic(config, self.step) or interrupted or self.step == config.steps:
                 self.save()
             if interrupted:
                 break
@@ -394,13 +382,13 @@ class Trainer:
         finite = bool(torch.isfinite(total)) or not config.check_finite
         interrupted, bad = self.stop.agree(finite)
         if bad:
-            raise self._not_finite(bad)
+            raise non_finite_loss(config, self.start, self.step, bad, self.options.step_in_backward)
         if self.step == self.start + 1 and not self.model_states:
             self.model_states = self.measure_model_states()
         try:
             self.optimizer.step()
         except NonFiniteGradientError as error:  # on every rank: the norm is all-reduced
-            raise self._not_finite_gradient(error) from None
+            raise non_finite_gradient(config, self.start, self.step, error) from None
         self.optimizer.zero_grad()
         self.schedule.step()
         dist.all_reduce(total, group=self.group)
@@ -435,34 +423,6 @@ class Trainer:
                 self.booster.backward(part_loss, self.optimizer)
             total += part_loss.detach().float()
         return total
-
-    def _not_finite(self, bad: list[int]) -> NonFiniteLossError:
-        config, step = self.config, self.step
-        saved = max((s for s in range(self.start, step + 1) if _periodic(config, s)), default=0)
-        where = f"the last checkpoint is at step {saved}" if saved else "no checkpoint yet"
-        when = (
-            "stopped after the step (--step-in-backward steps inside backward; the "
-            "weights in memory are not to be trusted, the checkpoints are)"
-            if self.options.step_in_backward
-            else "stopped before the optimizer step"
-        )
-        return NonFiniteLossError(
-            f"step {step + 1}: the loss (or gradient norm) is not finite on rank(s) "
-            f"{', '.join(map(str, bad))}; {when} "
-            f"(--check-finite), {where}. Lower --lr, use bf16 rather than fp16, or "
-            "--resume from an earlier checkpoint."
-        )
-
-    def _not_finite_gradient(self, error: NonFiniteGradientError) -> NonFiniteLossError:
-        config, step = self.config, self.step
-        saved = max((s for s in range(self.start, step + 1) if _periodic(config, s)), default=0)
-        where = f"the last checkpoint is at step {saved}" if saved else "no checkpoint yet"
-        return NonFiniteLossError(
-            f"step {step + 1}: the loss is finite but the gradients' global norm is "
-            f"{error.norm}; stopped before the optimizer step, the weights unchanged "
-            f"(pc never clips by a non-finite norm), {where}. Lower --lr, "
-            "check the data, use fp32 rather than bf16, or --resume from an earlier checkpoint."
-        )
 
     def measure_model_states(self) -> dict[str, float]:
         """Model states at their peak (this step's gradients held, the
@@ -613,7 +573,3 @@ def train(
     history (losses every step, logged throughput and memory). ``phases``
     publishes where this rank is, for failure reports."""
     return Trainer(config, context, reasons, phases).run()
-
-
-def _periodic(config: TrainConfig, step: int) -> bool:
-    return bool(config.checkpoint_every) and step % config.checkpoint_every == 0

@@ -27,11 +27,15 @@ from pc_booster.plugins.common import (
     device,
     has_lazy,
     materialize_lazy,
-    materializer,
     sharded,
     values_a_cast_rounds,
 )
 from pc_booster.plugins.low_level_zero import masters_from_built
+from pc_booster.plugins.pipeline_tp import (
+    other_stages_to_meta,
+    shard_tensor_parallel,
+    stage_balance,
+)
 from pc_booster.rules import TrainPrecision
 
 if TYPE_CHECKING:
@@ -129,31 +133,26 @@ def _stage_layout(plugin: HybridParallelPlugin, model: nn.Module) -> tuple[Any, 
         # have wrapped the instance's (its vocabulary-parallel loss).
         forward = type(model).forward.__get__(model)
         plugin.stage.aux_coefficient = aux_loss_coefficient(forward)
-    o = plugin.options
-    stages = o.pp_size * o.chunks_per_rank()
-    blocks = len(layers) - 2
-    plugin.validate_later(layers=blocks)
-    counts = o.num_layers_per_stage
-    balance = list(counts) if counts is not None else [blocks // stages] * stages
-    balance[0] += 1  # the embedding
-    balance[-1] += 1  # the head
+    plugin.validate_later(layers=len(layers) - 2)
     from pc_pipeline import Sequential
 
-    return Sequential(*layers), balance
+    return Sequential(*layers), stage_balance(plugin, len(layers))
 
 
 def configure_pipeline(
     plugin: HybridParallelPlugin, request: BoostRequest, names: dict[int, str]
 ) -> Boosted:
     """Build this rank's stage(s) and the pipeline over them. Only this
-    stage's layers are materialised (all of them under tensor parallelism,
-    which shards the whole model first)."""
+    stage's layers are materialised ([Note: only this stage is materialised
+    under tensor parallelism] in ``pc_booster.plugins.pipeline_tp``)."""
     from pc_pipeline import partition
 
     model, optimizer, precision = request.model, request.optimizer, request.precision
     layout, o = plugin.layout, plugin.options
     if o.tp_size > 1:
-        _shard_tensor_parallel(plugin, model)
+        if has_lazy(model):
+            other_stages_to_meta(plugin, model)
+        shard_tensor_parallel(plugin, model)
     sequence, balance = _stage_layout(plugin, model)
     pp_rank, pp = layout.coord.pp, o.pp_size
 
@@ -181,25 +180,6 @@ def configure_pipeline(
         own_names = {}
     step_policy = plugin.step_policy(precision, own_names)
     return request.boosted(pipe, optimizer, module=model, step_policy=step_policy)
-
-
-def _shard_tensor_parallel(plugin: HybridParallelPlugin, model: nn.Module) -> None:
-    """Tensor parallelism shards the whole model (replacing its layers), and
-    the stages are cut after: a lazily built model is materialised layer by
-    layer as each is split (every rank replays the same values), an eager
-    one broadcast first."""
-    from pc_tensor import shard_model
-
-    group = plugin.layout.tp_group
-    policy = plugin.tp_policy(model)  # under ep: the family's plan without its experts
-    if has_lazy(model):
-        materialize = materializer(device())
-        shard_model(model, group, policy, sequence_parallel=False, materialize=materialize)
-        model.to(device())
-    else:
-        model.to(device())
-        broadcast_module(model)
-        shard_model(model, group, policy, sequence_parallel=False)
 
 
 def _place_stage(
