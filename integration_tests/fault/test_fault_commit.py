@@ -86,5 +86,5 @@ def _commit_case(out: str, damage: str, use_async: bool) -> None:
 
 
 def test_a_damaged_partial_checkpoint_is_not_committed(tmp_path: Path) -> None:
-    cases = {"damage": list(DAMAGE), "use_async": [False, True]}
+    cases: dict[str, list[object]] = {"damage": list(DAMAGE), "use_async": [False, True]}
     run_subtests(_commit_case, 2, cases, args=(str(tmp_path),), timeout=240)

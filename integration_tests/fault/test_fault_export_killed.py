@@ -33,7 +33,7 @@ def _shards(out: Path) -> list[str]:
 def test_a_killed_export_is_cleaned_up_by_the_rerun(tmp_path: Path) -> None:
     model = build_model(resolve_model("llama-medium", 16), seed=0)
     pretrained, sharded, out = tmp_path / "pretrained", tmp_path / "sharded", tmp_path / "out"
-    model.save_pretrained(str(pretrained))
+    model.save_pretrained(str(pretrained))  # type: ignore[operator]
     export_main(["--to-sharded", str(pretrained), str(sharded)])
     command = [sys.executable, "-m", "pc_train.export", str(sharded), str(out),
                "--size-per-shard", "1"]  # fmt: skip

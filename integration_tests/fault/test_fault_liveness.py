@@ -147,8 +147,12 @@ def test_a_busy_master_port_without_a_launcher_ends_within_the_timeout(tmp_path:
     holder.listen(8)
     port = holder.getsockname()[1]
     held: list[socket.socket] = []
-    threading.Thread(target=lambda: held.extend(holder.accept() for _ in range(4)) and None,
-                     daemon=True).start()  # fmt: skip  # accepts, never answers
+
+    def accept() -> None:  # accepts, never answers
+        for _ in range(4):
+            held.append(holder.accept()[0])
+
+    threading.Thread(target=accept, daemon=True).start()
     command = [sys.executable, "-m", "pc_train.train", "--model", "gpt2-tiny", "--plugin",
                "zero2", "--steps", "2", "--timeout", "10", "--eval-every", "0",
                "--no-tensorboard", "--no-progress", "--output-dir", str(tmp_path)]  # fmt: skip

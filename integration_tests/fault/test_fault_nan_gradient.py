@@ -68,7 +68,7 @@ def _nan_case(plugin: str, precision: str) -> None:
     ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
 
     def backward(poison: bool) -> torch.Tensor:
-        loss = net(input_ids=ids, labels=ids).loss
+        loss: torch.Tensor = net(input_ids=ids, labels=ids).loss
         if poison and dist.get_rank() == 1:
             loss = nan_gradient(loss)
         booster.backward(loss, optimizer)
