@@ -142,3 +142,27 @@ def test_a_sigbus_is_named_with_dev_shm(tmp_path: Path) -> None:
     assert done.returncode == 2, done.stderr[-3000:]
     expected = "rank 1 failed first (killed by SIGBUS: a shared-memory page could not be backed"
     assert f"{expected}, /dev/shm has " in done.stderr, done.stderr[-3000:]
+
+
+@pytest.mark.scale  # a few runs of pc-train under falling limits: nox -s scale
+@pytest.mark.skipif(shutil.which("prlimit") is None, reason="needs prlimit")
+def test_pc_train_under_an_address_space_limit_names_it(tmp_path: Path) -> None:
+    """The issue's run: pc-train under ``prlimit --as`` low enough that a
+    rank's allocation fails (here ~1.2 GiB fails a thread's start at the
+    save). The first limit (falling) that fails the run must be named out
+    of memory with the limit, exit code 2; none may end in a traceback."""
+    for mib in (1600, 1400, 1300, 1200, 1100):
+        done = subprocess.run(
+            ["prlimit", f"--as={mib * 2**20}", *COMMAND, "--output-dir", str(tmp_path / str(mib))],
+            capture_output=True, text=True, timeout=200,
+        )  # fmt: skip
+        if done.returncode == 0:
+            continue  # the limit leaves room: a lower one
+        assert done.returncode == 2, done.stderr[-3000:]
+        assert (
+            "out of memory: an allocation failed at the address-space limit (ulimit -v, "
+            f"RLIMIT_AS) of {bytes_text(mib * 2**20)}" in done.stderr
+        ), done.stderr[-3000:]
+        assert "Traceback" not in done.stderr, done.stderr[-3000:]
+        return
+    pytest.fail("no limit down to 1100 MiB failed the run")
