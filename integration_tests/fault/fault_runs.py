@@ -4,6 +4,9 @@ launcher), so a test can damage its checkpoints afterwards."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -49,3 +52,21 @@ def saved_run(settings: dict[str, Any], factory: pytest.TempPathFactory) -> Path
     out = factory.mktemp("run")
     run_subtests(train_with, 2, {}, args=(settings, str(out)), timeout=240)
     return out
+
+
+def run_command(
+    argv: list[str], env: dict[str, str] | None = None, timeout: float = 200
+) -> subprocess.CompletedProcess[str]:
+    """``argv`` in a session of its own, its output captured; killed with
+    everything it started if it outlives ``timeout``."""
+    proc = subprocess.Popen(
+        argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:  # hung: take what it started with it
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import textwrap
@@ -25,6 +24,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parents[1]))  # integration_tests: memory_cap
+import fault_runs
 from memory_cap import MemoryCap, unavailable
 
 from pc_train.failures import bytes_text
@@ -42,19 +42,13 @@ def test_a_cgroup_oom_kill_is_named_with_the_cgroup_and_its_limit(tmp_path: Path
     prefix = f"pc-oom-{os.getpid()}"
     caps = [MemoryCap(f"{prefix}-rank0", 4 * 2**30), MemoryCap(f"{prefix}-rank1", 4 * 2**20)]
     env = {**os.environ, "PC_TRAIN_CGROUP": prefix}
-    proc = subprocess.Popen(
-        [*COMMAND, "--output-dir", str(tmp_path)], env=env, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True, start_new_session=True,
-    )  # fmt: skip
     try:
-        _, err = proc.communicate(timeout=200)
+        done = fault_runs.run_command([*COMMAND, "--output-dir", str(tmp_path)], env)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
         for cap in caps:
             cap.path.rmdir()
-    assert proc.returncode == 2, err[-3000:]
+    err = done.stderr
+    assert done.returncode == 2, err[-3000:]
     expected = (
         f"rank 1 failed first (killed by the kernel's out-of-memory killer: its memory cgroup "
         f"/sys/fs/cgroup/memory/{prefix}-rank1 reached its limit of {bytes_text(4 * 2**20)}"

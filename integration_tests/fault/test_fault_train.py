@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import fault_runs
 import pytest
 
 from pc_train.train import main
@@ -35,17 +35,7 @@ COMMAND = [sys.executable, "-m", "pc_train.train", *BASE]
 def _run(*argv: str, fault: str = "") -> tuple[subprocess.CompletedProcess[str], float]:
     env = {**os.environ, "PC_TRAIN_FAULT": fault}
     start = time.monotonic()
-    proc = subprocess.Popen(
-        [*COMMAND, *argv], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        start_new_session=True,
-    )  # fmt: skip
-    try:
-        out, err = proc.communicate(timeout=200)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    done = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    done = fault_runs.run_command([*COMMAND, *argv], env)
     return done, time.monotonic() - start
 
 

@@ -56,11 +56,16 @@ def test_a_dead_peer_is_named_with_where_it_was(tmp_path: Path) -> None:
     assert "Look at rank(s) 1." in message, message
 
 
-def _stalls(out: str) -> None:
+def _one_operation_each() -> TorchCommunicator:
+    """A board, a group with a 3 s timeout, one all-reduce done on it."""
     health.start_board(interval=0.2)
-    group = dist.new_group(timeout=timedelta(seconds=3))
-    comm = TorchCommunicator(group)
+    comm = TorchCommunicator(dist.new_group(timeout=timedelta(seconds=3)))
     comm.all_reduce(torch.ones(4))  # one operation each
+    return comm
+
+
+def _stalls(out: str) -> None:
+    comm = _one_operation_each()
     if dist.get_rank() == 1:
         set_phase("a stall on purpose")
         time.sleep(8)  # alive, publishing, but never joins the next all_reduce
@@ -81,10 +86,7 @@ def test_a_stalled_peer_is_named_within_the_timeout(tmp_path: Path) -> None:
 
 
 def _stops(out: str) -> None:
-    health.start_board(interval=0.2)
-    group = dist.new_group(timeout=timedelta(seconds=3))
-    comm = TorchCommunicator(group)
-    comm.all_reduce(torch.ones(4))  # one operation each
+    comm = _one_operation_each()
     if dist.get_rank() == 1:
         set_phase("backward of step 2")
         Path(out, "pid").write_text(str(os.getpid()))
