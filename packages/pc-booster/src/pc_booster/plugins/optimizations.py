@@ -36,6 +36,7 @@ against a single process with the same options.
 from __future__ import annotations
 
 import math
+import weakref
 from functools import partial
 from typing import Any
 
@@ -85,6 +86,20 @@ def _no_cache(module: nn.Module, args: Any, kwargs: dict[str, Any]) -> Any:
     return args, kwargs
 
 
+# The models whose training calls already pass use_cache=False (a registry,
+# not an attribute written on the user's model).
+_NO_CACHE: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+
+def _checkpointed(block: nn.Module) -> bool:
+    """Whether torch's composable ``checkpoint`` is on ``block`` already
+    (boosting a model again, after a refusal or in another booster): torch
+    refuses to apply it twice, and once is what is asked."""
+    from torch.distributed._composable.contract import _get_registry
+
+    return "checkpoint" in (_get_registry(block) or {})
+
+
 def apply_block_options(model: nn.Module, options: Any, *, torch_ddp: bool = False) -> None:
     """Every plugin's ``compile`` / ``activation_checkpointing`` on
     ``model``'s blocks [Note: per-block compile and recomputation]."""
@@ -98,7 +113,7 @@ def apply_block_options(model: nn.Module, options: Any, *, torch_ddp: bool = Fal
     count = max(1, math.floor(options.activation_checkpointing_fraction * len(blocks) + 1e-9))
     for index, block in enumerate(blocks):
         recomputed = recompute != "none" and index < count
-        if recomputed:
+        if recomputed and not _checkpointed(block):  # a second boost of the same model
             extra = {"context_fn": _selective_context} if recompute == "selective" else {}
             checkpoint(block, **extra)
         if options.compile:
@@ -107,8 +122,9 @@ def apply_block_options(model: nn.Module, options: Any, *, torch_ddp: bool = Fal
             # children are compiled instead, the checkpoint staying eager.
             for target in block.children() if recomputed else (block,):
                 target.compile(backend=options.compile_backend)
-    if getattr(getattr(model, "config", None), "use_cache", False):
+    if getattr(getattr(model, "config", None), "use_cache", False) and model not in _NO_CACHE:
         model.register_forward_pre_hook(_no_cache, with_kwargs=True)
+        _NO_CACHE.add(model)
     if options.compile and torch_ddp:
         import torch._dynamo
 
