@@ -315,6 +315,23 @@ def check_refused() -> None:
     for kwargs, message in EDGE_REFUSED.values():
         with pytest.raises(ValueError, match=message):
             EdgeHybrid(tp_size=1, pp_size=1, **kwargs)
+    # gradient_checkpoint_config: pc's recomputation of that share of the blocks
+    from pc_compat.colossalai.shardformer import (
+        GradientCheckpointConfig,
+        PipelineGradientCheckpointConfig,
+    )
+
+    half = EdgeHybrid(
+        tp_size=1, pp_size=1, gradient_checkpoint_config=GradientCheckpointConfig(0.5)
+    )
+    assert half.options.activation_checkpointing == "full"
+    assert half.options.activation_checkpointing_fraction == 0.5
+    staged = PipelineGradientCheckpointConfig(
+        num_stages=2, num_model_layers=4, num_ckpt_layers_per_stage=[1, 2]
+    )
+    quarter = EdgeHybrid(tp_size=1, pp_size=1, gradient_checkpoint_config=staged)
+    assert quarter.options.activation_checkpointing_fraction == 0.75
+    assert EdgeHybrid(tp_size=1, pp_size=1).options.activation_checkpointing == "none"
     # Colossal-AI's 'ring' (Megatron's with ring communication) is split_gather's values
     ring = EdgeHybrid(tp_size=2, pp_size=1, enable_sequence_parallelism=True,
                       sequence_parallelism_mode="ring")  # fmt: skip

@@ -14,6 +14,7 @@ __all__ = [
     "PipelineGradientCheckpointConfig",
     "ShardConfig",
     "ShardFormer",
+    "checkpoint_fraction",
 ]
 
 
@@ -140,6 +141,17 @@ class ShardFormer:
         if checkpoint is not None and checkpoint.enabled:
             enable_recomputation(model)
         return model, []
+
+
+def checkpoint_fraction(config: GradientCheckpointConfig) -> float:
+    """The share of the blocks ``config`` recomputes: its ratio, or a
+    pipeline config's ``num_ckpt_layers_per_stage`` summed over
+    ``num_model_layers`` (every block when the total is unknown)."""
+    layers = getattr(config, "num_ckpt_layers_per_stage", None)
+    total = getattr(config, "num_model_layers", None)
+    if layers is not None and sum(layers) > 0:
+        return min(1.0, sum(layers) / total) if total else 1.0
+    return config.gradient_checkpointing_ratio
 
 
 def enable_recomputation(model: nn.Module) -> None:

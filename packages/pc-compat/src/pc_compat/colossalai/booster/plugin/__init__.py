@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 
 import pc_booster as _core
 from pc_booster import ParallelLayout
-from pc_booster.plugin import Boosted, BoostRequest, Plugin
+from pc_booster.plugin import Plugin
 from pc_compat.colossalai.booster.plugin._gemini import (
     GEMINI_HANDLED,
     GEMINI_NO_EFFECT,
@@ -32,7 +32,7 @@ from pc_compat.colossalai.booster.plugin._hybrid import (
     moe_hybrid_to_pc,
 )
 from pc_compat.colossalai.booster.plugin._low_level import LOW_LEVEL_HANDLED, low_level_to_pc
-from pc_compat.colossalai.shardformer import GradientCheckpointConfig, enable_recomputation
+from pc_compat.colossalai.shardformer import GradientCheckpointConfig
 from pc_compat.surface import Translation
 
 __all__ = [
@@ -158,6 +158,10 @@ class GeminiPlugin(DPPluginBase, _core.GeminiPlugin):
 
 
 def _checkpoint_config(value: Any) -> dict[str, Any]:
+    """Checks Colossal-AI's recomputation config; ``hybrid_to_pc`` turns it
+    into pc's per-block options: full recomputation of the first
+    ``gradient_checkpointing_ratio`` of the blocks (a pipeline config's
+    ``num_ckpt_layers_per_stage``: their sum over ``num_model_layers``)."""
     if value is not None and not isinstance(value, GradientCheckpointConfig):
         raise TypeError(
             "gradient_checkpoint_config: expected a GradientCheckpointConfig or "
@@ -169,8 +173,8 @@ def _checkpoint_config(value: Any) -> dict[str, Any]:
 
 class HybridParallelPlugin(DPPluginBase, _core.HybridParallelPlugin):
     """Colossal-AI's ``HybridParallelPlugin``: tp x pp x sp x dp with ZeRO,
-    fp16 by default. ``gradient_checkpoint_config`` recomputes every block
-    when it asks for any (:class:`GradientCheckpointConfig`)."""
+    fp16 by default. ``gradient_checkpoint_config`` is pc's per-block
+    recomputation of that share of the blocks (:func:`_checkpoint_config`)."""
 
     CORE = _core.HybridParallelPlugin
     TRANSLATION = Translation(
@@ -186,11 +190,6 @@ class HybridParallelPlugin(DPPluginBase, _core.HybridParallelPlugin):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(**self.TRANSLATION.to_pc(self.CORE, args, kwargs))
-        bound = self.TRANSLATION.signature(self.CORE).bind(None, *args, **kwargs)
-        # Recomputation asked for: the edge's, applied to the model at boost.
-        self.gradient_checkpoint_config: GradientCheckpointConfig | None = bound.arguments.get(
-            "gradient_checkpoint_config"
-        )
 
     @property
     def pg_mesh(self) -> ProcessGroupMeshView:
@@ -198,12 +197,6 @@ class HybridParallelPlugin(DPPluginBase, _core.HybridParallelPlugin):
         groups (``dp_group``, ``tp_group``, ``pp_group``, this rank's
         coordinates), with ``get_ranks_in_group``."""
         return ProcessGroupMeshView(self.layout)
-
-    def configure(self, request: BoostRequest) -> Boosted:
-        config = self.gradient_checkpoint_config
-        if config is not None and config.enabled:
-            enable_recomputation(request.model)
-        return super().configure(request)
 
 
 class MoeHybridParallelPlugin(HybridParallelPlugin):

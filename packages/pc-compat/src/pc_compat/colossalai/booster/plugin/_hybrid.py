@@ -124,6 +124,12 @@ def hybrid_to_pc(given: Mapping[str, Any], out: dict[str, Any]) -> dict[str, Any
         out["enable_flash_attention"] = out["enable_fused_normalization"] = True
     mode = given["sequence_parallelism_mode"] if given["enable_sequence_parallelism"] else None
     out["sequence_parallelism_mode"] = "split_gather" if mode == "ring" else mode
+    config = given.get("gradient_checkpoint_config")
+    if config is not None and config.enabled:  # pc's per-block recomputation of that share
+        from pc_compat.colossalai.shardformer import checkpoint_fraction
+
+        out["activation_checkpointing"] = "full"
+        out["activation_checkpointing_fraction"] = checkpoint_fraction(config)
     if not given["zero_stage"]:  # ZeRO's settings have no effect without ZeRO
         if given["cpu_offload"]:
             out["cpu_offload"] = False
