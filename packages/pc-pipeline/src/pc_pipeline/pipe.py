@@ -10,6 +10,7 @@ microbatches of each microbatch loss's gradient, as haiscale's; with
 
 from __future__ import annotations
 
+import gc
 import platform
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -198,6 +199,14 @@ class Pipeline(nn.Module):
                 self._by_stage, self.schedule.stage_rank, self.comm, first, self.device,
                 timeout=self.timeout,
             )  # fmt: skip
+            # [Note: shape inference leaves cycles] Running a stage on fake
+            # tensors (and, where they fail, on zeros) leaves reference cycles
+            # (torch's fake-tensor caches, an exception's traceback and its
+            # frames) that hold tensors until the garbage collector runs, so
+            # the first steps' peak depended on when it did (measured: 3.4 MiB
+            # of a Mixtral stage's tensors alive through the next step). Once
+            # per input shape, they are collected here.
+            gc.collect()
         return self._metas[key]
 
     def _run(
