@@ -351,12 +351,14 @@ def save_checkpoint(
                 write.result()  # an async write's barrier: every rank's share is written
         if written is not None:
             written()
+        actual = None  # an async save's commit thread has no collectives: rank 0 reads all
         if not use_async:
             dist.barrier()
+            actual = _checksums_split(partial)  # every rank re-reads its share
         problem: str | None = None
         if rank == 0:  # [Note: a verified commit]
             try:
-                _commit(partial, final, root, state, world)
+                _commit(partial, final, root, state, world, actual)
                 if keep_last is not None:
                     prune_checkpoints(root, keep_last)
             except CheckpointError as error:
@@ -391,38 +393,63 @@ def save_checkpoint(
 # ranks reported writing. Each sharded folder (model/, optimizer/) must
 # hold DCP's .metadata and its checksum sidecar, which rank 0 wrote from
 # every rank's list of the shard files it wrote with their checksums; each
-# of those files must be there with that checksum (re-read,
-# several files at a time); and every rank's RNG file and the scheduler's
-# must be there. A file lost or changed between the writes and the commit
-# (a full or failing disk, another process) leaves the partial directory
-# as it is, the earlier checkpoints unpruned, and a CheckpointError naming
-# the files on every rank (an async save raises it on rank 0, whose
-# failure pc-train's launcher reports for the others).
+# of those files must be there with that checksum, re-read (split over the
+# ranks in a save; by rank 0 alone in an async save, whose commit runs in
+# a thread of its own, without collectives); and every rank's RNG file and
+# the scheduler's must be there. A file lost or changed between the writes
+# and the commit (a full or failing disk, another process) leaves the
+# partial directory as it is, the earlier checkpoints unpruned, and a
+# CheckpointError naming the files on every rank (an async save raises it
+# on rank 0, whose failure pc-train's launcher reports for the others).
 
 
-def _verify_partial(partial: Path, world: int) -> None:
-    """Raise CheckpointError unless ``partial`` holds every file the ranks
-    reported writing, with their checksums [Note: a verified commit]."""
+def _reported(partial: Path) -> tuple[dict[str, str], list[str]]:
+    """The shard files the ranks reported writing, by path in ``partial``,
+    with their checksums (the sidecars), and the metadata or sidecars that
+    are missing or unreadable [Note: a verified commit]."""
+    reported: dict[str, str] = {}
     missing: list[str] = []
-    wrong: list[str] = []
-    for name in ("scheduler.pt", *(f"rng-rank{r}.pt" for r in range(world))):
-        if not (partial / name).is_file():
-            missing.append(name)
     for folder in ("model", "optimizer"):
         directory = partial / folder
-        for name in (".metadata", CHECKSUMS):
-            if not (directory / name).is_file():
-                missing.append(f"{folder}/{name}")
-        reported = read_sidecar(directory) if (directory / CHECKSUMS).is_file() else {}
-        present = {n: v for n, v in reported.items() if (directory / n).is_file()}
-        missing += [f"{folder}/{n}" for n in sorted(reported) if n not in present]
-        actual = _checksums_of(directory, present)
-        missing += [f"{folder}/{n}" for n in sorted(present) if actual[n] is None]
-        wrong += [
-            f"{folder}/{n} (checksum {actual[n]}, reported {v})"
-            for n, v in sorted(present.items())
-            if actual[n] is not None and actual[n] != v
-        ]
+        if not (directory / ".metadata").is_file():
+            missing.append(f"{folder}/.metadata")
+        if not (directory / CHECKSUMS).is_file():
+            missing.append(f"{folder}/{CHECKSUMS}")
+            continue
+        try:
+            sums = read_sidecar(directory)
+        except ValueError:
+            missing.append(f"{folder}/{CHECKSUMS} (unreadable)")
+            continue
+        reported.update({f"{folder}/{name}": value for name, value in sums.items()})
+    return reported, missing
+
+
+def _checksums_split(partial: Path) -> dict[str, str | None]:
+    """Collective: the checksums of the reported shard files, each rank
+    re-reading its share of them."""
+    names = sorted(_reported(partial)[0])
+    rank, world = dist.get_rank(), dist.get_world_size()
+    parts: list[dict[str, str | None] | None] = [None] * world
+    dist.all_gather_object(parts, _checksums_of(partial, names[rank::world]))
+    return {name: value for part in parts if part for name, value in part.items()}
+
+
+def _verify_partial(partial: Path, world: int, actual: dict[str, str | None] | None = None) -> None:
+    """Raise CheckpointError unless ``partial`` holds every file the ranks
+    reported writing, with their checksums [Note: a verified commit].
+    ``actual``: the shard files' checksums as re-read (None: read here)."""
+    reported, lost = _reported(partial)
+    names = ("scheduler.pt", *(f"rng-rank{r}.pt" for r in range(world)))
+    missing = [name for name in names if not (partial / name).is_file()] + lost
+    if actual is None:
+        actual = _checksums_of(partial, sorted(reported))
+    missing += [name for name in sorted(reported) if actual.get(name) is None]
+    wrong = [
+        f"{name} (checksum {actual[name]}, reported {value})"
+        for name, value in sorted(reported.items())
+        if actual.get(name) is not None and actual[name] != value
+    ]
     if missing or wrong:
         named = ([f"missing: {', '.join(missing)}"] if missing else []) + (
             [f"changed: {', '.join(wrong)}"] if wrong else []
@@ -436,12 +463,14 @@ def _verify_partial(partial: Path, world: int) -> None:
 
 
 def _checksums_of(directory: Path, names: Iterable[str]) -> dict[str, str | None]:
-    """The checksums of ``directory``'s files ``names`` (None: gone while read)."""
+    """The checksums of ``directory``'s files ``names`` (None: missing, or
+    gone while read)."""
+    listed = list(names)
     try:
-        return dict(file_checksums(directory, names))
-    except OSError:  # one went missing meanwhile: one at a time, naming it
+        return dict(file_checksums(directory, listed))
+    except OSError:  # one is missing: one at a time, naming it
         sums: dict[str, str | None] = {}
-        for name in names:
+        for name in listed:
             try:
                 sums[name] = file_checksums(directory, [name])[name]
             except OSError:
@@ -449,11 +478,19 @@ def _checksums_of(directory: Path, names: Iterable[str]) -> dict[str, str | None
         return sums
 
 
-def _commit(partial: Path, final: Path, root: Path, state: dict[str, Any], world: int) -> None:
-    """Rank 0: the directory verified [Note: a verified commit], the
-    trainer state (with every file's size and checksum), then the rename
-    that makes the checkpoint one."""
-    _verify_partial(partial, world)
+def _commit(
+    partial: Path,
+    final: Path,
+    root: Path,
+    state: dict[str, Any],
+    world: int,
+    actual: dict[str, str | None] | None = None,
+) -> None:
+    """Rank 0: the directory verified [Note: a verified commit] (``actual``:
+    the shard files' checksums the ranks re-read), the trainer state (with
+    every file's size and checksum), then the rename that makes the
+    checkpoint one."""
+    _verify_partial(partial, world, actual)
     files = {
         str(p.relative_to(partial)): p.stat().st_size
         for p in sorted(partial.rglob("*"))

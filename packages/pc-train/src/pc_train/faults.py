@@ -1,17 +1,16 @@
 """The hooks pc-train's fault and memory tests use: make a rank die or
 stall, or run each rank under a memory cap.
 
-:class:`FaultInjector` reads
-``PC_TRAIN_FAULT=rank=1,step=3,phase=backward,action=kill`` (``action``
-``kill``: SIGKILL itself, ``stall``: sleep until killed, ``raise``: raise
-:class:`InjectedFaultError`, an exception pc-train does not expect, ``nan-grad``
-: with ``phase=backward``, NaN gradients on this rank while its loss
-stays finite, ``sigbus``: SIGBUS itself, as a write to a shared-memory
-page a full tmpfs cannot back does; ``phase`` one of :data:`PHASES`). It
-exists for the fault tests (integration_tests/fault/) and for trying the
-failure handling yourself; it does nothing without the variable. What a
-surviving rank reports about the others comes from pc-comm's health board
-(``pc_comm.health``).
+:class:`FaultInjector` reads ``PC_TRAIN_FAULT=rank=1,step=3,phase=backward,action=kill``.
+``action``: ``kill`` (SIGKILL itself), ``stall`` (sleep until killed),
+``raise`` (raise :class:`InjectedFaultError`, an exception pc-train does
+not expect), ``nan-grad`` (with ``phase=backward``: NaN gradients on this
+rank while its loss stays finite) or ``sigbus`` (SIGBUS itself, as a
+write to a shared-memory page a full tmpfs cannot back does); ``phase``:
+one of :data:`PHASES`. It exists for the fault tests
+(integration_tests/fault/) and for trying the failure handling yourself;
+it does nothing without the variable. What a surviving rank reports about
+the others comes from pc-comm's health board (``pc_comm.health``).
 
 :func:`join_memory_cgroup` reads ``PC_TRAIN_CGROUP=<name>``: each rank
 joins the (cgroup v1) memory group ``<name>-rank<R>`` that the caller made
