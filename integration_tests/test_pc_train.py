@@ -164,6 +164,10 @@ def test_one_rank_on_all_cores_after_plugin_auto(tmp_path: Path) -> None:
         (["--model", "/no/such/dir"], "does not exist"),
         (["--plugin", "hybrid", "--tp", "3"], "does not divide the world size (2)"),
         (["--plugin", "zero1", "--tp", "2"], "--tp hybrid, fsdp or gemini"),
+        (
+            ["--plugin", "auto", "--tp", "2"],
+            "--plugin auto chooses the layout itself, and --tp 2 would be overwritten",
+        ),
         (["--corpus", "/no/such/corpus.txt"], "corpus '/no/such/corpus.txt' does not exist"),
         (["--plugin", "zero2", "--global-batch-size", "3"], "does not split into 2 data-parallel"),
         (["--steps", "0"], "steps must be an integer of at least 1, got 0"),

@@ -144,3 +144,20 @@ def test_offload_and_stepping_in_backward_where_they_are_needed() -> None:
         ).fits
     unclipped = search(shape, cluster, 4, 4096, "bf16", max_norm=0.0)
     assert any(p.options.step_in_backward for p in unclipped)
+
+
+def test_plugin_auto_keeps_the_recomputation_asked_for(tmp_path: object) -> None:
+    """``--plugin auto --activation-checkpointing selective`` chooses among
+    the plans with that recomputation and keeps the share of blocks given;
+    without the flag the planner chooses the recomputation too."""
+    from pc_train.train import prepare
+
+    base = ["--model", "gpt2-tiny", "--plugin", "auto", "--nproc", "2", "--output-dir",
+            str(tmp_path)]  # fmt: skip
+    asked = ["--activation-checkpointing", "selective", "--activation-checkpointing-fraction",
+             "0.5"]  # fmt: skip
+    config, _, _ = prepare(parse_args([*base, *asked]), 2)
+    assert config.activation_checkpointing == "selective"
+    assert config.activation_checkpointing_fraction == 0.5
+    config, _, _ = prepare(parse_args(base), 2)
+    assert config.activation_checkpointing_fraction == 1.0

@@ -92,21 +92,29 @@ def _choose_plugin(
 ) -> tuple[TrainConfig, list[str]]:
     """``--plugin auto``: the planner's first plan [Note: the planner] for
     this model, world, batch and precision on this machine, among those
-    that keep what the user chose (the accumulation, the clipping), written
-    into ``config``, and the reasons for it."""
+    that keep what the user chose (the accumulation, the clipping, a
+    recomputation), written into ``config``, and the reasons for it."""
     device = DeviceInfo.detect(config.nproc, config.precision, fork_safe=fork_safe)
     if config.step_in_backward:  # the plugin's own refusals (fp16)
         PluginOptions(PluginKind.GEMINI, step_in_backward=True).check(
             world, config.precision, max_norm=config.clip_norm, accumulation=config.accumulation
         )
+    _check_auto_flags(config)
     nodes = world // config.nproc if config.nproc and world % config.nproc == 0 else 1
     cluster = Cluster(nodes, world // nodes, device, device.bandwidth / 4)
     found = search(
         model_shape(spec), cluster, config.global_batch_size, config.seq_len, config.precision,
         max_norm=config.clip_norm,
     )  # fmt: skip
-    # The user's accumulation stays (a pipeline's micro-batches replace it).
-    plans = [plan for plan in found if plan.accumulation == config.accumulation]
+    # The user's accumulation stays (a pipeline's micro-batches replace it),
+    # and so does the recomputation the user asked for.
+    recompute = config.activation_checkpointing
+    plans = [
+        plan
+        for plan in found
+        if plan.accumulation == config.accumulation
+        and (recompute == "none" or plan.options.activation_checkpointing == recompute)
+    ]
     if not plans:
         raise ValueError(
             f"no layout of {spec.name} fits {gib_text(0.9 * device.memory_bytes)} per rank on "
@@ -137,8 +145,39 @@ def _choose_plugin(
         )
     chosen = {f.name: getattr(options, f.name) for f in fields(PluginOptions) if f.name != "kind"}
     chosen["compile"] = config.compile  # the planner does not choose it
+    if recompute != "none":  # the user's share of the blocks
+        chosen["activation_checkpointing_fraction"] = config.activation_checkpointing_fraction
     config = replace(config, plugin=options.name, **chosen)
     return config, reasons
+
+
+# The layout flags ``--plugin auto`` chooses itself (with their pc-train
+# flags): given with it, they would be overwritten, so they are refused.
+_AUTO_CHOOSES = {
+    "tp": "--tp", "pp": "--pp", "zero_stage": "--zero-stage", "microbatches": "--microbatches",
+    "sequence_parallel": "--sequence-parallel", "offload_frac": "--offload-frac",
+    "cpu_offload": "--cpu-offload", "sp": "--sp", "sp_mode": "--sp-mode", "ep": "--ep",
+    "extra_dp": "--extra-dp",
+}  # fmt: skip
+
+
+def _check_auto_flags(config: TrainConfig) -> None:
+    """``--plugin auto`` with a layout flag it would overwrite: refused,
+    naming the flags. (``--step-in-backward`` allows stepping in backward,
+    ``--activation-checkpointing`` fixes the recomputation, ``--compile``
+    is kept.)"""
+    default = PluginOptions(PluginKind.DDP)
+    given = [
+        f"{flag} {getattr(config, name)}"
+        for name, flag in _AUTO_CHOOSES.items()
+        if getattr(config, name) != getattr(default, name)
+    ]
+    if given:
+        raise ValueError(
+            f"--plugin auto chooses the layout itself, and {', '.join(given)} would be "
+            "overwritten; drop them, or name the plugin (--plugin hybrid, fsdp, ...) with them "
+            "(pc-estimate --search lists the layouts that fit)."
+        )
 
 
 def _check_splits(config: TrainConfig, spec: ModelSpec, options: Any, dp: int) -> None:
