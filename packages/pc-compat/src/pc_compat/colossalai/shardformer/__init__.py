@@ -20,8 +20,10 @@ __all__ = [
 
 @dataclass
 class GradientCheckpointConfig:
-    """Recompute a share of the transformer blocks in backward. pc turns a
-    ratio above 0 into recomputation of every block through the model's own
+    """Recompute a share of the transformer blocks in backward. Given to
+    ``HybridParallelPlugin``, it is pc's per-block recomputation of that
+    share (:func:`checkpoint_fraction`); given to ``ShardFormer``, a ratio
+    above 0 recomputes every block through the model's own
     ``gradient_checkpointing_enable()``: the same losses and gradients as
     any ratio (recomputation changes no value), more recompute time than a
     ratio below 1 would spend."""
