@@ -36,7 +36,8 @@ def clip_replicated(params: Sequence[torch.Tensor], max_norm: float) -> float:
     # As torch's clip_grads_with_norm_, in fp32; a Python scalar multiplies
     # the gradients of each mesh in one foreach call.
     coef = float(torch.clamp(torch.tensor(max_norm) / (total + 1e-6), max=1.0))
-    with torch.no_grad():
-        for grads in by_mesh.values():
-            torch._foreach_mul_(grads, coef)
+    if coef < 1.0:  # a norm under max_norm (pc-train's check-only clip: always) changes nothing
+        with torch.no_grad():
+            for grads in by_mesh.values():
+                torch._foreach_mul_(grads, coef)
     return float(total)
