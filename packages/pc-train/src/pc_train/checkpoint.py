@@ -343,33 +343,13 @@ def save_checkpoint(
         booster.save_optimizer(optimizer, partial / "optimizer", shard=True, use_async=use_async),
     ]
 
-    world = dist.get_world_size()
-
     def commit() -> Path:
         for write in writes:
             if write is not None:
                 write.result()  # an async write's barrier: every rank's share is written
         if written is not None:
             written()
-        actual = None  # an async save's commit thread has no collectives: rank 0 reads all
-        if not use_async:
-            dist.barrier()
-            actual = _checksums_split(partial)  # every rank re-reads its share
-        problem: str | None = None
-        if rank == 0:  # [Note: a verified commit]
-            try:
-                _commit(partial, final, root, state, world, actual)
-                if keep_last is not None:
-                    prune_checkpoints(root, keep_last)
-            except CheckpointError as error:
-                if use_async:
-                    raise
-                problem = str(error)
-        if not use_async:  # every rank learns rank 0's verdict, and raises it too
-            verdict = [problem]
-            dist.broadcast_object_list(verdict, src=0)
-            if verdict[0] is not None:
-                raise CheckpointError(verdict[0])
+        _verified_commit(partial, final, root, state, keep_last, use_async)
         return final
 
     done: Future[Path] = Future()
@@ -385,6 +365,38 @@ def save_checkpoint(
 
     threading.Thread(target=run, name=f"pc-train-commit-{step}", daemon=True).start()
     return done
+
+
+def _verified_commit(
+    partial: Path,
+    final: Path,
+    root: Path,
+    state: dict[str, Any],
+    keep_last: int | None,
+    use_async: bool,
+) -> None:
+    """Every rank: ``partial`` verified and renamed to ``final`` by rank 0,
+    the older checkpoints pruned after; in a save, every rank raises what
+    rank 0 found [Note: a verified commit]."""
+    actual = None  # an async save's commit thread has no collectives: rank 0 reads all
+    if not use_async:
+        dist.barrier()
+        actual = _checksums_split(partial)  # every rank re-reads its share
+    problem: str | None = None
+    if dist.get_rank() == 0:
+        try:
+            _commit(partial, final, root, state, dist.get_world_size(), actual)
+            if keep_last is not None:
+                prune_checkpoints(root, keep_last)
+        except CheckpointError as error:
+            if use_async:
+                raise
+            problem = str(error)
+    if not use_async:  # every rank learns rank 0's verdict, and raises it too
+        verdict = [problem]
+        dist.broadcast_object_list(verdict, src=0)
+        if verdict[0] is not None:
+            raise CheckpointError(verdict[0])
 
 
 # [Note: a verified commit]

@@ -74,7 +74,14 @@ def run_rank(config: TrainConfig, reasons: Sequence[str]) -> None:
             timeout=timedelta(seconds=config.timeout), debug_collectives=config.debug_collectives
         )
     except StoreUnreachableError as error:  # a busy or wrong MASTER_PORT, bounded by --timeout
-        fail(f"rank {os.environ.get('RANK', '?')} in start-up: {error}", EXIT_USER_ERROR)
+        try:
+            fail(f"rank {os.environ.get('RANK', '?')} in start-up: {error}", EXIT_USER_ERROR)
+        finally:
+            # torch's store constructor may still run in a thread nothing can
+            # stop; woken during interpreter shutdown it would abort the process.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(EXIT_USER_ERROR)
     if context.device.type == "cpu":
         # Ranks share the host's cores; oversubscribing them slows every rank.
         torch.set_num_threads(_cpu_threads(context.env.local_world_size))
