@@ -35,7 +35,7 @@ from __future__ import annotations
 import json
 import os
 import random
-import shutil
+import re
 import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
@@ -46,7 +46,9 @@ import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
+from pc_booster.checkpoint import DiskWriteError, named_disk_errors
 from pc_booster.checkpoint.checksum import CHECKSUMS, file_checksums, read_sidecar
+from pc_booster.checkpoint.paths import own_directory, remove_tree
 from pc_train.signing import (
     SIGNATURE,
     SignatureError,
@@ -57,6 +59,7 @@ from pc_train.signing import (
 )
 
 __all__ = [
+    "CHECKPOINTS_LINK_FIX",
     "CheckpointError",
     "find_checkpoint",
     "has_checkpoint",
@@ -69,6 +72,7 @@ __all__ = [
     "rng_state",
     "save_checkpoint",
     "set_rng_state",
+    "step_of",
 ]
 
 _STATE = "trainer_state.json"
@@ -91,13 +95,37 @@ _MUST_MATCH = (
 )
 
 
+# Why pc refuses a link at ``<output-dir>/checkpoints``, and the fix.
+CHECKPOINTS_LINK_FIX = (
+    "To keep checkpoints on another disk, pass an --output-dir there (it may itself be a "
+    "link), or remove the link."
+)
+
+
 class CheckpointError(ValueError):
     """A checkpoint that is missing, incomplete, corrupt or from another run."""
 
 
+_STEP_DIR = re.compile(r"step-(\d+)")
+
+
+def step_of(path: Path) -> int | None:
+    """The step a checkpoint directory's name says (``step-000040``: 40),
+    or None for any other name."""
+    match = _STEP_DIR.fullmatch(path.name)
+    return int(match.group(1)) if match else None
+
+
 def _step_dirs(root: Path) -> list[Path]:
-    found = [p for p in root.glob("step-*") if p.is_dir() and not p.name.endswith(".partial")]
-    return sorted(found, key=lambda p: p.name)
+    """The complete checkpoints under ``root``, oldest first, by their step
+    number (``step-1000000`` after ``step-999999``). A link named like one
+    is not pc's: it is neither resumed from nor pruned."""
+    found = [
+        p
+        for p in root.glob("step-*")
+        if step_of(p) is not None and p.is_dir() and not p.is_symlink()
+    ]
+    return sorted(found, key=lambda p: (step_of(p), p.name))
 
 
 def has_checkpoint(root: Path) -> bool:
@@ -329,14 +357,16 @@ def save_checkpoint(
     final = root / f"step-{step:06d}"
     partial = root / f"step-{step:06d}.partial"
     rank = dist.get_rank()
-    if rank == 0:
-        shutil.rmtree(partial, ignore_errors=True)
+    if rank == 0:  # [Note: paths pc touches in pc_booster.checkpoint.paths]
+        own_directory(root, replace=False, fix=CHECKPOINTS_LINK_FIX)
+        remove_tree(partial)  # a leftover, or a link there: removed, never written through
         private_dir(partial)
     dist.barrier()
     # The small files first: every rank's are on disk before any rank's
     # background write starts, so the rename after those writes moves them.
     booster.save_lr_scheduler(schedule, partial / "scheduler.pt")
-    torch.save(rng, partial / f"rng-rank{rank}.pt")
+    with named_disk_errors(partial / f"rng-rank{rank}.pt", f"rank {rank}'s RNG state"):
+        torch.save(rng, partial / f"rng-rank{rank}.pt")  # [Note: disk errors named]
     dist.barrier()
     writes = [
         booster.save_model(model, partial / "model", shard=True, use_async=use_async),
@@ -382,21 +412,21 @@ def _verified_commit(
     if not use_async:
         dist.barrier()
         actual = _checksums_split(partial)  # every rank re-reads its share
-    problem: str | None = None
+    problem: Exception | None = None
     if dist.get_rank() == 0:
         try:
             _commit(partial, final, root, state, dist.get_world_size(), actual)
             if keep_last is not None:
                 prune_checkpoints(root, keep_last)
-        except CheckpointError as error:
+        except (CheckpointError, DiskWriteError) as error:  # a full disk at the commit too
             if use_async:
                 raise
-            problem = str(error)
+            problem = error
     if not use_async:  # every rank learns rank 0's verdict, and raises it too
         verdict = [problem]
         dist.broadcast_object_list(verdict, src=0)
         if verdict[0] is not None:
-            raise CheckpointError(verdict[0])
+            raise verdict[0]
 
 
 # [Note: a verified commit]
@@ -513,12 +543,12 @@ def _commit(
     if key is not None:  # [Note: signed checkpoints]
         payload["sha256"] = sha256_files(partial, files)
     text = json.dumps(payload).encode()
-    (partial / _STATE).write_bytes(text)
-    if key is not None:
-        (partial / SIGNATURE).write_text(sign(text, key))
+    with named_disk_errors(partial / _STATE, f"the commit of {final.name}"):
+        (partial / _STATE).write_bytes(text)
+        if key is not None:
+            (partial / SIGNATURE).write_text(sign(text, key))
     _fsync_dir(partial)
-    if final.exists():
-        shutil.rmtree(final)
+    remove_tree(final)  # an older save of this step, or a link there (the link only)
     os.replace(partial, final)
     _fsync_dir(root)
 
@@ -554,9 +584,9 @@ def prune_checkpoints(root: Path, keep: int) -> None:
     """Keep the newest ``keep`` checkpoints; drop older ones and any
     partial save left by a killed run."""
     for partial in root.glob("step-*.partial"):
-        shutil.rmtree(partial, ignore_errors=True)
+        remove_tree(partial)  # a link: the link only
     for old in _step_dirs(root)[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+        remove_tree(old)
 
 
 def rank_file(path: Path, file: Path) -> Any:

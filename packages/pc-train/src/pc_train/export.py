@@ -16,8 +16,10 @@ from __future__ import annotations
 import argparse
 import shutil
 import sys
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TextIO
 
 __all__ = ["main"]
 
@@ -59,6 +61,17 @@ def _verify_signature(source: Path) -> None:
     verify_signed(source, raw, state, key)
 
 
+def _say_warning(
+    message: Warning | str,
+    category: type[Warning],
+    filename: str,
+    lineno: int,
+    file: TextIO | None = None,
+    line: str | None = None,
+) -> None:
+    print(f"pc-export: warning: {message}", file=sys.stderr)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="pc-export",
@@ -79,8 +92,18 @@ def main(argv: Sequence[str] | None = None) -> None:
         "Booster.load_model loads under any plugin",
     )
     args = parser.parse_args(argv)
+    source, out = Path(args.source), Path(args.out)
+    with warnings.catch_warnings():
+        # What pc leaves alone (an old index's names outside ``out``): one line each.
+        warnings.showwarning = _say_warning
+        _run(args, source, out)
+
+
+def _run(args: argparse.Namespace, source: Path, out: Path) -> None:
+    from pc_booster.checkpoint import DiskWriteError
     from pc_booster.checkpoint.checksum import verify_sidecar
     from pc_booster.checkpoint.export import (
+        atomic_write,
         export_files,
         import_pretrained,
         plan_export,
@@ -89,7 +112,6 @@ def main(argv: Sequence[str] | None = None) -> None:
         write_index,
     )
 
-    source, out = Path(args.source), Path(args.out)
     try:
         if args.to_sharded:
             import_pretrained(source, out)
@@ -110,12 +132,17 @@ def main(argv: Sequence[str] | None = None) -> None:
         export_files(checkpoint, out, plan, names)
         write_index(out, plan, names)
         for config in (checkpoint / "config.json", source / "config.json"):
-            if config.exists():
-                shutil.copyfile(config, out / "config.json")
+            if config.exists():  # replaced, never written through a link there
+                atomic_write(out / "config.json", lambda p, c=config: shutil.copyfile(c, p))
                 break
     except ValueError as error:
         print(f"pc-export: error: {error}", file=sys.stderr)
         raise SystemExit(2) from None
+    except DiskWriteError as error:  # [Note: disk errors named in pc_booster.checkpoint.disk]
+        remove_orphans(out)  # what this export wrote: no index names it
+        fix = "free space there, or pass an OUT on a larger disk" if error.full else "pass a writable OUT"
+        print(f"pc-export: error: {error}; {fix}, then run pc-export again.", file=sys.stderr)
+        raise SystemExit(2 if error.user_fixable else 1) from None
     size = plan.total_bytes() / 2**20
     print(f"pc-export: wrote {len(plan.files)} file(s), {size:.1f} MiB, to {out}")
 

@@ -14,6 +14,7 @@ import traceback
 from pathlib import Path
 from typing import NoReturn
 
+from pc_booster.checkpoint import DiskWriteError
 from pc_train import memory_limits
 from pc_train.memory_limits import bytes_text
 from pc_train.train_config import TrainConfig
@@ -103,6 +104,18 @@ def _os_error(error: BaseException) -> OSError | None:
     return None
 
 
+def _named_write(error: BaseException) -> DiskWriteError | None:
+    """The named failed write behind ``error`` (itself, or along its causes)."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        if isinstance(current, DiskWriteError):
+            return current
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return None
+
+
 def _disk_full(error: BaseException, out: Path) -> bool:
     """Whether ``error`` is a write that failed on a full disk. torch.save
     and DCP's writers say so in their own words, or only that a write came
@@ -125,6 +138,18 @@ def describe_failure(error: BaseException, config: TrainConfig) -> tuple[int, st
     kind = type(error).__name__
     text = " ".join(str(error).split()) or "(no message)"
     out = Path(config.output_dir)
+    named = _named_write(error)
+    if named is not None:  # [Note: disk errors named in pc_booster.checkpoint.disk]
+        fix = (
+            "free space there or pass --output-dir on a larger disk"
+            if named.full
+            else "pass a writable --output-dir"
+            if named.user_fixable
+            else "check the disk"
+        )
+        line = " ".join(str(named).split())
+        code = EXIT_USER_ERROR if named.user_fixable else EXIT_FAILURE
+        return code, f"{type(named).__name__}: {line}; {fix}, then --resume."
     cause = _os_error(error)
     full = cause is not None and cause.errno in (errno.ENOSPC, errno.EDQUOT)
     if full or (cause is None and _disk_full(error, out)):
@@ -172,7 +197,7 @@ def traceback_file(config: TrainConfig, rank: int, error: BaseException) -> Path
                 from pc_train.checkpoint import private_dir
 
                 private_dir(folder)
-            handle = os.open(path, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o600)
+            handle = os.open(path, os.O_CREAT | os.O_WRONLY | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
             with os.fdopen(handle, "w") as file:  # readable by this user only
                 file.write(text)
         except OSError:

@@ -5,9 +5,11 @@ stall, or run each rank under a memory cap.
 ``action``: ``kill`` (SIGKILL itself), ``stall`` (sleep until killed),
 ``raise`` (raise :class:`InjectedFaultError`, an exception pc-train does
 not expect), ``nan-grad`` (with ``phase=backward``: NaN gradients on this
-rank while its loss stays finite) or ``sigbus`` (SIGBUS itself, as a
-write to a shared-memory page a full tmpfs cannot back does); ``phase``:
-one of :data:`PHASES`. It exists for the fault tests
+rank while its loss stays finite), ``sigbus`` (SIGBUS itself, as a
+write to a shared-memory page a full tmpfs cannot back does) or
+``fill-disk`` (with ``path=FILE``: write ``FILE`` until its file system
+has ``free=BYTES``, default 0, left: a disk that fills during the run);
+``phase``: one of :data:`PHASES`. It exists for the fault tests
 (integration_tests/fault/) and for trying the failure handling yourself;
 it does nothing without the variable. What a surviving rank reports about
 the others comes from pc-comm's health board (``pc_comm.health``).
@@ -22,8 +24,10 @@ given back rather than kept (the kernel charges what the process keeps).
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -33,12 +37,13 @@ __all__ = [
     "PHASES",
     "FaultInjector",
     "InjectedFaultError",
+    "fill_disk",
     "join_memory_cgroup",
     "nan_gradient",
 ]
 
 PHASES = ("forward", "backward", "step", "save", "eval")
-ACTIONS = ("kill", "stall", "raise", "nan-grad", "sigbus")
+ACTIONS = ("kill", "stall", "raise", "nan-grad", "sigbus", "fill-disk")
 
 
 class InjectedFaultError(RuntimeError):
@@ -52,15 +57,18 @@ class FaultInjector:
         spec = os.environ.get("PC_TRAIN_FAULT", "") if spec is None else spec
         self.rank = dist.get_rank() if rank is None else rank
         self.target: tuple[int, int, str, str] | None = None
+        self.fill: tuple[Path, int] | None = None  # fill-disk: the file to write, bytes left
         if not spec:
             return
         try:
             fields = dict(item.split("=", 1) for item in spec.split(","))
             target = (int(fields["rank"]), int(fields["step"]), fields["phase"], fields["action"])
+            if target[3] == "fill-disk":
+                self.fill = (Path(fields["path"]), int(fields.get("free", "0")))
         except (KeyError, ValueError):
             raise ValueError(
                 f"PC_TRAIN_FAULT={spec!r}: expected rank=R,step=S,phase=P,action="
-                f"{'|'.join(ACTIONS)}."
+                f"{'|'.join(ACTIONS)} (fill-disk: and path=FILE, optionally free=BYTES)."
             ) from None
         if target[2] not in PHASES or target[3] not in ACTIONS:
             raise ValueError(
@@ -73,6 +81,9 @@ class FaultInjector:
             return
         if self.target[3] == "nan-grad":
             return  # the loss carries it: see poison
+        if self.fill is not None:
+            fill_disk(*self.fill)
+            return
         if self.target[3] in ("kill", "sigbus"):  # sigbus: as a page tmpfs cannot back
             os.kill(os.getpid(), signal.SIGKILL if self.target[3] == "kill" else signal.SIGBUS)
         if self.target[3] == "raise":
@@ -89,6 +100,17 @@ class FaultInjector:
         if self.target != (self.rank, step, "backward", "nan-grad"):
             return loss
         return nan_gradient(loss)
+
+
+def fill_disk(path: Path, free: int = 0) -> None:
+    """Append to ``path`` until its file system has at most ``free`` bytes
+    free (or refuses more)."""
+    with open(path, "ab", buffering=0) as file:  # unbuffered: nothing left to flush at close
+        while (room := shutil.disk_usage(path.parent).free - free) > 0:
+            try:
+                file.write(b"\0" * min(room, 2**20))
+            except OSError:
+                return
 
 
 def nan_gradient(x: torch.Tensor) -> torch.Tensor:

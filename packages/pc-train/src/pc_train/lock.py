@@ -15,6 +15,7 @@ system shared by several hosts it may not exclude a run on another host.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
@@ -58,7 +59,15 @@ def _read(fd: int) -> dict[str, object]:
 def run_lock(output_dir: str | Path) -> Iterator[None]:
     """Hold ``output_dir``'s run lock while the block runs [Note: the run lock]."""
     path = Path(output_dir) / LOCK_NAME
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:  # never through a link planted at the lock's name
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    except OSError as error:
+        if error.errno != errno.ELOOP:
+            raise
+        raise RunLockedError(
+            f"{path} is a symbolic link (to {os.readlink(path)}), where pc-train keeps its "
+            "run lock: pc does not write through links. Remove the link."
+        ) from None
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

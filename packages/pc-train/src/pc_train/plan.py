@@ -13,7 +13,9 @@ from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
+from pc_booster.checkpoint.paths import create_file, refuse_link
 from pc_train.checkpoint import (
+    CHECKPOINTS_LINK_FIX,
     find_checkpoint,
     has_checkpoint,
     load_trainer_state,
@@ -62,6 +64,8 @@ def prepare(
         )
     _check_splits(config, spec, options, dp)
     preflight(config, spec)
+    # [Note: paths pc touches in pc_booster.checkpoint.paths]
+    refuse_link(config.checkpoint_dir, CHECKPOINTS_LINK_FIX)
     if config.resume == "auto":  # restarts of one command line: resume when there is one
         config = replace(config, resume="latest" if has_checkpoint(config.checkpoint_dir) else None)
     if config.resume is not None:
@@ -236,6 +240,7 @@ def preflight(config: TrainConfig, spec: ModelSpec) -> None:
     probe = out / f".pc-train-probe-{os.getpid()}"
     try:
         private_dir(out)
+        create_file(probe)  # a link planted at that name is removed, not written through
         probe.write_bytes(b"pc-train")
         probe.unlink()
     except OSError as error:

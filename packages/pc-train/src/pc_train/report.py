@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from pc_booster.checkpoint.export import atomic_write
 from pc_train.checkpoint import private_dir
 
 __all__ = ["closing_lines", "write_report"]
@@ -41,7 +42,7 @@ def _plots(history: dict[str, Any], out: Path) -> list[str]:
         if any(label for *_, label in series):
             axis.legend()
         fig.tight_layout()
-        fig.savefig(out / name, dpi=100)
+        atomic_write(out / name, lambda p: fig.savefig(p, dpi=100, format="png"))
         plt.close(fig)
         return name
 
@@ -80,7 +81,8 @@ def write_report(out: Path, summary: dict[str, Any], history: dict[str, Any]) ->
     private_dir(out)
     plots = _plots(history, out)
     data = {**summary, "plots": plots, "history": history}
-    (out / "report.json").write_text(json.dumps(data, indent=2))
+    text = json.dumps(data, indent=2)
+    atomic_write(out / "report.json", lambda p: p.write_text(text))
     losses = history["loss"]
     head, tail = _mean(losses[:10]), _mean(losses[-10:])
     logs = history["log"]
@@ -147,7 +149,7 @@ def write_report(out: Path, summary: dict[str, Any], history: dict[str, Any]) ->
         lines += ["", *(f"![{p[:-4]}]({p})" for p in plots)]
     else:
         lines += ["", "(plots skipped: pip install matplotlib, a dependency of pc-train)"]
-    (out / "report.md").write_text("\n".join(lines) + "\n")
+    atomic_write(out / "report.md", lambda p: p.write_text("\n".join(lines) + "\n"))
     return [out / "report.json", out / "report.md", *(out / p for p in plots)]
 
 

@@ -25,7 +25,9 @@ import torch
 import torch.distributed as dist
 
 from pc_booster import NonFiniteGradientError
+from pc_booster.checkpoint.paths import refuse_link
 from pc_train.checkpoint import (
+    CHECKPOINTS_LINK_FIX,
     CheckpointError,
     find_checkpoint,
     load_trainer_state,
@@ -117,6 +119,9 @@ class Trainer:
         # With --resume: the checkpoint and its trainer state, checked.
         self.checkpoint: Path | None = None
         self.saved: dict[str, Any] | None = None
+        # Every rank refuses a link where the checkpoints go (pc-train's
+        # launcher did before any rank started) [Note: paths pc touches].
+        refuse_link(config.checkpoint_dir, CHECKPOINTS_LINK_FIX)
         if config.resume is not None:
             self.checkpoint = find_checkpoint(config.checkpoint_dir, config.resume)
             self.saved = load_trainer_state(self.checkpoint, config)
@@ -533,6 +538,7 @@ class Trainer:
         steps' waits for its host copy join its stall."""
         if self.pending_save is not None:
             pending, self.pending_save = self.pending_save, None
+            self.phases.enter("save", self.history["save"][-1]["step"])  # its error is that save's
             pending.result()
             self.history["save"][-1]["stall_s"] += self.booster.async_save_waits - self.copy_waits
 

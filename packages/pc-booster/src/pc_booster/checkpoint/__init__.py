@@ -23,9 +23,11 @@ written beside it (:mod:`.checksum`).
 
 Modules: :mod:`.io` (``CheckpointIO``, what ``Booster`` delegates to),
 :mod:`.files` (names, forms, DCP save and load of one state),
-:mod:`.async_saves`, :mod:`.export`, :mod:`.checksum`.
+:mod:`.async_saves`, :mod:`.export`, :mod:`.checksum`, :mod:`.disk` (a failed
+write named: path, operation, cause and bytes, [Note: disk errors named]).
 """
 
+from pc_booster.checkpoint.disk import DiskWriteError, named_disk_errors
 from pc_booster.checkpoint.io import CheckpointIO
 
-__all__ = ["CheckpointIO"]
+__all__ = ["CheckpointIO", "DiskWriteError", "named_disk_errors"]

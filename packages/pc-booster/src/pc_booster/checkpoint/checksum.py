@@ -33,6 +33,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from pc_booster.checkpoint.disk import DiskWriteError, named_disk_errors
+
 __all__ = [
     "CHECKSUMS",
     "SAFETENSORS_KEY",
@@ -107,8 +109,13 @@ def write_sidecar(directory: Path, own: Sequence[str], group: dist.ProcessGroup 
     if dist.get_rank(group) == 0:
         every = {k: v for part in gathered if part for k, v in part.items()}
         tmp = directory / f".{CHECKSUMS}.tmp-{os.getpid()}"
-        tmp.write_text(json.dumps(dict(sorted(every.items())), indent=0))
-        os.replace(tmp, directory / CHECKSUMS)
+        try:  # [Note: disk errors named in pc_booster.checkpoint.disk]
+            with named_disk_errors(directory / CHECKSUMS, "the checksum sidecar's write"):
+                tmp.write_text(json.dumps(dict(sorted(every.items())), indent=0))
+                os.replace(tmp, directory / CHECKSUMS)
+        except DiskWriteError:
+            tmp.unlink(missing_ok=True)
+            raise
 
 
 def read_sidecar(directory: Path) -> dict[str, str]:

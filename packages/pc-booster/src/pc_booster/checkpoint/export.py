@@ -34,6 +34,8 @@ from typing import Any
 import torch
 
 from pc_booster.checkpoint.checksum import crc_hex, metadata_entry
+from pc_booster.checkpoint.disk import named_disk_errors
+from pc_booster.checkpoint.paths import clear_links, create_file, remove_named
 from pc_zero import Pieces, PiecesLoadPlanner, PiecesSavePlanner
 
 __all__ = [
@@ -178,15 +180,26 @@ def _read_tensor(reader: Any, name: str, shape: torch.Size, dtype: torch.dtype) 
 
 def atomic_write(path: Path, write: Any) -> None:
     """``write(tmp)`` then rename ``tmp`` to ``path``: ``path`` is the old
-    file or the new one, whole, whenever the writer is killed."""
+    file or the new one, whole, whenever the writer is killed; ``tmp`` is
+    made afresh (never written through a link planted there), and removed
+    when the write fails. The rename replaces a link at ``path`` itself
+    [Note: paths pc touches in ``pc_booster.checkpoint.paths``]."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    write(tmp)
-    os.replace(tmp, path)
+    create_file(tmp)
+    try:
+        with named_disk_errors(path, ""):  # [Note: disk errors named in .disk]
+            write(tmp)
+            os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def remove_files(directory: Path, names: set[str]) -> None:
-    for name in names:
-        (directory / name).unlink(missing_ok=True)
+    """Remove ``directory``'s files ``names`` (an old index's): only plain
+    names of files in ``directory``; any other is left alone and named
+    [Note: paths pc touches in ``pc_booster.checkpoint.paths``]."""
+    remove_named(directory, names, f"the index {INDEX} it replaces")
 
 
 def indexed_files(directory: Path) -> set[str]:
@@ -371,6 +384,7 @@ def import_pretrained(directory: str | os.PathLike[str], out: str | os.PathLike[
                 state[_PREFIX + name] = _FileTensor(file, name, torch.Size(view.get_shape()), dtype)
     target = Path(out)
     target.mkdir(parents=True, exist_ok=True)
+    clear_links(target)  # never written through [Note: paths pc touches]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         save(
@@ -381,7 +395,8 @@ def import_pretrained(directory: str | os.PathLike[str], out: str | os.PathLike[
         )
     config = source / "config.json"
     if config.exists():
-        (target / "config.json").write_text(config.read_text())
+        text = config.read_text()
+        atomic_write(target / "config.json", lambda p: p.write_text(text))
 
 
 def _dtype_of(name: str) -> torch.dtype:

@@ -15,7 +15,9 @@ import torch.distributed as dist
 from torch import nn
 
 from pc_booster.checkpoint import checksum
+from pc_booster.checkpoint.disk import DiskWriteError, named_disk_errors
 from pc_booster.checkpoint.export import atomic_write, indexed_files, remove_files
+from pc_booster.checkpoint.paths import clear_links
 
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -101,6 +103,11 @@ def file_count(state: dict[str, Any], size_per_shard: int | None) -> int:
         return 1
     if size_per_shard <= 0:
         raise ValueError(f"size_per_shard must be a positive number of MiB, got {size_per_shard}.")
+    return max(1, -(-share_bytes(state) // (size_per_shard * 2**20)))
+
+
+def share_bytes(state: dict[str, Any]) -> int:
+    """The bytes of the tensors of this rank's share of ``state``."""
     from torch.distributed.tensor import DTensor
 
     from pc_zero import Pieces
@@ -114,7 +121,7 @@ def file_count(state: dict[str, Any], size_per_shard: int | None) -> int:
             total += local.numel() * local.element_size()
         elif isinstance(value, torch.Tensor):
             total += value.numel() * value.element_size()
-    return max(1, -(-total // (size_per_shard * 2**20)))
+    return total
 
 
 def read_file(path: Path) -> dict[str, torch.Tensor]:
@@ -189,13 +196,35 @@ def save_sharded(
     rank = dist.get_rank(group)
     if rank == 0:  # the old sums go before any file they describe is replaced
         (out / checksum.CHECKSUMS).unlink(missing_ok=True)
-    with named_failures(f"the sharded save to {out}"):
-        planner = PiecesSavePlanner(flatten_state_dict=False)
-        writer = FileSystemWriter(str(out), thread_count=files)
-        metadata = save(state, storage_writer=writer, planner=planner, process_group=group)
+        # Links planted where DCP writes its files by name are removed, never
+        # written through (before any rank writes: DCP plans collectively first).
+        clear_links(out)
+    # A full disk or a read-only one is named, and this rank's unfinished
+    # files removed [Note: disk errors named in pc_booster.checkpoint.disk].
+    what = f"rank {rank}'s share of the sharded save"
+    try:
+        with named_disk_errors(out, what, share_bytes(state)):
+            with named_failures(f"the sharded save to {out}"):
+                planner = PiecesSavePlanner(flatten_state_dict=False)
+                writer = FileSystemWriter(str(out), thread_count=files)
+                metadata = save(state, storage_writer=writer, planner=planner, process_group=group)
+    except DiskWriteError:
+        _remove_unfinished(out, rank)
+        raise
     # DCP names rank r's files __r_<k>.distcp; each rank hashes its own.
     own = {info.relative_path for info in (metadata.storage_data or {}).values()}
     checksum.write_sidecar(out, sorted(p for p in own if p.startswith(f"__{rank}_")), group)
+
+
+def _remove_unfinished(out: Path, rank: int) -> None:
+    """What a failed DCP save of rank ``rank`` left in ``out``: its data
+    files (``__<rank>_<k>.distcp``) and, rank 0, the metadata's temporary
+    file. The metadata of an earlier save stays; its data files written
+    over are gone, so it is refused on load (missing files), not misread."""
+    names = [p.name for p in out.glob(f"__{rank}_*.distcp")]
+    if rank == 0:
+        names.append(f"{DCP_METADATA}.tmp")
+    remove(out, set(names))
 
 
 def saved_keys(path: Path) -> dict[str, Any]:

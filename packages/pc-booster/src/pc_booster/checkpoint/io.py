@@ -6,7 +6,6 @@ layout, one file), loaded under any plugin and world size
 from __future__ import annotations
 
 import os
-import shutil
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ from torch.optim import Optimizer
 from pc_booster.checkpoint import checksum, files
 from pc_booster.checkpoint.async_saves import AsyncSaves
 from pc_booster.checkpoint.export import indexed_files
+from pc_booster.checkpoint.paths import own_directory, remove_tree
 from pc_booster.plugin import Plugin
 from pc_booster.wrappers import inner_optimizer
 
@@ -162,6 +162,9 @@ class CheckpointIO:
 
         out = Path(directory)
         staging = out / ".pc-export"
+        if dist.get_rank() == 0:  # pc's own: a link there is removed, not written through
+            own_directory(staging, replace=True)
+        dist.barrier()
         self.save_model(model, staging, shard=True)
         plan = plan_export(staging, size_per_shard)
         if dist.get_rank() == 0:  # what an export killed midway left here
@@ -176,7 +179,7 @@ class CheckpointIO:
             (out / checksum.CHECKSUMS).unlink(missing_ok=True)  # and its checksums
             write_index(out, plan, names[0], atomic=files.atomic, remove=files.remove)  # type: ignore[arg-type]
             self._write_config(model, out)
-            shutil.rmtree(staging, ignore_errors=True)
+            remove_tree(staging)
         dist.barrier()
 
     def _write_config(self, model: nn.Module, out: Path) -> None:
