@@ -102,6 +102,25 @@ def test_pc_train_refuses_a_garbled_model_shard_before_any_rank_starts(
     assert "Traceback" not in err.getvalue()
 
 
+def test_pc_export_checks_the_trainer_states_sums_without_a_sidecar(
+    saved_run: Path, tmp_path: Path
+) -> None:
+    """Issue 52: with ``model/.checksums.json`` removed and a shard garbled,
+    pc-export refuses (it exported the wrong weights with exit code 0): the
+    trainer state still holds every file's CRC-32."""
+    from pc_train.export import main as export_main
+
+    _, latest = _garbled_run(saved_run, tmp_path)
+    (latest / "model" / ".checksums.json").unlink()
+    out = tmp_path / "exported"
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as stop:
+        export_main([str(latest), str(out)])
+    assert stop.value.code == 2, err.getvalue()
+    assert f"checkpoint {latest} is corrupt: model/__1_0.distcp has checksum" in err.getvalue()
+    assert not out.exists() or not any(out.iterdir())
+
+
 def _resume_refused_on_every_rank(out: str) -> None:
     config = TrainConfig(
         **{**SETTINGS, "steps": 4, "extend_schedule": True}, output_dir=out, resume="latest"

@@ -26,7 +26,7 @@ from pc_booster.checkpoint.checksum import CHECKSUMS, file_checksum
 from pc_comm.testing import run_subtests
 from pc_train.checkpoint import CheckpointError, load_trainer_state
 from pc_train.export import main as export_main
-from pc_train.signing import KEY_ENV, SIGNATURE
+from pc_train.signing import HIGH_WATER, KEY_ENV, SIGNATURE
 from pc_train.train_config import TrainConfig
 
 pytestmark = pytest.mark.timeout(300)
@@ -68,8 +68,10 @@ def _load(path: Path) -> None:
 
 
 def _copy(signed: Path, tmp_path: Path) -> Path:
+    """The checkpoint, with its directory's signed high-water mark."""
     target = tmp_path / "checkpoints" / signed.name
     shutil.copytree(signed, target)
+    shutil.copy(signed.parent / HIGH_WATER, target.parent / HIGH_WATER)
     return target
 
 
@@ -130,7 +132,8 @@ def test_unsigned_or_other_keys_are_refused(signed: Path, tmp_path: Path) -> Non
     (unsigned / SIGNATURE).unlink()
     with _key(KEY), pytest.raises(CheckpointError, match=f"is not signed, and {KEY_ENV} is set"):
         _load(unsigned)
-    with _key("another key"), pytest.raises(CheckpointError, match="signature does not match"):
+    other = "another key of at least thirty-two bytes"
+    with _key(other), pytest.raises(CheckpointError, match="signature does not match"):
         _load(signed)
 
 

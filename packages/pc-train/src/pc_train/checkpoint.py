@@ -51,11 +51,14 @@ from pc_booster.checkpoint.checksum import CHECKSUMS, file_checksums, read_sidec
 from pc_booster.checkpoint.paths import own_directory, remove_tree
 from pc_train.signing import (
     SIGNATURE,
+    HighWater,
     SignatureError,
+    check_position,
     sha256_files,
     sign,
     signing_key,
     verify_signed,
+    write_high_water,
 )
 
 __all__ = [
@@ -183,9 +186,11 @@ def load_trainer_state(
                 f"{size} were written. Resume from an earlier checkpoint."
             )
     key = signing_key()
-    if key is not None:  # [Note: signed checkpoints]
+    if key is not None:  # [Note: signed checkpoints] [Note: what a signature binds]
+        explicit = getattr(config, "resume", None) not in (None, "latest", "auto")
         try:
             verify_signed(path, raw, state, key)
+            check_position(path, state, step_of(path), key, explicit)
         except SignatureError as error:
             raise CheckpointError(str(error)) from None
     if verify_contents is None:
@@ -551,6 +556,8 @@ def _commit(
     remove_tree(final)  # an older save of this step, or a link there (the link only)
     os.replace(partial, final)
     _fsync_dir(root)
+    if key is not None and isinstance(state.get("run_id"), str):  # [Note: what a signature binds]
+        write_high_water(root, HighWater(state["run_id"], int(state["step"])), key)
 
 
 def _checksums(partial: Path, files: dict[str, int]) -> dict[str, str]:

@@ -61,6 +61,37 @@ def _verify_signature(source: Path) -> None:
     verify_signed(source, raw, state, key)
 
 
+def _verify_recorded_sums(source: Path, checkpoint: Path) -> None:
+    """A pc-train checkpoint's ``trainer_state.json`` records the CRC-32 of
+    every file of ``model/``: each is checked, so a removed sidecar does
+    not let a garbled shard through (issue 52)."""
+    import json
+
+    from pc_booster.checkpoint.checksum import file_checksums
+
+    state_file = source / "trainer_state.json"
+    if checkpoint != source / "model" or not state_file.is_file():
+        return  # a Booster directory: its sidecar is all there is
+    try:
+        recorded = json.loads(state_file.read_bytes()).get("checksums", {})
+        sums = {k: str(v) for k, v in recorded.items() if k.startswith("model/")}
+    except (ValueError, AttributeError) as error:
+        raise ValueError(f"{state_file} is corrupt ({error}).") from None
+    missing = sorted(k for k in sums if not (source / k).is_file())
+    actual = file_checksums(source, sorted(set(sums) - set(missing)))
+    for name, value in sorted(actual.items()):
+        if value != sums[name]:
+            raise ValueError(
+                f"checkpoint {source} is corrupt: {name} has checksum {value}, {sums[name]} "
+                f"was written ({state_file}). Export an earlier checkpoint."
+            )
+    if missing:
+        raise ValueError(
+            f"checkpoint {source} is incomplete: {', '.join(missing)} (listed in {state_file}) "
+            "is missing. Export an earlier checkpoint."
+        )
+
+
 def _say_warning(
     message: Warning | str,
     category: type[Warning],
@@ -122,6 +153,7 @@ def _run(args: argparse.Namespace, source: Path, out: Path) -> None:
         # A damaged source is refused before anything is written: an export
         # would carry its bytes on under fresh checksums (issue 44).
         verify_sidecar(checkpoint, collective=False)
+        _verify_recorded_sums(source, checkpoint)
         plan = plan_export(checkpoint, args.size_per_shard)
         # What an export killed midway left (shards no index names, temporary
         # files) goes first: a rerun leaves only the export (issue 44).

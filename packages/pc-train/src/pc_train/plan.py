@@ -13,7 +13,7 @@ from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
-from pc_booster.checkpoint.paths import create_file, refuse_link
+from pc_booster.checkpoint.paths import create_file, refuse_link, remove_tree
 from pc_train.checkpoint import (
     CHECKPOINTS_LINK_FIX,
     find_checkpoint,
@@ -28,9 +28,10 @@ from pc_train.hardware import DeviceInfo
 from pc_train.models import ModelSpec, resolve_model
 from pc_train.options import PluginKind, PluginOptions
 from pc_train.planner import Cluster, search
+from pc_train.signing import signing_key
 from pc_train.train_config import TrainConfig
 
-__all__ = ["checkpoint_bytes", "preflight", "prepare"]
+__all__ = ["checkpoint_bytes", "preflight", "prepare", "remove_unfinished"]
 
 
 def prepare(
@@ -66,6 +67,7 @@ def prepare(
     preflight(config, spec)
     # [Note: paths pc touches in pc_booster.checkpoint.paths]
     refuse_link(config.checkpoint_dir, CHECKPOINTS_LINK_FIX)
+    signing_key()  # a PC_CHECKPOINT_KEY too short to sign with is refused before any rank starts
     if config.resume == "auto":  # restarts of one command line: resume when there is one
         config = replace(config, resume="latest" if has_checkpoint(config.checkpoint_dir) else None)
     if config.resume is not None:
@@ -231,6 +233,25 @@ def checkpoint_bytes(params: int) -> int:
     return 16 * params
 
 
+def _unfinished(root: Path) -> list[Path]:
+    """The unfinished saves (``step-N.partial``) under ``root``."""
+    return sorted(p for p in root.glob("step-*.partial") if p.is_dir() and not p.is_symlink())
+
+
+def _unfinished_bytes(root: Path) -> int:
+    return sum(f.stat().st_size for p in _unfinished(root) for f in p.rglob("*") if f.is_file())
+
+
+def remove_unfinished(root: Path) -> list[str]:
+    """Remove what saves that did not finish (a full disk, a killed run)
+    left under ``root``; call it holding the run lock, before any rank
+    starts. Returns the names removed."""
+    gone = _unfinished(root)
+    for partial in gone:
+        remove_tree(partial)
+    return [p.name for p in gone]
+
+
 def preflight(config: TrainConfig, spec: ModelSpec) -> None:
     """What the run needs of this machine, checked before any rank starts:
     a writable ``--output-dir`` with room for two checkpoints (the newest
@@ -249,7 +270,9 @@ def preflight(config: TrainConfig, spec: ModelSpec) -> None:
             f"{os_reason(error)}; pass a writable --output-dir."
         ) from None
     need = 2 * checkpoint_bytes(model_shape(spec).params)
-    free = shutil.disk_usage(out).free
+    # What a save that failed (a full disk) left is removed before any rank
+    # starts (remove_unfinished) [Note: disk errors named].
+    free = shutil.disk_usage(out).free + _unfinished_bytes(config.checkpoint_dir)
     if free < need:
         raise ValueError(
             f"--output-dir {out} has {bytes_text(free)} ({free:,} bytes) free; two checkpoints of "

@@ -20,33 +20,67 @@ refused while the key is set (unset it to load unsigned checkpoints, your
 own earlier ones or someone else's you trust); a signed checkpoint loads
 without the key as an unsigned one (its CRC-32 checked), since nothing can
 be verified then. The key never leaves the environment: it is not written
-to the checkpoint, the logs or the report.
+to the checkpoint, the logs or the report. A key shorter than 32 bytes is
+refused.
+
+[Note: what a signature binds]
+A signature proves the bytes came from a holder of the key; alone it does
+not say *which* of the key's checkpoints this is, so an older, genuine one
+copied over the newest, or to ``step-000099``, would resume (a replay).
+So the signed trainer state carries the step and the run (``run_id``,
+drawn at a run's first start and kept on resume), and each directory of
+checkpoints keeps ``high-water.json``: the run and the step of its newest
+commit, signed (under a domain prefix of its own, so neither signature
+passes for the other), replaced after each rename. A resume refuses a
+signed checkpoint whose directory name is not its signed step (a copy or
+a rename), whose run is not its directory's run (a copy from another
+run), or, for ``latest``, whose step is below the mark (the newer ones
+deleted), and refuses ``latest`` when the mark is gone. Naming a
+checkpoint with ``--resume PATH`` lifts the last two: going back is
+then the user's decision. What it does not bind: the host or the user
+(anyone with the key signs), the time (a mark copied back from a backup
+with its own checkpoints replays that whole directory), and checkpoints of
+earlier versions (no run id: only their name is checked).
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import json
 import os
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 
 __all__ = [
+    "HIGH_WATER",
     "KEY_ENV",
+    "MIN_KEY_BYTES",
     "SIGNATURE",
+    "HighWater",
     "SignatureError",
+    "check_position",
+    "read_high_water",
     "sha256_files",
     "sign",
     "signing_key",
     "verify_signed",
+    "write_high_water",
 ]
 
 KEY_ENV = "PC_CHECKPOINT_KEY"
 SIGNATURE = "signature"
+MIN_KEY_BYTES = 32
+# Beside the checkpoints: the newest signed step of this directory and its run.
+HIGH_WATER = "high-water.json"
+# What a high-water mark's signature covers starts with this, so it can never
+# pass for a trainer state's signature, nor one for it.
+_HIGH_WATER_DOMAIN = b"pc-train high-water mark\n"
 _BLOCK = 4 * 2**20
 
 
@@ -55,9 +89,20 @@ class SignatureError(ValueError):
 
 
 def signing_key() -> bytes | None:
-    """The key in ``PC_CHECKPOINT_KEY``, or None when it is not set."""
+    """The key in ``PC_CHECKPOINT_KEY``, or None when it is not set; a key
+    shorter than :data:`MIN_KEY_BYTES` is refused (ValueError)."""
     value = os.environ.get(KEY_ENV, "")
-    return value.encode() if value else None
+    if not value:
+        return None
+    key = value.encode()
+    if len(key) < MIN_KEY_BYTES:
+        raise ValueError(
+            f"{KEY_ENV} holds {len(key)} byte(s); a signing key must be at least "
+            f"{MIN_KEY_BYTES} random bytes, or anyone can guess it. Make one with "
+            f"`export {KEY_ENV}=$(openssl rand -hex 32)` (or python -c 'import secrets; "
+            "print(secrets.token_hex(32))'), or unset it to save unsigned checkpoints."
+        )
+    return key
 
 
 def _sha256(path: Path) -> str:
@@ -121,3 +166,94 @@ def verify_signed(path: Path, raw_state: bytes, state: dict[str, Any], key: byte
         problem = next((p for p in found if p), None)
     if problem:
         raise SignatureError(problem)
+
+
+@dataclass(frozen=True)
+class HighWater:
+    """The newest checkpoint a directory of checkpoints has committed while
+    signing: its run and its step [Note: what a signature binds]."""
+
+    run_id: str
+    step: int
+
+    def payload(self) -> bytes:
+        return (
+            _HIGH_WATER_DOMAIN
+            + json.dumps({"run_id": self.run_id, "step": self.step}, sort_keys=True).encode()
+        )
+
+
+def write_high_water(root: Path, mark: HighWater, key: bytes) -> None:
+    """Record ``mark``, signed, as ``root``'s high-water mark (replaced in
+    one rename, never written through a link)."""
+    from pc_booster.checkpoint.export import atomic_write
+
+    text = json.dumps(
+        {"run_id": mark.run_id, "step": mark.step, "signature": sign(mark.payload(), key)}
+    )
+    atomic_write(root / HIGH_WATER, lambda p: p.write_text(text))
+
+
+def read_high_water(root: Path, key: bytes) -> HighWater | None:
+    """``root``'s high-water mark, its signature checked; None when there
+    is none. A mark that does not parse or whose signature does not hold
+    raises SignatureError."""
+    file = root / HIGH_WATER
+    try:
+        raw = json.loads(file.read_text())
+        mark = HighWater(str(raw["run_id"]), int(raw["step"]))
+        signature = str(raw["signature"])
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise SignatureError(f"{file} is unreadable ({error}); it cannot be trusted.") from None
+    if not hmac.compare_digest(signature, sign(mark.payload(), key)):
+        raise SignatureError(
+            f"{file}: its signature does not match (it was edited, or signed with another key "
+            f"than {KEY_ENV}'s). Do not resume from this directory's checkpoints unless you "
+            "trust them: name one with --resume PATH."
+        )
+    return mark
+
+
+def check_position(
+    path: Path, state: dict[str, Any], named_step: int | None, key: bytes, explicit: bool
+) -> None:
+    """Raise SignatureError unless the signed ``state`` of checkpoint
+    ``path`` agrees with where it lies [Note: what a signature binds]: its
+    step with its directory's name (``named_step``), its run with the run
+    of the directory it lies in, and, unless the user named it
+    (``explicit``), its step is not older than that directory's high-water
+    mark. ``state`` must be verified already."""
+    step = int(state["step"])
+    if named_step != step:
+        raise SignatureError(
+            f"checkpoint {path} holds step {step} (signed), but its directory's name says "
+            f"{'step ' + str(named_step) if named_step is not None else 'no step'}: it was "
+            "copied or renamed. Do not load it; resume from the checkpoint saved under its own "
+            f"name (step-{step:06d})."
+        )
+    run_id = state.get("run_id")
+    if not isinstance(run_id, str):
+        return  # signed by an earlier version, which bound no run: nothing more to check
+    mark = read_high_water(path.parent, key)
+    if mark is None:
+        if explicit:
+            return
+        raise SignatureError(
+            f"{path.parent / HIGH_WATER} is missing: pc-train writes it, signed, at every "
+            "signed save, so without it an older checkpoint could pass for the newest. To "
+            f"resume {path} all the same, name it: --resume {path}."
+        )
+    if mark.run_id != run_id:
+        raise SignatureError(
+            f"checkpoint {path} was saved by run {run_id}, but {path.parent} holds the "
+            f"checkpoints of run {mark.run_id}: it was copied from another run. Resume it "
+            "where it was saved, or name it with --resume from there."
+        )
+    if step < mark.step and not explicit:
+        raise SignatureError(
+            f"checkpoint {path} is at step {step}, older than step {mark.step}, the newest "
+            f"this directory has committed ({path.parent / HIGH_WATER}): resuming it would "
+            f"roll the run back. To go back on purpose, name it: --resume {path}."
+        )

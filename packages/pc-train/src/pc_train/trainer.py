@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import math
 import time
+import uuid
 from collections.abc import Sequence
 from concurrent.futures import Future
 from contextlib import AbstractContextManager, nullcontext
@@ -60,6 +61,7 @@ from pc_train.memory import PhaseMemory, peak_memory
 from pc_train.models import build_model, reads_pretrained_after_boost, resolve_model
 from pc_train.progress import Progress, tensorboard_writer
 from pc_train.report import closing_lines, write_report
+from pc_train.signing import signing_key
 from pc_train.stopping import Phases, Stop
 from pc_train.train_config import TrainConfig
 
@@ -122,9 +124,14 @@ class Trainer:
         # Every rank refuses a link where the checkpoints go (pc-train's
         # launcher did before any rank started) [Note: paths pc touches].
         refuse_link(config.checkpoint_dir, CHECKPOINTS_LINK_FIX)
+        signing_key()  # a key too short to sign with is refused on every rank, at once
         if config.resume is not None:
             self.checkpoint = find_checkpoint(config.checkpoint_dir, config.resume)
             self.saved = load_trainer_state(self.checkpoint, config)
+        # The run these checkpoints belong to: recorded at the first start,
+        # kept on resume, signed with each checkpoint [Note: what a signature
+        # binds]. Only rank 0's is written (it commits).
+        self.run_id: str = str((self.saved or {}).get("run_id") or uuid.uuid4().hex)
         # The LR schedule's length, fixed by the run that started it.
         self.schedule_steps = _schedule_steps(config, self.saved)
         # Why --plugin auto chose the plugin; printed under the header.
@@ -519,6 +526,7 @@ class Trainer:
             self.phases.enter("save", step)
             state = {"step": step, "history": self.history, "config": config.to_dict(),
                      "world": self.env.world_size, "resumed_at": self.resumed_at,
+                     "run_id": self.run_id,
                      "schedule_steps": self.schedule_steps,
                      "model_config": model_config_dict(self.spec.config)}  # fmt: skip
             self.pending_save = save_checkpoint(
