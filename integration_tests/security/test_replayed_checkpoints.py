@@ -11,17 +11,16 @@ make one."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "fault"))  # the fault tests' short runs
 import fault_runs
 import pytest
+from signing_env import key_env
 
 from pc_comm.testing import run_subtests
 from pc_train.checkpoint import CheckpointError, find_checkpoint, load_trainer_state
@@ -55,17 +54,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out / "checkpoints"
 
 
-@contextlib.contextmanager
-def _key(value: str | None) -> Iterator[None]:
-    old = os.environ.pop(KEY_ENV, None)
-    if value is not None:
-        os.environ[KEY_ENV] = value
-    try:
-        yield
-    finally:
-        os.environ.pop(KEY_ENV, None)
-        if old is not None:
-            os.environ[KEY_ENV] = old
+_key = key_env
 
 
 def _copy(run: Path, tmp_path: Path) -> Path:

@@ -15,12 +15,12 @@ import json
 import os
 import shutil
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "fault"))  # the fault tests' short runs
 import fault_runs
 import pytest
+from signing_env import key_env
 
 from pc_booster.checkpoint.checksum import CHECKSUMS, file_checksum
 from pc_comm.testing import run_subtests
@@ -50,17 +50,7 @@ def signed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out / "checkpoints" / "step-000002"
 
 
-@contextlib.contextmanager
-def _key(value: str | None) -> Iterator[None]:
-    old = os.environ.pop(KEY_ENV, None)
-    if value is not None:
-        os.environ[KEY_ENV] = value
-    try:
-        yield
-    finally:
-        os.environ.pop(KEY_ENV, None)
-        if old is not None:
-            os.environ[KEY_ENV] = old
+_key = key_env
 
 
 def _load(path: Path) -> None:
