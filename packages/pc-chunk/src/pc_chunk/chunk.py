@@ -56,6 +56,23 @@ Every byte a chunk holds on the compute device (payload, shard, gradient
 shard) is reserved in a :class:`~pc_chunk.budget.DeviceBudget` when given,
 which refuses to exceed its limit.
 
+[Note: one payload storage]
+Autograd keeps what forward saved for backward: a linear layer saves
+``weight.t()``, a view of the payload that is not the parameter, so
+re-pointing the parameter at release leaves the old payload alive. With
+every chunk released after its module's forward, the whole gathered model
+stayed alive until backward (the forward peak of ZeRO-3 was that of
+unsharded training). So a release frees the payload's storage in place
+(``untyped_storage().resize_(0)``): its bytes are given back while the
+saved views keep a storage of size 0, and the next gather of the chunk
+resizes that same storage and all-gathers into it, so in backward the
+saved views read the gathered values again. Backward re-gathers a chunk
+(its module's pre-backward hook) before any of its operators runs; a view
+read while its chunk is released would fail loudly (its storage is empty),
+never read stale values. As FSDP2 does after forward. Only a payload that
+starts its storage is kept this way (a trimmed one may view a longer
+storage, which is freed whole all the same).
+
 [Note: host buffers]
 A shard kept on the host, and its gradient shard, live for the whole run:
 each is one exactly sized host tensor, pinned when the copy engine pins
@@ -171,6 +188,9 @@ class Chunk:
         self.closed = False
         self.shard_size = size // self.world_size
         self._held_bytes = 0  # payload bytes reserved in the budget
+        # A released payload whose storage was freed in place, filled again
+        # by the next gather [Note: one payload storage].
+        self._spare: torch.Tensor | None = None
         # While packing, the payload holds the parameters' own values in the
         # shard dtype, so fp32 masters are cut from unrounded values.
         self.payload: torch.Tensor | None = self._new_payload(self.shard_dtype)
@@ -226,16 +246,28 @@ class Chunk:
 
     def _new_payload(self, dtype: torch.dtype, *, zeroed: bool = True) -> torch.Tensor:
         """A payload buffer; ``zeroed=False`` when the caller overwrites every
-        element (a gather), which saves a pass over the whole chunk."""
+        element (a gather), which saves a pass over the whole chunk. The
+        storage of the last released payload is reused when it fits
+        [Note: one payload storage]."""
         nbytes = self.size * dtype.itemsize
         self._reserve(nbytes, "payload")
         self._held_bytes = nbytes
+        spare, self._spare = self._spare, None
+        if spare is not None and spare.dtype == dtype and spare.numel() == self.size:
+            spare.untyped_storage().resize_(nbytes)
+            return spare.zero_() if zeroed else spare
         if zeroed:
             return torch.zeros(self.size, dtype=dtype, device=self.device)
         return torch.empty(self.size, dtype=dtype, device=self.device)
 
-    def _drop_payload(self) -> None:
-        self.payload = None
+    def _drop_payload(self, *, in_place: bool = False) -> None:
+        """Drop the payload; ``in_place``: free its storage itself, which
+        tensors saved for backward may still view, and keep it for the next
+        gather [Note: one payload storage]."""
+        payload, self.payload = self.payload, None
+        if in_place and payload is not None and payload.storage_offset() == 0:
+            payload.untyped_storage().resize_(0)
+            self._spare = payload
         self._free(self._held_bytes, "payload")
         self._held_bytes = 0
 
@@ -458,7 +490,7 @@ class Chunk:
         if self._uploading is not None:  # its device memory lives until the copy is done
             self._uploading = None
             self._free(self.shard_bytes, "upload")
-        self._drop_payload()
+        self._drop_payload(in_place=True)
         self._point_params()
         self.state = ChunkState.FREE
         self._grads_set_aside = False

@@ -172,7 +172,8 @@ def _run(args: argparse.Namespace, source: Path, out: Path) -> None:
         raise SystemExit(2) from None
     except DiskWriteError as error:  # [Note: disk errors named in pc_booster.checkpoint.disk]
         remove_orphans(out)  # what this export wrote: no index names it
-        fix = "free space there, or pass an OUT on a larger disk" if error.full else "pass a writable OUT"
+        fix = "free space there or pass an OUT on a larger disk"
+        fix = fix if error.full else "pass a writable OUT"
         print(f"pc-export: error: {error}; {fix}, then run pc-export again.", file=sys.stderr)
         raise SystemExit(2 if error.user_fixable else 1) from None
     size = plan.total_bytes() / 2**20

@@ -24,6 +24,7 @@ __all__ = [
     "EXIT_FAILURE",
     "EXIT_USER_ERROR",
     "bytes_text",
+    "declared_codes",
     "describe_failure",
     "fail",
     "leave",
@@ -77,6 +78,23 @@ def _write_whole(path: Path, text: str) -> None:
     partial = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     partial.write_text(text)
     os.replace(partial, path)
+
+
+def declared_codes(folder: Path) -> set[int]:
+    """The exit codes the ranks that failed with a line (:func:`fail`)
+    declared in the launcher's error directory ``folder``. The launcher
+    counts them with those torch's launcher saw: a rank that fails on its
+    own error (out of memory, a full disk: code 2) is still tearing down
+    when a peer, seeing its connection close, leaves with code 1 at once,
+    and torch's launcher records only the first exit it polls, then stops
+    the rest [Note: exit codes]."""
+    codes: set[int] = set()
+    for path in folder.glob("rank*.code"):
+        try:
+            codes.add(int(path.read_text()))
+        except (OSError, ValueError):
+            continue
+    return codes
 
 
 def note(message: str, overwrite: bool = False) -> None:
@@ -211,6 +229,7 @@ def fail(message: str, code: int = EXIT_USER_ERROR) -> NoReturn:
     folder = os.environ.get(ERROR_DIR)
     if folder:  # our own launcher prints it once
         path = Path(folder, f"rank{os.environ.get('RANK', '0')}.txt")
+        _write_whole(path.with_suffix(".code"), str(code))  # first: see declared_codes
         _write_whole(path, f"error: {message}")
     else:
         print(f"pc-train: error: {message}", file=sys.stderr, flush=True)

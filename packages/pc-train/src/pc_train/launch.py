@@ -30,12 +30,15 @@ from pc_train.failures import (
     ERROR_DIR,
     EXIT_FAILURE,
     EXIT_USER_ERROR,
+    declared_codes,
     describe_failure,
     fail,
     leave,
     traceback_file,
 )
 from pc_train.faults import join_memory_cgroup
+from pc_train.lock import LOCK_NAME
+from pc_train.orphans import keep_lock_from_forks, watch_launcher
 from pc_train.stopping import Phases
 from pc_train.train_config import TrainConfig
 from pc_train.trainer import train
@@ -62,6 +65,10 @@ def run_rank(config: TrainConfig, reasons: Sequence[str]) -> None:
     signal.signal(signal.SIGINT, signal.default_int_handler)
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
         signal.signal(sig, signal.SIG_DFL)
+    # A rank outlives neither its launcher nor (through a fork) its lock
+    # [Note: orphaned ranks in pc_train.orphans].
+    launcher = watch_launcher(os.environ.get("RANK", "?"), str(config.checkpoint_dir))
+    keep_lock_from_forks(Path(config.output_dir) / LOCK_NAME)
 
     # The Booster re-points the LR schedule at the optimizer it rebuilt;
     # torch's check for a wrapped step() cannot see that.
@@ -88,6 +95,8 @@ def run_rank(config: TrainConfig, reasons: Sequence[str]) -> None:
         tune_host_allocator()  # no page faults for memory freed last step [Note: host allocator]
     phases = Phases()
     rank = context.env.rank
+    if launcher is not None:
+        launcher.where = lambda: phases.current
     try:
         join_memory_cgroup(rank)  # PC_TRAIN_CGROUP: the memory tests' per-rank caps
         memory_limits.record(rank, os.environ.get(ERROR_DIR))  # [Note: out of memory, named]
@@ -104,6 +113,8 @@ def run_rank(config: TrainConfig, reasons: Sequence[str]) -> None:
             text += f" (traceback: {log})" if log else ""
         fail(f"rank {rank} in {phases.current}: {text}", code)
     finally:
+        if launcher is not None:  # its work is over: a launcher gone now ends it silently
+            launcher.done = True
         health.stop_board()
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -142,7 +153,7 @@ def _report_failure(failure: Any, errors: Path, config: TrainConfig) -> None:
     notes = sorted(errors.glob("rank*.txt"), key=lambda p: int(p.stem[4:]))
     messages = list(dict.fromkeys(p.read_text() for p in notes))  # by rank, each once
     failures = failure.failures
-    codes = {f.exitcode for f in failures.values()}
+    codes = {f.exitcode for f in failures.values()} | declared_codes(errors)  # [Note: exit codes]
     if codes == {130}:
         raise SystemExit(130)
     killed = [r for r, f in failures.items() if f.exitcode < 0 and f.signal_name() != "SIGTERM"]

@@ -12,6 +12,7 @@ for GPU runs. Dropout is off in every preset, so runs are deterministic.
 from __future__ import annotations
 
 import json
+import pickle
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -157,6 +158,12 @@ def resolve_model(model: str, seq_len: int) -> ModelSpec:
             "config .json file, or a directory saved with save_pretrained."
         )
     config_file = path / "config.json" if path.is_dir() else path
+    if path.is_file() and path.suffix in _WEIGHT_FILES:  # never read: it may be a pickle
+        raise ValueError(
+            f"model {model!r}: {path} is a weights file, not a config; pass the directory "
+            f"that holds it with its config.json (save_pretrained writes both), or a config "
+            ".json file."
+        )
     if not config_file.is_file():
         raise ValueError(
             f"model {model!r}: {config_file} does not exist; pass a config .json file or a "
@@ -173,7 +180,48 @@ def resolve_model(model: str, seq_len: int) -> ModelSpec:
         (path / name).exists()
         for name in ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
     )
+    if weights:  # a pickle named in the safetensors index is refused, naming it
+        from pc_booster.checkpoint.files import check_index_names
+
+        check_index_names(path)
     return ModelSpec(str(path), config, path if weights else None)
+
+
+# Files of weights, not configs: --model names their directory.
+_WEIGHT_FILES = (".bin", ".pt", ".pth", ".ckpt", ".safetensors")
+
+
+def _from_pretrained(path: Path) -> nn.Module:
+    """``from_pretrained`` of ``path``; a pickle there that names code
+    (torch's weights-only unpickler refuses it) is refused naming the file."""
+    try:
+        model: nn.Module = _transformers().AutoModelForCausalLM.from_pretrained(str(path))
+    except pickle.UnpicklingError as error:
+        from pc_booster.checkpoint import refuse_weights_only
+
+        raise refuse_weights_only(error, str(_refused_file(path))) from None
+    return model
+
+
+def _refused_file(path: Path) -> Path:
+    """Which pickle of ``path``'s weights torch's weights-only unpickler
+    refuses (its directory when none alone is)."""
+    names = {"pytorch_model.bin"}
+    try:
+        index = json.loads((path / "pytorch_model.bin.index.json").read_text())
+        names = set(index["weight_map"].values())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        pass
+    for name in sorted(names):
+        if "/" in name or name in (".", ".."):  # only files of path itself are read
+            continue
+        try:
+            torch.load(path / name, map_location="cpu", mmap=True, weights_only=True)
+        except pickle.UnpicklingError:
+            return path / name
+        except Exception:  # missing, truncated: not the one refused
+            continue
+    return path
 
 
 def build_model(
@@ -188,8 +236,7 @@ def build_model(
     (:func:`reads_pretrained_after_boost`)."""
     tf = _transformers()
     if spec.pretrained is not None and not (lazy and reads_pretrained_after_boost(spec)):
-        model: nn.Module = tf.AutoModelForCausalLM.from_pretrained(str(spec.pretrained))
-        return _causal_loss(model).to(device)
+        return _causal_loss(_from_pretrained(spec.pretrained)).to(device)
     torch.manual_seed(seed)
     context: Any = torch.device(device)
     if lazy:

@@ -25,7 +25,7 @@ from pc_train.cost import gib_text, model_shape
 from pc_train.data import corpus_bytes_available, min_corpus_tokens, tokenizer_source
 from pc_train.failures import bytes_text, os_reason
 from pc_train.hardware import DeviceInfo
-from pc_train.models import ModelSpec, resolve_model
+from pc_train.models import MODEL_PRESETS, ModelSpec, resolve_model
 from pc_train.options import PluginKind, PluginOptions
 from pc_train.planner import Cluster, search
 from pc_train.signing import signing_key
@@ -42,6 +42,7 @@ def prepare(
     the caller forks its workers afterwards (see
     :func:`pc_train.train._start_method`)."""
     spec = resolve_model(config.model, config.seq_len)
+    _check_sequence(config, spec)  # first: every size below grows with it
     _check_inputs(config, spec)
     reasons: list[str] = []
     if config.plugin == "auto":
@@ -209,6 +210,22 @@ def _check_splits(config: TrainConfig, spec: ModelSpec, options: Any, dp: int) -
         raise ValueError(
             f"--seq-len {config.seq_len} does not split over --tp {options.tp} ranks "
             f"(--sequence-parallel); use a multiple of {options.tp}."
+        )
+
+
+# The longest --seq-len a preset takes: its positions follow --seq-len, so
+# nothing else bounds it (a config's max_position_embeddings bounds its own).
+PRESET_LONGEST = 2**20
+
+
+def _check_sequence(config: TrainConfig, spec: ModelSpec) -> None:
+    """--seq-len within what the model accepts, checked before anything
+    whose size grows with it (the plan, the checkpoints' room on disk)."""
+    if config.model in MODEL_PRESETS and config.seq_len > PRESET_LONGEST:
+        raise ValueError(
+            f"--seq-len {config.seq_len:,} is longer than a preset model takes "
+            f"({PRESET_LONGEST:,} tokens: its position table grows with --seq-len); use a "
+            "shorter --seq-len, or --model a config whose max_position_embeddings allows it."
         )
     positions = _max_positions(spec)
     if positions is not None and config.seq_len > positions:

@@ -28,7 +28,7 @@ from pc_train.failures import EXIT_USER_ERROR, describe_failure
 from pc_train.launch import launch_local, run_rank
 from pc_train.lock import RunLockedError, run_lock
 from pc_train.models import MODEL_PRESETS
-from pc_train.plan import prepare
+from pc_train.plan import prepare, remove_unfinished
 from pc_train.train_config import TrainConfig, parse_args
 from pc_train.trainer import NonFiniteLossError, Trainer, train
 
@@ -92,6 +92,9 @@ def main(argv: Sequence[str] | None = None) -> None:
             except RunLockedError as error:
                 print(f"pc-train: error: {error}", file=sys.stderr)
                 raise SystemExit(EXIT_USER_ERROR) from None
+            removed = remove_unfinished(config.checkpoint_dir)  # ours now: the lock is held
+            if removed:
+                print(f"pc-train: removed {', '.join(removed)}: unfinished save(s)", flush=True)
         if under_torchrun:  # join torchrun's job
             run_rank(config, reasons)
             return

@@ -29,6 +29,7 @@ from pc_zero.safe_load import (
     UnsafeCheckpointError,
     named_dcp_failures,
     read_metadata,
+    refuse_weights_only,
     safe_load_bytes,
 )
 from pc_zero.sharded import MixedPrecision, ShardedModule
@@ -69,6 +70,7 @@ __all__ = [
     "named_dcp_failures",
     "plan_buckets",
     "read_metadata",
+    "refuse_weights_only",
     "safe_load_bytes",
     "save_sharded_checkpoint",
     "searched_chunk_size",

@@ -38,6 +38,7 @@ __all__ = [
     "legacy_loads",
     "named_dcp_failures",
     "read_metadata",
+    "refuse_weights_only",
     "restricted_load",
     "safe_load_bytes",
 ]
@@ -126,11 +127,7 @@ def safe_load_bytes(value: IO[bytes], source: str) -> Any:
     try:
         return torch.load(value, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as error:
-        detail = _weights_only_detail(str(error))
-        raise UnsafeCheckpointError(
-            f"{source} holds a pickled object pc does not load (unpickling it could run "
-            f"code): {detail}. Do not load a checkpoint of unknown origin."
-        ) from None
+        raise refuse_weights_only(error, source) from None
 
 
 def _weights_only_detail(message: str) -> str:
@@ -140,6 +137,26 @@ def _weights_only_detail(message: str) -> str:
         if "WeightsUnpickler error" in line or "unsupported global" in line.lower():
             return line.removeprefix("WeightsUnpickler error: ")
     return lines[0] if lines else "unknown"
+
+
+def _unreadable(path: Path, error: Exception) -> ValueError:
+    lines = str(error).strip().splitlines()
+    return ValueError(
+        f"{path} is not readable DCP metadata: it is garbled or cut short "
+        f"({type(error).__name__}: {lines[0] if lines else 'no message'}). Load an earlier "
+        "checkpoint, or save this one again."
+    )
+
+
+def refuse_weights_only(error: Exception, source: str) -> UnsafeCheckpointError:
+    """``torch.load(weights_only=True)``'s refusal of ``source`` (a pickle
+    naming code) as an :class:`UnsafeCheckpointError` naming the file and
+    what it names, in one line."""
+    return UnsafeCheckpointError(
+        f"{source} holds a pickled object pc does not load (unpickling it could run "
+        f"code): {_weights_only_detail(str(error)).rstrip('.')}. Do not load a checkpoint of "
+        "unknown origin."
+    )
 
 
 class SafeFileSystemReader(FileSystemReader):
@@ -153,7 +170,12 @@ class SafeFileSystemReader(FileSystemReader):
         name = ".metadata" if rank is None else f"__{rank}.metadata"
         path = Path(str(self.path)) / name
         with open(path, "rb") as file:
-            metadata = restricted_load(file, f"checkpoint metadata {path}")
+            try:
+                metadata = restricted_load(file, f"checkpoint metadata {path}")
+            except UnsafeCheckpointError:
+                raise
+            except Exception as error:  # garbled or cut short: pickle's own words, named
+                raise _unreadable(path, error) from None
         if type(metadata).__name__ != "Metadata" or not hasattr(metadata, "state_dict_metadata"):
             raise UnsafeCheckpointError(
                 f"{path} is not DCP metadata (it holds a {type(metadata).__name__})."

@@ -29,5 +29,12 @@ write named: path, operation, cause and bytes, [Note: disk errors named]).
 
 from pc_booster.checkpoint.disk import DiskWriteError, named_disk_errors
 from pc_booster.checkpoint.io import CheckpointIO
+from pc_zero import UnsafeCheckpointError, refuse_weights_only
 
-__all__ = ["CheckpointIO", "DiskWriteError", "named_disk_errors"]
+__all__ = [
+    "CheckpointIO",
+    "DiskWriteError",
+    "UnsafeCheckpointError",
+    "named_disk_errors",
+    "refuse_weights_only",
+]

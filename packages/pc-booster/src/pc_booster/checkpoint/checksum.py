@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -44,6 +45,7 @@ __all__ = [
     "file_checksum",
     "file_checksums",
     "metadata_entry",
+    "read_safetensors_header",
     "read_sidecar",
     "tensor_checksums",
     "verify_safetensors",
@@ -233,16 +235,50 @@ def check_tensors(
                 raise _mismatch(file, name, actual, expected)
 
 
+# safetensors' own bound on a header; a longer one is not a safetensors file.
+_MAX_HEADER = 100 * 2**20
+
+
+def _not_safetensors(file: Path, head: bytes, why: str) -> ChecksumError:
+    is_pickle = head[:4] == b"PK\x03\x04" or head[:1] == b"\x80"  # torch.save's zip, a bare pickle
+    kind = "; it is a pickle (torch.save's format)" if is_pickle else ""
+    return ChecksumError(
+        f"{file} is not a safetensors file ({why}{kind}): pc reads it as safetensors only. "
+        "Re-save the model with safetensors (save_pretrained(..., safe_serialization=True))."
+    )
+
+
+def read_safetensors_header(file: Path) -> tuple[dict[str, Any], int]:
+    """The JSON header of safetensors ``file`` and where its data starts,
+    read within bounds: a file of another kind (a pickle named in an index)
+    raises :class:`ChecksumError` naming it, never allocates what its first
+    bytes claim."""
+    with open(file, "rb") as stream:
+        head = stream.read(8)
+        size = os.fstat(stream.fileno()).st_size
+        if len(head) < 8:
+            raise _not_safetensors(file, head, f"it has {size} bytes, no header")
+        (length,) = struct.unpack("<Q", head)
+        if length > min(_MAX_HEADER, size - 8):
+            why = f"its first 8 bytes give a header of {length:,} bytes; the file has {size:,}"
+            raise _not_safetensors(file, head, why)
+        try:
+            header = json.loads(stream.read(length))
+        except ValueError:
+            header = None
+    if not isinstance(header, dict):
+        raise _not_safetensors(file, head, "its header is not a JSON object")
+    return header, 8 + length
+
+
 def verify_safetensors(file: Path) -> None:
     """Stream safetensors ``file``'s tensors against its checksums."""
-    with open(file, "rb") as stream:
-        (length,) = struct.unpack("<Q", stream.read(8))
-        header = json.loads(stream.read(length))
+    header, start = read_safetensors_header(file)
     for name, expected in _recorded(file, header.get("__metadata__")).items():
         entry = header.get(name)
         if entry is None:
             continue
         begin, end = entry["data_offsets"]
-        actual = f"{_stream_crc(file, 8 + length + begin, 8 + length + end):08x}"
+        actual = f"{_stream_crc(file, start + begin, start + end):08x}"
         if actual != expected:
             raise _mismatch(file, name, actual, expected)

@@ -27,10 +27,9 @@ from __future__ import annotations
 import errno
 import os
 import shutil
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 __all__ = ["DiskWriteError", "disk_write_error", "named_disk_errors"]
 
@@ -41,7 +40,15 @@ _STREAM_ERRORS = (
     "unexpected pos",
     "file write failed",
     "PytorchStreamWriter failed",
+    "open file failed",
 )
+# The strerror torch's writers quote when they have one.
+_STRERRORS = {
+    "No space left on device": errno.ENOSPC,
+    "Disk quota exceeded": errno.EDQUOT,
+    "Read-only file system": errno.EROFS,
+    "Permission denied": errno.EACCES,
+}
 _FULL = (errno.ENOSPC, errno.EDQUOT)
 _NOT_WRITABLE = (errno.EROFS, errno.EACCES, errno.EPERM)
 
@@ -150,7 +157,8 @@ def disk_write_error(
     folder = _existing(target if target.is_dir() else target.parent)
     code = cause.errno if cause is not None and cause.errno is not None else None
     if code is None:
-        code = _stream_cause(folder, needed)
+        quoted = [number for words, number in _STRERRORS.items() if words in text]
+        code = quoted[0] if quoted else _stream_cause(folder, needed)
     free = total = None
     try:
         usage = shutil.disk_usage(folder)
@@ -175,20 +183,43 @@ def disk_write_error(
     return DiskWriteError(code, message, str(target), operation, free, total, needed)
 
 
-@contextmanager
+class _Named(AbstractContextManager[None]):
+    """:func:`named_disk_errors`: a class, not a generator, so that no frame
+    of its own keeps the failed write's traceback (:func:`_drop_frames`)."""
+
+    def __init__(self, path: str | os.PathLike[str], operation: str, needed: int | None) -> None:
+        self.path, self.operation, self.needed = path, operation, needed
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, trace: Any
+    ) -> Literal[False]:
+        del trace  # this frame lives on in the named error's traceback
+        if not isinstance(error, Exception) or isinstance(error, DiskWriteError):
+            return False
+        named = disk_write_error(error, self.path, self.operation, self.needed)
+        if named is None:
+            return False
+        _drop_frames(error)
+        raise named from error
+
+
 def named_disk_errors(
     path: str | os.PathLike[str], operation: str, needed: int | None = None
-) -> Iterator[None]:
+) -> AbstractContextManager[None]:
     """Raise what fails writing ``path`` inside it as a :class:`DiskWriteError`
-    naming ``path``, ``operation`` (``"torch.save of the RNG state"``; ""
-    when the path says enough) and the cause, with ``needed`` bytes where known [Note: disk errors named];
-    other exceptions pass unchanged."""
-    try:
-        yield
-    except DiskWriteError:
-        raise
-    except Exception as error:
-        named = disk_write_error(error, path, operation, needed)
-        if named is None:
-            raise
-        raise named from error
+    naming ``path``, ``operation`` (``"rank 0's RNG state"``; "" when the
+    path says enough) and the cause, with the ``needed`` bytes where known
+    [Note: disk errors named]; other exceptions pass unchanged."""
+    return _Named(path, operation, needed)
+
+
+def _drop_frames(error: BaseException) -> None:
+    """Let go of the failed writer's frames: they hold its open file, and
+    with it the space the write took, for as long as the error lives (a
+    caller that catches it and goes on). Its words are in the message."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        current.__traceback__ = None
+        current = current.__cause__ or current.__context__

@@ -185,9 +185,10 @@ def atomic_write(path: Path, write: Any) -> None:
     when the write fails. The rename replaces a link at ``path`` itself
     [Note: paths pc touches in ``pc_booster.checkpoint.paths``]."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    create_file(tmp)
+    with named_disk_errors(path, ""):  # [Note: disk errors named in .disk]
+        create_file(tmp)
     try:
-        with named_disk_errors(path, ""):  # [Note: disk errors named in .disk]
+        with named_disk_errors(path, ""):
             write(tmp)
             os.replace(tmp, path)
     except BaseException:

@@ -4,6 +4,7 @@ what is read, and tied weights' aliases."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from concurrent.futures import Future
 from contextlib import AbstractContextManager
 from functools import partial
@@ -171,11 +172,27 @@ def distinct(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+def check_index_names(directory: Path, names: Iterable[str] | None = None) -> None:
+    """The files the safetensors index of ``directory`` names (``names``:
+    as read already) are safetensors files by name: a pickle named there is
+    refused, naming it, never read (:class:`~.checksum.ChecksumError`)."""
+    listed = sorted(indexed_files(directory) if names is None else names)
+    other = [name for name in listed if not name.endswith(".safetensors")]
+    if other:
+        raise checksum.ChecksumError(
+            f"{directory / INDEX} names {other[0]}, which is not a safetensors file: an "
+            "index of safetensors shards names .safetensors files only, and pc reads them as "
+            "safetensors, never as pickles. Re-save the model with safetensors "
+            "(save_pretrained(..., safe_serialization=True)), or fix the index."
+        )
+
+
 def verify_safetensors_files(directory: Path, collective: bool) -> None:
     """The safetensors files a load of ``directory`` reads (those its index
     names, else model.safetensors) against their checksums, split over the
     ranks with ``collective``."""
     names = sorted(indexed_files(directory) or {WEIGHTS})
+    check_index_names(directory, names)
     files = [directory / name for name in names if (directory / name).is_file()]
     checks = [partial(checksum.verify_safetensors, file) for file in files]
     checksum.verify_split(checks, collective)
@@ -203,11 +220,11 @@ def save_sharded(
     # files removed [Note: disk errors named in pc_booster.checkpoint.disk].
     what = f"rank {rank}'s share of the sharded save"
     try:
-        with named_disk_errors(out, what, share_bytes(state)):
-            with named_failures(f"the sharded save to {out}"):
-                planner = PiecesSavePlanner(flatten_state_dict=False)
-                writer = FileSystemWriter(str(out), thread_count=files)
-                metadata = save(state, storage_writer=writer, planner=planner, process_group=group)
+        named = named_disk_errors(out, what, share_bytes(state))
+        with named, named_failures(f"the sharded save to {out}"):
+            planner = PiecesSavePlanner(flatten_state_dict=False)
+            writer = FileSystemWriter(str(out), thread_count=files)
+            metadata = save(state, storage_writer=writer, planner=planner, process_group=group)
     except DiskWriteError:
         _remove_unfinished(out, rank)
         raise

@@ -1,0 +1,112 @@
+"""Issue 56: at the end of forward, ZeRO-3 over chunks holds its shards and
+at most one gathered chunk, not the whole gathered model ([Note: one
+payload storage] in pc_chunk.chunk). What autograd saved for backward is
+counted from outside (every storage reachable from the loss's graph) with
+the chunks' own payloads; before, each linear layer's saved ``weight.t()``
+kept its released payload alive, so the whole fp32 model was live until
+backward. Training stays equal to single-process training."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pc_chunk import ChunkState
+from pc_comm.testing import run_subtests
+from pc_zero import GeminiDDP
+
+pytestmark = pytest.mark.timeout(300)
+
+LAYERS, WIDTH, STEPS = 8, 256, 3
+
+
+def _mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(LAYERS):
+        layers += [nn.Linear(WIDTH, WIDTH), nn.Tanh()]
+    return nn.Sequential(*layers)
+
+
+def _saved_storages(loss: torch.Tensor) -> dict[int, int]:
+    """Every storage autograd saved for backward, by address: its bytes."""
+    found: dict[int, int] = {}
+    seen: set[int] = set()
+    stack: list[Any] = [loss.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        for name in dir(node):
+            if name.startswith("_saved_"):
+                try:
+                    value = getattr(node, name)
+                except RuntimeError:  # freed already
+                    continue
+                if isinstance(value, torch.Tensor):
+                    storage = value.untyped_storage()
+                    found[storage.data_ptr()] = storage.nbytes()
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return found
+
+
+def check_forward_holds_one_chunk(checkpointing: bool) -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    reference = _mlp()
+    layer = WIDTH * WIDTH + WIDTH
+    quantum = 64 * world
+    model = GeminiDDP(_mlp(), chunk_size=-(-layer // quantum) * quantum)  # a layer a chunk
+    chunks = model.manager.chunks
+    assert len(chunks) == LAYERS
+    chunk_bytes = max(c.payload_bytes for c in chunks)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for step in range(STEPS):
+        x = torch.randn(2 * world, WIDTH, generator=torch.Generator().manual_seed(step))
+        ref_loss = reference(x).square().mean()
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        mine = x[rank * 2 : rank * 2 + 2]
+        if checkpointing:
+            from torch.utils.checkpoint import checkpoint
+
+            out = checkpoint(model, mine, use_reentrant=False)
+        else:
+            out = model(mine)
+        loss = out.square().mean()
+        # Under recomputation forward saves no weights (and reading a saved
+        # tensor would recompute it): the chunks' own payloads only.
+        live = {} if checkpointing else _saved_storages(loss)
+        for chunk in chunks:  # and what the chunks hold gathered
+            if chunk.payload is not None:
+                storage = chunk.payload.untyped_storage()
+                live[storage.data_ptr()] = storage.nbytes()
+        held = sum(live.values())
+        activations = 4 * LAYERS * 2 * WIDTH * 4 * 2  # inputs and outputs saved, generous
+        assert held <= chunk_bytes + activations, (
+            f"step {step}: {held} bytes live at the end of forward, more than one gathered "
+            f"chunk ({chunk_bytes}) and the activations ({activations}); the model's payloads "
+            f"are {sum(c.payload_bytes for c in chunks)} bytes"
+        )
+        assert sum(c.state is not ChunkState.FREE for c in chunks) <= 1
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        torch.testing.assert_close(mean / world, ref_loss.detach(), rtol=1e-5, atol=1e-6)
+    with model.summon_full_params():
+        for (name, ours), theirs in zip(
+            model.module.named_parameters(), reference.parameters(), strict=True
+        ):
+            torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_forward_holds_at_most_one_gathered_chunk() -> None:
+    run_subtests(check_forward_holds_one_chunk, 2, {"checkpointing": [False, True]})
