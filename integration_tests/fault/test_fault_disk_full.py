@@ -18,14 +18,14 @@ import os
 import re
 import subprocess
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 import fault_runs
 import pytest
 
 from pc_booster.checkpoint.checksum import verify_sidecar
+from pc_comm.testing import small_tmpfs
 from pc_train.checkpoint import load_trainer_state
 from pc_train.train_config import TrainConfig
 
@@ -37,19 +37,9 @@ SETTINGS = ["--model", "gpt2-tiny", "--plugin", "ddp", "--eval-every", "0", "--n
 FIX = "free space there or pass --output-dir on a larger disk, then --resume."
 
 
-@contextmanager
-def _tmpfs(path: Path, size: str) -> Iterator[Path]:
+def _tmpfs(path: Path, size: str) -> AbstractContextManager[Path]:
     """A small file system of its own at ``path`` (needs root)."""
-    path.mkdir(parents=True, exist_ok=True)
-    mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True
-    )
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs: {mounted.stderr.decode().strip()}")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", str(path)], check=True)
+    return small_tmpfs(path, f"size={size}")
 
 
 def _train(out: Path, *argv: str, fault: str = "") -> subprocess.CompletedProcess[str]:

@@ -16,13 +16,12 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import fault_runs
 import pytest
 
+from pc_comm.testing import small_tmpfs
 from pc_train.train import main
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
@@ -39,19 +38,7 @@ def _run(*argv: str, fault: str = "") -> tuple[subprocess.CompletedProcess[str],
     return done, time.monotonic() - start
 
 
-@contextmanager
-def _tmpfs(path: Path, options: str) -> Iterator[Path]:
-    """A small file system of its own at ``path`` (needs root)."""
-    path.mkdir(parents=True, exist_ok=True)
-    mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True
-    )
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs: {mounted.stderr.decode().strip()}")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", str(path)], check=True)
+_tmpfs = small_tmpfs
 
 
 def test_an_unexpected_exception_reaches_the_user_in_one_line(tmp_path: Path) -> None:

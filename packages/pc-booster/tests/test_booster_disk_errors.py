@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import errno
 import pickle
-import subprocess
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -18,20 +16,9 @@ import torch
 
 from pc_booster.checkpoint import DiskWriteError, named_disk_errors
 from pc_booster.checkpoint.export import atomic_write
+from pc_comm.testing import small_tmpfs
 
-
-@contextmanager
-def _tmpfs(path: Path, options: str) -> Iterator[Path]:
-    path.mkdir(parents=True, exist_ok=True)
-    mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True
-    )
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs: {mounted.stderr.decode().strip()}")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", str(path)], check=True)
+_tmpfs = small_tmpfs
 
 
 def _fill(disk: Path) -> None:

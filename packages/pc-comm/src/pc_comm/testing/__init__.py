@@ -6,13 +6,15 @@ group. A rank that raises, dies or hangs fails the test within its timeout
 with that rank's traceback or stack. ``run_torchrun_agents`` starts real
 torchrun agents as simulated nodes; ``tiny_gpt2`` is the small model the
 parity tests train; ``assert_exits_cleanly`` runs a script repeatedly and
-requires a clean exit every time. See docs/testing.md.
+requires a clean exit every time; ``small_tmpfs`` mounts a small file
+system for the disk tests. See docs/testing.md.
 """
 
 from pc_comm.testing._fixtures import (
     assert_exits_cleanly,
     one_process_group,
     run_torchrun_agents,
+    small_tmpfs,
     tiny_gpt2,
 )
 from pc_comm.testing._harness import (
@@ -33,6 +35,7 @@ __all__ = [
     "preload",
     "run_subtests",
     "run_torchrun_agents",
+    "small_tmpfs",
     "spawn",
     "tiny_gpt2",
 ]

@@ -103,3 +103,23 @@ def assert_exits_cleanly(script: Path, runs: int, timeout: float = 120.0) -> Non
         tail = done.stderr[-2000:]
         assert done.returncode == 0, f"run {attempt + 1}: exit status {done.returncode}\n{tail}"
         assert "terminate called" not in done.stderr, f"run {attempt + 1}: C++ abort\n{tail}"
+
+
+@contextmanager
+def small_tmpfs(path: Path, options: str) -> Iterator[Path]:
+    """A file system of its own at ``path`` for the block (a tmpfs mounted
+    with ``options``, e.g. ``size=4m`` or ``size=1m,ro``): the disk-full and
+    read-only tests. Needs root; skips the test (``unittest.SkipTest``, which
+    pytest honours) where the mount is refused."""
+    import unittest
+
+    path.mkdir(parents=True, exist_ok=True)
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True
+    )
+    if mounted.returncode != 0:
+        raise unittest.SkipTest(f"cannot mount a tmpfs: {mounted.stderr.decode().strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", str(path)], check=True)
