@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from pc_booster.checkpoint import DiskWriteError
+from pc_booster.checkpoint.disk import errno_error, error_chain
 from pc_train import memory_limits
 from pc_train.memory_limits import bytes_text
 from pc_train.train_config import TrainConfig
@@ -110,28 +111,9 @@ def note(message: str, overwrite: bool = False) -> None:
         _write_whole(path, message)
 
 
-def _os_error(error: BaseException) -> OSError | None:
-    """The OSError behind ``error`` (itself, or along its causes)."""
-    seen: set[int] = set()
-    current: BaseException | None = error
-    while current is not None and id(current) not in seen:
-        if isinstance(current, OSError) and current.errno is not None:
-            return current
-        seen.add(id(current))
-        current = current.__cause__ or current.__context__
-    return None
-
-
 def _named_write(error: BaseException) -> DiskWriteError | None:
     """The named failed write behind ``error`` (itself, or along its causes)."""
-    seen: set[int] = set()
-    current: BaseException | None = error
-    while current is not None and id(current) not in seen:
-        if isinstance(current, DiskWriteError):
-            return current
-        seen.add(id(current))
-        current = current.__cause__ or current.__context__
-    return None
+    return next((e for e in error_chain(error) if isinstance(e, DiskWriteError)), None)
 
 
 def _disk_full(error: BaseException, out: Path) -> bool:
@@ -168,7 +150,7 @@ def describe_failure(error: BaseException, config: TrainConfig) -> tuple[int, st
         line = " ".join(str(named).split())
         code = EXIT_USER_ERROR if named.user_fixable else EXIT_FAILURE
         return code, f"{type(named).__name__}: {line}; {fix}, then --resume."
-    cause = _os_error(error)
+    cause = errno_error(error)
     full = cause is not None and cause.errno in (errno.ENOSPC, errno.EDQUOT)
     if full or (cause is None and _disk_full(error, out)):
         where = Path(cause.filename) if cause is not None and cause.filename else out

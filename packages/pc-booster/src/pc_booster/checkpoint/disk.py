@@ -27,11 +27,18 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, Literal
 
-__all__ = ["DiskWriteError", "disk_write_error", "named_disk_errors"]
+__all__ = [
+    "DiskWriteError",
+    "disk_write_error",
+    "errno_error",
+    "error_chain",
+    "named_disk_errors",
+]
 
 # What torch's writers say when a write came out short (no errno).
 _STREAM_ERRORS = (
@@ -105,16 +112,21 @@ class DiskWriteError(OSError):
         )  # fmt: skip
 
 
-def _oserror(error: BaseException) -> OSError | None:
-    """The OSError with an errno behind ``error`` (itself or a cause)."""
+def error_chain(error: BaseException) -> Iterator[BaseException]:
+    """``error``, then what caused it (``__cause__``, else ``__context__``),
+    each once."""
     seen: set[int] = set()
     current: BaseException | None = error
     while current is not None and id(current) not in seen:
-        if isinstance(current, OSError) and current.errno is not None:
-            return current
+        yield current
         seen.add(id(current))
         current = current.__cause__ or current.__context__
-    return None
+
+
+def errno_error(error: BaseException) -> OSError | None:
+    """The OSError with an errno behind ``error`` (itself or a cause)."""
+    found = (e for e in error_chain(error) if isinstance(e, OSError) and e.errno is not None)
+    return next(found, None)
 
 
 def _existing(path: Path) -> Path:
@@ -150,7 +162,7 @@ def disk_write_error(
     if isinstance(error, DiskWriteError):
         return error
     target = Path(path)
-    cause = _oserror(error)
+    cause = errno_error(error)
     text = " ".join(str(error).split())
     if cause is None and not any(words in text for words in _STREAM_ERRORS):
         return None
