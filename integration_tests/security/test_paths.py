@@ -10,7 +10,7 @@
   shard files and metadata, the shards, ``config.json``, the export's
   staging folder) are replaced, never written through;
 - pc-train: a symlinked ``step-N.partial`` or ``step-N`` is replaced (the
-  link only), a symlinked ``checkpoints/`` refused with one line and exit
+  link only), a symlinked ``checkpoints/``, ``logs/`` or ``tensorboard/`` refused with one line and exit
   code 2; nothing is written outside;
 - checkpoint names compare by step number (``step-1000000`` is newer than
   ``step-999999``) in ``latest``, keep-last and resume."""
@@ -165,11 +165,12 @@ def test_symlinked_step_directories_are_replaced(tmp_path: Path) -> None:
     assert not (checkpoints / "step-000002.partial").exists()
 
 
-def test_a_symlinked_checkpoints_directory_is_refused(tmp_path: Path) -> None:
+@pytest.mark.parametrize("folder", ["checkpoints", "logs", "tensorboard"])
+def test_a_symlinked_run_directory_is_refused(folder: str, tmp_path: Path) -> None:
     outside = _outside(tmp_path)
     out = tmp_path / "run"
     out.mkdir()
-    (out / "checkpoints").symlink_to(outside / "linked", target_is_directory=True)
+    (out / folder).symlink_to(outside / "linked", target_is_directory=True)
     argv = [sys.executable, "-m", "pc_train.train", *fault_runs.argv(2), "--output-dir", str(out)]
     done = fault_runs.run_command(argv, timeout=120)
     assert done.returncode == 2, done.stderr[-2000:]

@@ -99,10 +99,11 @@ _MUST_MATCH = (
 )
 
 
-# Why pc refuses a link at ``<output-dir>/checkpoints``, and the fix.
+# Why pc refuses a link at ``<output-dir>/checkpoints`` (or ``logs``,
+# ``tensorboard``), and the fix.
 CHECKPOINTS_LINK_FIX = (
-    "To keep checkpoints on another disk, pass an --output-dir there (it may itself be a "
-    "link), or remove the link."
+    "To keep a run's checkpoints and logs on another disk, pass an --output-dir there (it "
+    "may itself be a link), or remove the link."
 )
 
 

@@ -67,7 +67,9 @@ def prepare(
     _check_splits(config, spec, options, dp)
     preflight(config, spec)
     # [Note: paths pc touches in pc_booster.checkpoint.paths]
-    refuse_link(config.checkpoint_dir, CHECKPOINTS_LINK_FIX)
+    out = Path(config.output_dir)
+    for own in (config.checkpoint_dir, out / "logs", out / "tensorboard"):
+        refuse_link(own, CHECKPOINTS_LINK_FIX)
     signing_key()  # a PC_CHECKPOINT_KEY too short to sign with is refused before any rank starts
     if config.resume == "auto":  # restarts of one command line: resume when there is one
         config = replace(config, resume="latest" if has_checkpoint(config.checkpoint_dir) else None)
