@@ -10,8 +10,8 @@
   shard files and metadata, the shards, ``config.json``, the export's
   staging folder) are replaced, never written through;
 - pc-train: a symlinked ``step-N.partial`` or ``step-N`` is replaced (the
-  link only), a symlinked ``checkpoints/``, ``logs/`` or ``tensorboard/`` refused with one line and exit
-  code 2; nothing is written outside;
+  link only), a symlinked ``checkpoints/``, ``logs/`` or ``tensorboard/``
+  refused with one line and exit code 2; nothing is written outside;
 - checkpoint names compare by step number (``step-1000000`` is newer than
   ``step-999999``) in ``latest``, keep-last and resume."""
 
