@@ -123,6 +123,14 @@ def _is_expert_key(key: str, style: str) -> bool:
     return style.startswith("moe") or ".experts" in f".{key}" or key.endswith("experts")
 
 
+# Why pc refuses mixture-of-experts blocks under tensor parallelism, and what to do.
+_NO_EXPERT_TP = (
+    "pc has no tensor parallelism of experts, so it refuses it. Split the experts by expert "
+    "parallelism (HybridParallelPlugin(ep_size=...), which shards the rest with tp_size), or "
+    "train it with data parallelism, ZeRO or a pipeline (pp_size)."
+)
+
+
 def _refuse_plan(
     plan: Mapping[str, str] | None, kind: Any, label: str, skip_experts: bool = False
 ) -> Mapping[str, str]:
@@ -143,12 +151,24 @@ def _refuse_plan(
             block = key.split(".experts")[0] if ".experts" in key else key
             raise ValueError(
                 f"{label} has mixture-of-experts blocks "
-                f"({block!r}: {key!r} is {style!r} in its tensor-parallel plan); pc has no "
-                "tensor parallelism of experts, so it refuses it. Split the experts by expert "
-                "parallelism (HybridParallelPlugin(ep_size=...), which shards the rest with "
-                "tp_size), or train it with data parallelism, ZeRO or a pipeline (pp_size)."
+                f"({block!r}: {key!r} is {style!r} in its tensor-parallel plan); "
+                f"{_NO_EXPERT_TP}"
             )
     return plan
+
+
+def _refuse_experts(base: nn.Module, label: str) -> None:
+    """Mixture-of-experts blocks are refused by what the model holds, not
+    only by its plan: transformers 5.2x plans name no experts for some
+    families (Mixtral's names attention alone), which would leave every
+    expert whole on every tensor-parallel rank without a word."""
+    for name, module in base.named_modules():
+        if name.rpartition(".")[2] == "experts" or type(module).__name__.endswith("Experts"):
+            block = ".".join("*" if part.isdigit() else part for part in name.split(".")[:-1])
+            raise ValueError(
+                f"{label} has mixture-of-experts blocks ({block!r}: {name!r} is "
+                f"{type(module).__name__}); {_NO_EXPERT_TP}"
+            )
 
 
 def _in_some_block(base: nn.Module, plan: Mapping[str, str]) -> Mapping[str, str]:
@@ -309,6 +329,8 @@ def plan_policy(model: nn.Module, skip_experts: bool = False) -> Policy:
     label = f"{name} (model_type={kind!r})"
     plan = _refuse_plan(_plan(config), kind, label, skip_experts)
     base: nn.Module = getattr(model, "base_model", model)
+    if not skip_experts:
+        _refuse_experts(base, label)
     if skip_experts:
         plan = _in_some_block(base, plan)
     embedding = _path_of(base, _ask(base, "get_input_embeddings"))
