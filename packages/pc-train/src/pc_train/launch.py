@@ -8,6 +8,7 @@ ranks' failures with the job's exit code ([Note: exit codes] in
 from __future__ import annotations
 
 import faulthandler
+import gc
 import logging
 import os
 import re
@@ -225,6 +226,13 @@ def launch_local(config: TrainConfig, reasons: Sequence[str], start_method: str)
         f"pc-train: starting {config.nproc} local process(es); output in {config.output_dir}",
         flush=True,
     )
+    if start_method == "fork":
+        # A forked rank inherits the launcher's heap (torch, transformers:
+        # ~300 MiB) shared with it, until the collector writes to an old
+        # object's header and the page is copied, charged to the rank (its
+        # memory cgroup): the objects alive now are left out of collection.
+        gc.collect()
+        gc.freeze()
     with tempfile.TemporaryDirectory(prefix="pc-train-") as errors:
         os.environ[ERROR_DIR] = errors
         try:
