@@ -44,6 +44,33 @@ def test_no_segment_left_after_exception() -> None:
     assert _segments() == before
 
 
+def _set_up_a_communicator() -> None:
+    ShmCommunicator(slot_bytes=4096)
+
+
+def test_a_crashed_setups_segment_is_removed_at_the_next_start() -> None:
+    """A rank killed between creating a segment and unlinking its name
+    leaves the name; it carries the creator's pid, and the next segment
+    made on the host removes names whose creator is gone
+    ([Note: segment lifetime] in pc_comm.shm); a live creator's stays."""
+    import subprocess
+    import sys
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # a pid no process has now
+    stale = SHM / f"pc-comm-{gone.pid}-{'0' * 32}"
+    live = SHM / f"pc-comm-{os.getpid()}-{'1' * 32}"
+    for path in (stale, live):
+        path.write_bytes(b"\0" * 4096)
+    try:
+        spawn(_set_up_a_communicator, 2, timeout=60)
+        assert not stale.exists()
+        assert live.exists()
+    finally:
+        stale.unlink(missing_ok=True)
+        live.unlink(missing_ok=True)
+
+
 def _killed_mid_collective() -> None:
     health.start_board(interval=0.2)
     comm = ShmCommunicator(slot_bytes=4096, timeout=timedelta(seconds=30))

@@ -7,7 +7,10 @@ all have mapped it (one barrier over the process group, at construction) rank
 it disappears when the last process that maps it exits, normally, by an
 exception or by SIGKILL. Nothing can be left in /dev/shm after construction
 returns; only a rank killed during construction itself can leave a name
-behind. The file is created readable and writable by its owner only
+behind. Such a name carries its creator's pid (``pc-comm-<pid>-<token>``),
+and the next segment made on this host removes this user's names whose
+creator is gone, so a crash's leftovers last until the next start, not for
+ever. The file is created readable and writable by its owner only
 (0600, whatever the umask): it holds gradients and parameters, and another
 local user who opened it before the unlink could read them for the whole
 run.
@@ -118,6 +121,27 @@ def usable_cores() -> int:
     if affinity is not None:
         return len(affinity(0))
     return os.cpu_count() or 1
+
+
+def _remove_stale_segments() -> list[str]:
+    """Remove this user's segment names whose creating process is gone
+    (a rank killed while the group was being set up) [Note: segment
+    lifetime]. Returns the names removed."""
+    removed: list[str] = []
+    for path in _shm_dir().glob("pc-comm-*-*"):
+        pid = path.name.split("-")[2]
+        if not pid.isdigit():
+            continue
+        try:
+            if path.lstat().st_uid != os.getuid():
+                continue
+            os.kill(int(pid), 0)
+        except ProcessLookupError:  # its creator is gone: nothing maps it by name again
+            path.unlink(missing_ok=True)
+            removed.append(path.name)
+        except OSError:  # gone meanwhile, or a process of another user: alive
+            continue
+    return removed
 
 
 def _shm_dir() -> Path:
@@ -367,7 +391,8 @@ class ShmCommunicator(HostExecutor):
             if short is not None:
                 names = [f"!{short}"]
         if self._rank == 0 and names[0] is None:
-            created = str(_shm_dir() / f"pc-comm-{uuid.uuid4().hex}")
+            _remove_stale_segments()  # [Note: segment lifetime]
+            created = str(_shm_dir() / f"pc-comm-{os.getpid()}-{uuid.uuid4().hex}")
             # Readable by this user only [Note: segment lifetime]: the
             # segment holds training data (gradients, parameters).
             handle = os.open(created, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
