@@ -74,6 +74,10 @@ def _plant(target: Path, outside: Path) -> None:
         "a.weight": "../outside/victim.txt",
         "b.weight": str(outside / "absolute.txt"),
         "c.weight": "sub/via-link.txt",
+        # Names of what the save itself writes: never removed after it is written.
+        "d.weight": INDEX,
+        "e.weight": ".metadata",
+        "f.weight": "config.json",
     }
     (target / INDEX).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     for name in PLANTED_LINKS:
@@ -192,3 +196,12 @@ def test_checkpoints_compare_by_step_number(tmp_path: Path) -> None:
     assert sorted(p.name for p in root.iterdir()) == ["step-1000000", "step-1000001",
                                                        "step-1000002"]  # fmt: skip
     assert os.path.islink(root / "step-1000002")  # left alone, and what it points to
+    # A run gone back to an older step (--resume PATH) prunes only up to
+    # the step it commits: the line it left, and a planted high number,
+    # neither count nor remove the checkpoint just committed.
+    for step in (50, 60, 9_999_999):
+        (root / f"step-{step:06d}").mkdir()
+    prune_checkpoints(root, 1, newest=60)
+    assert (root / "step-000060").is_dir()
+    assert (root / "step-9999999").is_dir()
+    assert not (root / "step-000050").exists()

@@ -24,7 +24,7 @@ from signing_env import key_env
 
 from pc_comm.testing import run_subtests
 from pc_train.checkpoint import CheckpointError, find_checkpoint, load_trainer_state
-from pc_train.signing import HIGH_WATER, KEY_ENV, HighWater, write_high_water
+from pc_train.signing import HIGH_WATER, KEY_ENV, SIGNATURE, HighWater, sign, write_high_water
 from pc_train.train_config import TrainConfig
 
 pytestmark = pytest.mark.timeout(300)
@@ -84,14 +84,14 @@ def test_rollback_by_copy_rename_or_higher_step_is_refused(run: Path, tmp_path: 
     shutil.copytree(over / "step-000002", over / "step-000004")
     with pytest.raises(CheckpointError, match=r"holds step 2 .signed., but its directory.s name"):
         _resume(over)
-    renamed = _copy(run, tmp_path / "renamed")
+    renamed = _copy(run, tmp_path / "renamed")  # the newest gone, the older renamed over it
+    shutil.rmtree(renamed / "step-000004")
     (renamed / "step-000002").rename(renamed / "step-000099")
     with pytest.raises(CheckpointError, match="name says step 99: it was copied or renamed"):
         _resume(renamed)
-    higher = _copy(run, tmp_path / "higher")
+    higher = _copy(run, tmp_path / "higher")  # a higher number is not the newest: the mark is
     shutil.copytree(higher / "step-000002", higher / "step-000099")
-    with pytest.raises(CheckpointError, match="holds step 2"):
-        _resume(higher)
+    assert _resume(higher)["step"] == 4
     with pytest.raises(CheckpointError, match="holds step 2"):  # named: still not its name
         _resume(higher, str(higher / "step-000099"))
 
@@ -151,3 +151,34 @@ def test_a_short_key_is_refused(key: str, tmp_path: Path) -> None:
     assert f"{KEY_ENV} holds {len(key)} byte(s)" in lines[0]
     assert "openssl rand -hex 32" in lines[0]
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_latest_is_the_marks_step_and_named_links_resolve(run: Path, tmp_path: Path) -> None:
+    """After a run went back (its mark below a newer checkpoint of the line
+    it left), ``latest`` is the mark's step; a checkpoint named through a
+    link loads as what it is."""
+    back = _copy(run, tmp_path / "back")
+    state = json.loads((back / "step-000004" / "trainer_state.json").read_text())
+    write_high_water(back, HighWater(state["run_id"], 2), KEY.encode())
+    assert _resume(back)["step"] == 2
+    (back / "newest").symlink_to(back / "step-000004", target_is_directory=True)
+    assert _resume(back, str(back / "newest"))["step"] == 4
+
+
+def test_a_checkpoint_signed_before_marks_is_older_than_the_mark(run: Path, tmp_path: Path) -> None:
+    """A checkpoint signed by an earlier version (no run id) in a directory
+    that has a mark is refused for ``latest`` (it predates the mark), and
+    loads when named."""
+    old = _copy(run, tmp_path / "old")
+    shutil.rmtree(old / "step-000004")
+    checkpoint = old / "step-000002"
+    state = json.loads((checkpoint / "trainer_state.json").read_text())
+    del state["run_id"]
+    raw = json.dumps(state).encode()
+    (checkpoint / "trainer_state.json").write_bytes(raw)
+    (checkpoint / SIGNATURE).write_text(sign(raw, KEY.encode()))
+    with pytest.raises(CheckpointError, match="signed by an earlier pc-train"):
+        _resume(old)
+    assert _resume(old, str(checkpoint))["step"] == 2
+    (old / HIGH_WATER).unlink()  # no mark yet: as an earlier version left it
+    assert _resume(old)["step"] == 2

@@ -59,6 +59,7 @@ from pc_train.commit import (
 from pc_train.signing import (
     SignatureError,
     check_position,
+    high_water_step,
     signing_key,
     verify_signed,
 )
@@ -125,6 +126,11 @@ def find_checkpoint(root: Path, which: str) -> Path:
             f"--resume: no checkpoint in {root}; run without --resume to start, or pass "
             "--output-dir of the run to continue."
         )
+    if signing_key() is not None:  # [Note: what a signature binds]: the newest committed
+        marked = high_water_step(root)
+        named = [p for p in found if step_of(p) == marked]
+        if named:
+            return named[-1]
     return found[-1]
 
 
@@ -166,7 +172,8 @@ def load_trainer_state(
         explicit = getattr(config, "resume", None) not in (None, "latest", "auto")
         try:
             verify_signed(path, raw, state, key)
-            check_position(path, state, step_of(path), key, explicit)
+            real = path.resolve()  # a link or "." named by the user: what it is
+            check_position(real, state, step_of(real), key, explicit)
         except SignatureError as error:
             raise CheckpointError(str(error)) from None
     if verify_contents is None:

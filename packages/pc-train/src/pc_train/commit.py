@@ -85,7 +85,7 @@ def verified_commit(
         try:
             _commit(partial, final, root, state, dist.get_world_size(), actual)
             if keep_last is not None:
-                prune_checkpoints(root, keep_last)
+                prune_checkpoints(root, keep_last, step_of(final))
         except (CheckpointError, DiskWriteError) as error:  # a full disk at the commit too
             if use_async:
                 raise
@@ -218,7 +218,7 @@ def _commit(
     _fsync_dir(partial)
     remove_tree(final)  # an older save of this step, or a link there (the link only)
     os.replace(partial, final)
-    _fsync_dir(root)
+    _fsync_dir(root, walk=False)  # the rename; the other checkpoints were synced before
     if key is not None and isinstance(state.get("run_id"), str):  # [Note: what a signature binds]
         write_high_water(root, HighWater(state["run_id"], int(state["step"])), key)
 
@@ -236,8 +236,12 @@ def _checksums(partial: Path, files: dict[str, int]) -> dict[str, str]:
     return {**sums, **file_checksums(partial, rest)}
 
 
-def _fsync_dir(path: Path) -> None:
-    for file in path.iterdir():
+def _fsync_dir(path: Path, walk: bool = True) -> None:
+    """fsync ``path``'s files (``walk``: and its folders', never through a
+    link), then ``path`` itself."""
+    for file in path.iterdir() if walk else ():
+        if file.is_symlink():
+            continue
         if file.is_dir():
             _fsync_dir(file)
         elif file.is_file():
@@ -250,10 +254,16 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def prune_checkpoints(root: Path, keep: int) -> None:
+def prune_checkpoints(root: Path, keep: int, newest: int | None = None) -> None:
     """Keep the newest ``keep`` checkpoints; drop older ones and any
-    partial save left by a killed run."""
+    partial save left by a killed run. ``newest``: the step just committed;
+    checkpoints past it (a line the run went back from with ``--resume
+    PATH``, or a planted ``step-9999999``) are neither counted nor removed,
+    so the one just committed is never pruned."""
     for partial in root.glob("step-*.partial"):
         remove_tree(partial)  # a link: the link only
-    for old in step_dirs(root)[:-keep]:
+    found = step_dirs(root)
+    if newest is not None:
+        found = [p for p in found if (step_of(p) or 0) <= newest]
+    for old in found[:-keep]:
         remove_tree(old)

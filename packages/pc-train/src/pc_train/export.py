@@ -69,6 +69,8 @@ def _verify_recorded_sums(source: Path, checkpoint: Path) -> None:
 
     from pc_booster.checkpoint.checksum import file_checksums
 
+    if checkpoint.name == "model" and (checkpoint.parent / "trainer_state.json").is_file():
+        source = checkpoint.parent  # pc-export step-N/model: the checkpoint it lies in
     state_file = source / "trainer_state.json"
     if checkpoint != source / "model" or not state_file.is_file():
         return  # a Booster directory: its sidecar is all there is

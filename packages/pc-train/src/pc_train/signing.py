@@ -31,16 +31,21 @@ So the signed trainer state carries the step and the run (``run_id``,
 drawn at a run's first start and kept on resume), and each directory of
 checkpoints keeps ``high-water.json``: the run and the step of its newest
 commit, signed (under a domain prefix of its own, so neither signature
-passes for the other), replaced after each rename. A resume refuses a
-signed checkpoint whose directory name is not its signed step (a copy or
-a rename), whose run is not its directory's run (a copy from another
-run), or, for ``latest``, whose step is below the mark (the newer ones
-deleted), and refuses ``latest`` when the mark is gone. Naming a
-checkpoint with ``--resume PATH`` lifts the last two: going back is
-then the user's decision. What it does not bind: the host or the user
-(anyone with the key signs), the time (a mark copied back from a backup
-with its own checkpoints replays that whole directory), and checkpoints of
-earlier versions (no run id: only their name is checked).
+passes for the other), replaced after each rename. While the key is set,
+``latest`` is the mark's step, not the highest number (a run that went
+back with ``--resume PATH`` goes on from there; a planted
+``step-9999999`` is not it), and pruning after a commit counts only
+checkpoints up to the step committed. A resume refuses a signed
+checkpoint whose directory name is not its signed step (a copy or a
+rename) and one whose run is not its directory's run (a copy from another
+run); for ``latest`` also one whose step is not the mark's (the newer ones
+deleted), one signed by an earlier version (no run id) in a directory
+with a mark, and any when the mark is gone or edited. Naming a checkpoint
+with ``--resume PATH`` lifts the ``latest`` checks: going back is then the
+user's decision. What it does not bind: the host or the user (anyone
+with the key signs), the time (a mark copied back from a backup with its
+own checkpoints replays that whole directory), and checkpoints of earlier
+versions in a directory without a mark (only their name is checked).
 """
 
 from __future__ import annotations
@@ -65,6 +70,7 @@ __all__ = [
     "HighWater",
     "SignatureError",
     "check_position",
+    "high_water_step",
     "read_high_water",
     "sha256_files",
     "sign",
@@ -194,6 +200,17 @@ def write_high_water(root: Path, mark: HighWater, key: bytes) -> None:
     atomic_write(root / HIGH_WATER, lambda p: p.write_text(text))
 
 
+def high_water_step(root: Path) -> int | None:
+    """The step ``root``'s high-water mark names, unverified (which
+    checkpoint ``latest`` is; its signature is checked when it loads), or
+    None without a readable mark."""
+    try:
+        step = json.loads((root / HIGH_WATER).read_text())["step"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return step if isinstance(step, int) else None
+
+
 def read_high_water(root: Path, key: bytes) -> HighWater | None:
     """``root``'s high-water mark, its signature checked; None when there
     is none. A mark that does not parse or whose signature does not hold
@@ -224,7 +241,8 @@ def check_position(
     step with its directory's name (``named_step``), its run with the run
     of the directory it lies in, and, unless the user named it
     (``explicit``), its step is not older than that directory's high-water
-    mark. ``state`` must be verified already."""
+    mark, and (``latest``) is that mark's step. ``state`` must be verified
+    already."""
     step = int(state["step"])
     if named_step != step:
         raise SignatureError(
@@ -234,26 +252,39 @@ def check_position(
             f"name (step-{step:06d})."
         )
     run_id = state.get("run_id")
-    if not isinstance(run_id, str):
-        return  # signed by an earlier version, which bound no run: nothing more to check
-    mark = read_high_water(path.parent, key)
+    try:
+        mark = read_high_water(path.parent, key)
+    except SignatureError:
+        if not explicit:
+            raise
+        return  # named by the user: a damaged mark does not stand in the way
     if mark is None:
-        if explicit:
-            return
+        if explicit or not isinstance(run_id, str):
+            return  # named, or signed by an earlier version and no mark yet: nothing binds it
         raise SignatureError(
             f"{path.parent / HIGH_WATER} is missing: pc-train writes it, signed, at every "
             "signed save, so without it an older checkpoint could pass for the newest. To "
             f"resume {path} all the same, name it: --resume {path}."
         )
-    if mark.run_id != run_id:
+    if isinstance(run_id, str) and mark.run_id != run_id:
         raise SignatureError(
             f"checkpoint {path} was saved by run {run_id}, but {path.parent} holds the "
             f"checkpoints of run {mark.run_id}: it was copied from another run. Resume it "
             "where it was saved, or name it with --resume from there."
         )
-    if step < mark.step and not explicit:
+    if explicit:
+        return
+    if not isinstance(run_id, str):  # signed before marks existed, in a directory that has one
         raise SignatureError(
-            f"checkpoint {path} is at step {step}, older than step {mark.step}, the newest "
+            f"checkpoint {path} was signed by an earlier pc-train, which bound no run, and "
+            f"{path.parent} has committed step {mark.step} since: it is older than the newest. "
+            f"To go back on purpose, name it: --resume {path}."
+        )
+    if step != mark.step:
+        newer = "older than" if step < mark.step else "not"
+        raise SignatureError(
+            f"checkpoint {path} is at step {step}, {newer} step {mark.step}, the newest "
             f"this directory has committed ({path.parent / HIGH_WATER}): resuming it would "
-            f"roll the run back. To go back on purpose, name it: --resume {path}."
+            f"roll the run back or onto another line. To go back on purpose, name it: "
+            f"--resume {path}."
         )

@@ -198,9 +198,11 @@ def atomic_write(path: Path, write: Any) -> None:
 
 def remove_files(directory: Path, names: set[str]) -> None:
     """Remove ``directory``'s files ``names`` (an old index's): only plain
-    names of files in ``directory``; any other is left alone and named
+    names of ``.safetensors`` files in ``directory`` (an index naming the
+    index itself, ``.metadata`` or ``config.json`` cannot make pc delete
+    what it just wrote); any other is left alone and named
     [Note: paths pc touches in ``pc_booster.checkpoint.paths``]."""
-    remove_named(directory, names, f"the index {INDEX} it replaces")
+    remove_named(directory, names, f"the index {INDEX} it replaces", suffix=".safetensors")
 
 
 def indexed_files(directory: Path) -> set[str]:

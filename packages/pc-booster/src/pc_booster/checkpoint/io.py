@@ -201,7 +201,7 @@ class CheckpointIO:
                 out / files.WEIGHTS, lambda p: save_file(state, str(p), files.with_checksums(state))
             )
             (out / files.INDEX).unlink(missing_ok=True)  # first: the index points at the rest
-            files.remove(out, old)
+            files.remove(out, old - {files.WEIGHTS})  # never the file just written
             self._write_config(model, out)
         dist.barrier()
 

@@ -79,15 +79,15 @@ def _is_link(path: Path) -> bool:
         return False
 
 
-def remove_named(directory: Path, names: Iterable[str], why: str) -> list[str]:
+def remove_named(directory: Path, names: Iterable[str], why: str, suffix: str = "") -> list[str]:
     """Remove ``directory``'s files ``names`` (read from a file: ``why``
     says which), each only when it is a plain name of a file or link in
-    ``directory``; a link is removed, never its target. The others are
-    left alone and named in one :class:`OutsidePathWarning`. Returns the
-    names left alone."""
+    ``directory`` ending in ``suffix``; a link is removed, never its
+    target. The others are left alone and named in one
+    :class:`OutsidePathWarning`. Returns the names left alone."""
     refused: list[str] = []
     for name in sorted(set(names)):
-        if not isinstance(name, str) or not plain_name(name):
+        if not isinstance(name, str) or not plain_name(name) or not name.endswith(suffix):
             refused.append(repr(name))
             continue
         path = directory / name
@@ -102,8 +102,8 @@ def remove_named(directory: Path, names: Iterable[str], why: str) -> list[str]:
     if refused:
         warnings.warn(
             f"{directory}: {why} names {', '.join(refused)}, which lie outside {directory} "
-            "(or are not files in it); pc removes only files in the directory it writes, so "
-            "these were left alone.",
+            f"(or are not {suffix or 'files'} files in it); pc removes only those in the "
+            "directory it writes, so these were left alone.",
             OutsidePathWarning,
             stacklevel=2,
         )
@@ -156,13 +156,13 @@ def own_directory(path: Path, *, replace: bool, fix: str = "") -> Path:
 
 
 def create_file(path: Path) -> None:
-    """Create ``path`` empty (0600) for a writer that opens it by name: a
+    """Create ``path`` empty (0666 less the umask) for a writer that opens it by name: a
     link or file already there is removed first, and the file is made
     with ``O_EXCL | O_NOFOLLOW``, so the write cannot go through a link."""
     if _is_link(path) or path.is_file():
         path.unlink()
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
-    os.close(os.open(path, flags, 0o600))
+    os.close(os.open(path, flags, 0o666))  # the umask decides, as for any file a tool writes
 
 
 # What a sharded (DCP) save writes by name in its directory: each rank's
