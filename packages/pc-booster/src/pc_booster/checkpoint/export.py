@@ -236,7 +236,7 @@ def remove_orphans(directory: Path) -> list[str]:
             or _TEMPORARY.fullmatch(path.name) is not None
         )
     ]
-    remove_files(directory, set(gone))
+    remove_named(directory, set(gone), "the leftovers of an unfinished export")  # listed here
     return sorted(gone)
 
 

@@ -18,7 +18,7 @@ from torch import nn
 from pc_booster.checkpoint import checksum
 from pc_booster.checkpoint.disk import DiskWriteError, named_disk_errors
 from pc_booster.checkpoint.export import atomic_write, indexed_files, remove_files
-from pc_booster.checkpoint.paths import clear_links
+from pc_booster.checkpoint.paths import clear_links, remove_named
 
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -241,7 +241,7 @@ def _remove_unfinished(out: Path, rank: int) -> None:
     names = [p.name for p in out.glob(f"__{rank}_*.distcp")]
     if rank == 0:
         names.append(f"{DCP_METADATA}.tmp")
-    remove(out, set(names))
+    remove_named(out, set(names), "a failed sharded save")  # pc's own names, listed here
 
 
 def saved_keys(path: Path) -> dict[str, Any]:
