@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pc_comm.testing import spawn
+from pc_comm.testing import saved_storage_bytes, spawn
 
 LAYERS, WIDTH, BATCH, STEPS = 16, 1024, 8, 3
 
@@ -35,29 +35,6 @@ def _mlp() -> nn.Sequential:
     for _ in range(LAYERS):
         layers += [nn.Linear(WIDTH, WIDTH), nn.Tanh()]
     return nn.Sequential(*layers)
-
-
-def saved_bytes(loss: torch.Tensor) -> dict[int, int]:
-    """Every storage autograd saved for backward, by address: its bytes."""
-    found: dict[int, int] = {}
-    seen: set[int] = set()
-    stack: list[Any] = [loss.grad_fn]
-    while stack:
-        node = stack.pop()
-        if node is None or id(node) in seen:
-            continue
-        seen.add(id(node))
-        for name in dir(node):
-            if name.startswith("_saved_"):
-                try:
-                    value = getattr(node, name)
-                except RuntimeError:  # released already
-                    continue
-                if isinstance(value, torch.Tensor):
-                    storage = value.untyped_storage()
-                    found[storage.data_ptr()] = storage.nbytes()
-        stack.extend(next_node for next_node, _ in node.next_functions)
-    return found
 
 
 def _gemini() -> tuple[nn.Module, Any]:
@@ -88,7 +65,7 @@ def _run(out: str) -> None:
         for step in range(STEPS):
             x = torch.randn(BATCH, WIDTH, generator=torch.Generator().manual_seed(step))
             loss = model(x).square().mean()
-            live = saved_bytes(loss)
+            live = saved_storage_bytes(loss)
             for chunk in chunks:  # what Gemini holds gathered
                 if chunk.payload is not None:
                     storage = chunk.payload.untyped_storage()

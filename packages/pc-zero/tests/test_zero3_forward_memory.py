@@ -8,15 +8,13 @@ backward. Training stays equal to single-process training."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from pc_chunk import ChunkState
-from pc_comm.testing import run_subtests
+from pc_comm.testing import run_subtests, saved_storage_bytes
 from pc_zero import GeminiDDP
 
 pytestmark = pytest.mark.timeout(300)
@@ -30,29 +28,6 @@ def _mlp() -> nn.Sequential:
     for _ in range(LAYERS):
         layers += [nn.Linear(WIDTH, WIDTH), nn.Tanh()]
     return nn.Sequential(*layers)
-
-
-def _saved_storages(loss: torch.Tensor) -> dict[int, int]:
-    """Every storage autograd saved for backward, by address: its bytes."""
-    found: dict[int, int] = {}
-    seen: set[int] = set()
-    stack: list[Any] = [loss.grad_fn]
-    while stack:
-        node = stack.pop()
-        if node is None or id(node) in seen:
-            continue
-        seen.add(id(node))
-        for name in dir(node):
-            if name.startswith("_saved_"):
-                try:
-                    value = getattr(node, name)
-                except RuntimeError:  # freed already
-                    continue
-                if isinstance(value, torch.Tensor):
-                    storage = value.untyped_storage()
-                    found[storage.data_ptr()] = storage.nbytes()
-        stack.extend(next_node for next_node, _ in node.next_functions)
-    return found
 
 
 def check_forward_holds_one_chunk(checkpointing: bool) -> None:
@@ -82,7 +57,7 @@ def check_forward_holds_one_chunk(checkpointing: bool) -> None:
         loss = out.square().mean()
         # Under recomputation forward saves no weights (and reading a saved
         # tensor would recompute it): the chunks' own payloads only.
-        live = {} if checkpointing else _saved_storages(loss)
+        live = {} if checkpointing else saved_storage_bytes(loss)
         for chunk in chunks:  # and what the chunks hold gathered
             if chunk.payload is not None:
                 storage = chunk.payload.untyped_storage()

@@ -14,6 +14,7 @@ from pc_comm.testing._fixtures import (
     assert_exits_cleanly,
     one_process_group,
     run_torchrun_agents,
+    saved_storage_bytes,
     small_tmpfs,
     tiny_gpt2,
 )
@@ -35,6 +36,7 @@ __all__ = [
     "preload",
     "run_subtests",
     "run_torchrun_agents",
+    "saved_storage_bytes",
     "small_tmpfs",
     "spawn",
     "tiny_gpt2",

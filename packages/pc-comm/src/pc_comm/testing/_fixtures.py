@@ -9,6 +9,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -123,3 +124,30 @@ def small_tmpfs(path: Path, options: str) -> Iterator[Path]:
         yield path
     finally:
         subprocess.run(["umount", str(path)], check=True)
+
+
+def saved_storage_bytes(output: torch.Tensor) -> dict[int, int]:
+    """Every storage autograd saved for the backward of ``output``, by
+    address: its bytes now (0 for a storage freed in place). What a rank
+    holds between forward and backward, counted from outside; reading a
+    saved tensor under activation recomputation would recompute it, so
+    count there before a recomputing forward is asked for."""
+    found: dict[int, int] = {}
+    seen: set[int] = set()
+    stack: list[Any] = [output.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        for name in dir(node):
+            if name.startswith("_saved_"):
+                try:
+                    value = getattr(node, name)
+                except RuntimeError:  # released already
+                    continue
+                if isinstance(value, torch.Tensor):
+                    storage = value.untyped_storage()
+                    found[storage.data_ptr()] = storage.nbytes()
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return found
