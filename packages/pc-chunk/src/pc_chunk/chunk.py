@@ -69,9 +69,9 @@ resizes that same storage and all-gathers into it, so in backward the
 saved views read the gathered values again. Backward re-gathers a chunk
 (its module's pre-backward hook) before any of its operators runs; a view
 read while its chunk is released would fail loudly (its storage is empty),
-never read stale values. As FSDP2 does after forward. Only a payload that
-starts its storage is kept this way (a trimmed one may view a longer
-storage, which is freed whole all the same).
+never read stale values. As FSDP2 does after forward. Every payload starts
+its storage (a trimmed one is the head of a longer storage, freed whole);
+one that did not would be dropped as before, not freed in place.
 
 [Note: host buffers]
 A shard kept on the host, and its gradient shard, live for the whole run:

@@ -47,7 +47,7 @@ from torch.optim import Optimizer
 
 from pc_booster.checkpoint import named_disk_errors
 from pc_booster.checkpoint.checksum import CHECKSUMS, file_checksums, read_sidecar
-from pc_booster.checkpoint.paths import own_directory, remove_tree
+from pc_booster.checkpoint.paths import own_directory, refuse_link, remove_tree
 from pc_train.commit import (
     STATE,
     CheckpointError,
@@ -75,6 +75,7 @@ __all__ = [
     "private_dir",
     "prune_checkpoints",
     "rank_file",
+    "refuse_linked_run_dirs",
     "rng_state",
     "save_checkpoint",
     "set_rng_state",
@@ -106,6 +107,15 @@ CHECKPOINTS_LINK_FIX = (
     "To keep a run's checkpoints and logs on another disk, pass an --output-dir there (it "
     "may itself be a link), or remove the link."
 )
+
+
+def refuse_linked_run_dirs(config: Any) -> None:
+    """Refuse a link at ``<output-dir>/checkpoints``, ``logs`` or
+    ``tensorboard``: pc-train keeps its own files there [Note: paths pc
+    touches in pc_booster.checkpoint.paths]."""
+    out = Path(config.output_dir)
+    for own in (Path(config.checkpoint_dir), out / "logs", out / "tensorboard"):
+        refuse_link(own, CHECKPOINTS_LINK_FIX)
 
 
 def has_checkpoint(root: Path) -> bool:

@@ -30,6 +30,7 @@ __all__ = [
     "STATE",
     "CheckpointError",
     "prune_checkpoints",
+    "remove_unfinished",
     "step_dirs",
     "step_of",
     "verified_commit",
@@ -254,14 +255,23 @@ def _fsync_dir(path: Path, walk: bool = True) -> None:
         os.close(fd)
 
 
+def remove_unfinished(root: Path) -> list[str]:
+    """Remove what saves that did not finish (a full disk, a killed run)
+    left under ``root`` (``step-N.partial``; a link there: the link only).
+    Returns the names removed."""
+    gone = sorted(root.glob("step-*.partial"))
+    for partial in gone:
+        remove_tree(partial)
+    return [p.name for p in gone]
+
+
 def prune_checkpoints(root: Path, keep: int, newest: int | None = None) -> None:
     """Keep the newest ``keep`` checkpoints; drop older ones and any
     partial save left by a killed run. ``newest``: the step just committed;
     checkpoints past it (a line the run went back from with ``--resume
     PATH``, or a planted ``step-9999999``) are neither counted nor removed,
     so the one just committed is never pruned."""
-    for partial in root.glob("step-*.partial"):
-        remove_tree(partial)  # a link: the link only
+    remove_unfinished(root)
     found = step_dirs(root)
     if newest is not None:
         found = [p for p in found if (step_of(p) or 0) <= newest]

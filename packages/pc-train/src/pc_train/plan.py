@@ -13,13 +13,13 @@ from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
-from pc_booster.checkpoint.paths import create_file, refuse_link, remove_tree
+from pc_booster.checkpoint.paths import create_file
 from pc_train.checkpoint import (
-    CHECKPOINTS_LINK_FIX,
     find_checkpoint,
     has_checkpoint,
     load_trainer_state,
     private_dir,
+    refuse_linked_run_dirs,
 )
 from pc_train.cost import gib_text, model_shape
 from pc_train.data import corpus_bytes_available, min_corpus_tokens, tokenizer_source
@@ -31,7 +31,7 @@ from pc_train.planner import Cluster, search
 from pc_train.signing import signing_key
 from pc_train.train_config import TrainConfig
 
-__all__ = ["checkpoint_bytes", "preflight", "prepare", "remove_unfinished"]
+__all__ = ["checkpoint_bytes", "preflight", "prepare"]
 
 
 def prepare(
@@ -66,10 +66,7 @@ def prepare(
         )
     _check_splits(config, spec, options, dp)
     preflight(config, spec)
-    # [Note: paths pc touches in pc_booster.checkpoint.paths]
-    out = Path(config.output_dir)
-    for own in (config.checkpoint_dir, out / "logs", out / "tensorboard"):
-        refuse_link(own, CHECKPOINTS_LINK_FIX)
+    refuse_linked_run_dirs(config)  # [Note: paths pc touches in pc_booster.checkpoint.paths]
     signing_key()  # a PC_CHECKPOINT_KEY too short to sign with is refused before any rank starts
     if config.resume == "auto":  # restarts of one command line: resume when there is one
         config = replace(config, resume="latest" if has_checkpoint(config.checkpoint_dir) else None)
@@ -252,23 +249,11 @@ def checkpoint_bytes(params: int) -> int:
     return 16 * params
 
 
-def _unfinished(root: Path) -> list[Path]:
-    """The unfinished saves (``step-N.partial``) under ``root``."""
-    return sorted(p for p in root.glob("step-*.partial") if p.is_dir() and not p.is_symlink())
-
-
 def _unfinished_bytes(root: Path) -> int:
-    return sum(f.stat().st_size for p in _unfinished(root) for f in p.rglob("*") if f.is_file())
-
-
-def remove_unfinished(root: Path) -> list[str]:
-    """Remove what saves that did not finish (a full disk, a killed run)
-    left under ``root``; call it holding the run lock, before any rank
-    starts. Returns the names removed."""
-    gone = _unfinished(root)
-    for partial in gone:
-        remove_tree(partial)
-    return [p.name for p in gone]
+    """The bytes of the unfinished saves under ``root`` (links not followed),
+    which :func:`~pc_train.commit.remove_unfinished` frees before any rank starts."""
+    partials = [p for p in root.glob("step-*.partial") if p.is_dir() and not p.is_symlink()]
+    return sum(f.stat().st_size for p in partials for f in p.rglob("*") if f.is_file())
 
 
 def preflight(config: TrainConfig, spec: ModelSpec) -> None:

@@ -23,12 +23,13 @@ from contextlib import ExitStack
 import torch
 
 from pc_train.checkpoint import CheckpointError
+from pc_train.commit import remove_unfinished
 from pc_train.data import load_byte_corpus
 from pc_train.failures import EXIT_USER_ERROR, describe_failure
 from pc_train.launch import launch_local, run_rank
 from pc_train.lock import RunLockedError, run_lock
 from pc_train.models import MODEL_PRESETS
-from pc_train.plan import prepare, remove_unfinished
+from pc_train.plan import prepare
 from pc_train.train_config import TrainConfig, parse_args
 from pc_train.trainer import NonFiniteLossError, Trainer, train
 

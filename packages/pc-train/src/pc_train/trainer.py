@@ -26,15 +26,14 @@ import torch
 import torch.distributed as dist
 
 from pc_booster import NonFiniteGradientError
-from pc_booster.checkpoint.paths import refuse_link
 from pc_train.checkpoint import (
-    CHECKPOINTS_LINK_FIX,
     CheckpointError,
     find_checkpoint,
     load_trainer_state,
     model_and_optimizer,
     model_config_dict,
     rank_file,
+    refuse_linked_run_dirs,
     rng_state,
     save_checkpoint,
     set_rng_state,
@@ -121,9 +120,9 @@ class Trainer:
         # With --resume: the checkpoint and its trainer state, checked.
         self.checkpoint: Path | None = None
         self.saved: dict[str, Any] | None = None
-        # Every rank refuses a link where the checkpoints go (pc-train's
+        # Every rank refuses a link where the run's files go (pc-train's
         # launcher did before any rank started) [Note: paths pc touches].
-        refuse_link(config.checkpoint_dir, CHECKPOINTS_LINK_FIX)
+        refuse_linked_run_dirs(config)
         signing_key()  # a key too short to sign with is refused on every rank, at once
         if config.resume is not None:
             self.checkpoint = find_checkpoint(config.checkpoint_dir, config.resume)

@@ -229,9 +229,5 @@ def _drop_frames(error: BaseException) -> None:
     """Let go of the failed writer's frames: they hold its open file, and
     with it the space the write took, for as long as the error lives (a
     caller that catches it and goes on). Its words are in the message."""
-    seen: set[int] = set()
-    current: BaseException | None = error
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        current.__traceback__ = None
-        current = current.__cause__ or current.__context__
+    for link in error_chain(error):
+        link.__traceback__ = None
