@@ -121,7 +121,7 @@ from pc_chunk.budget import DeviceBudget
 from pc_chunk.chunk import Chunk, ChunkState
 from pc_chunk.lazy import is_lazy, materialize_
 from pc_chunk.search import grid_search_chunk_size, search_chunk_size
-from pc_comm import Communicator
+from pc_comm import Communicator, weak_method
 from pc_offload import CopyEngine
 
 __all__ = ["AutoPlacement", "ChunkManager", "StaticPlacement", "execution_order"]
@@ -497,7 +497,7 @@ class ChunkManager:
         if self.module not in self._hooked:
             self._hooks.append(self.module.register_forward_hook(self._post_forward))
         for param in self._where:
-            hook = param.register_post_accumulate_grad_hook(self._on_grad)  # type: ignore[no-untyped-call]
+            hook = param.register_post_accumulate_grad_hook(weak_method(self._on_grad))  # type: ignore[no-untyped-call]
             self._hooks.append(hook)
 
     def detach(self) -> None:

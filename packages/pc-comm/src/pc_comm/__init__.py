@@ -24,6 +24,7 @@ from pc_comm.ddp import DistributedDataParallel, default_communicator, on_one_ho
 from pc_comm.env import DistEnv, DistEnvError, read_dist_env
 from pc_comm.health import PeerFailureError, set_phase
 from pc_comm.hierarchical import HierarchicalCommunicator
+from pc_comm.hooks import weak_method
 from pc_comm.host_allocator import HostAllocatorSettings, tune_host_allocator
 from pc_comm.launch import DistContext, StoreUnreachableError, init_distributed
 from pc_comm.shm import ShmCommunicator, ShmPeerError, ShmSpaceError, usable_cores
@@ -67,4 +68,5 @@ __all__ = [
     "tune_host_allocator",
     "two_level_groups",
     "usable_cores",
+    "weak_method",
 ]

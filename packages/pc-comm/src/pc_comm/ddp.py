@@ -41,6 +41,7 @@ from torch import nn
 
 from pc_comm.communicator import Communicator, Handle, ReduceOp, SymmetricAllocator
 from pc_comm.hierarchical import HierarchicalCommunicator
+from pc_comm.hooks import weak_method
 from pc_comm.shm import ShmCommunicator
 
 __all__ = ["DistributedDataParallel", "Reducer", "default_communicator", "on_one_host"]
@@ -96,7 +97,7 @@ class Reducer:
         self._callback_queued = False
         self.sync_enabled = True  # False inside no_sync()
         self._hooks = [
-            p.register_post_accumulate_grad_hook(self._on_grad)  # type: ignore[no-untyped-call]
+            p.register_post_accumulate_grad_hook(weak_method(self._on_grad))  # type: ignore[no-untyped-call]
             for p in params
         ]
         self._reset()

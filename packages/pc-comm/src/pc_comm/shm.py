@@ -335,7 +335,7 @@ class ShmCommunicator(HostExecutor):
         self._check_same_host()
 
         control = self._world_size * _LINE
-        self._segment = self._map_shared(control + (self._world_size + 1) * slot_bytes)
+        self._segment = self._map_shared(control + (self._world_size + 1) * slot_bytes, "slots")
         # Control lines, int64 per rank: [generation, signature slot 0 (4),
         # signature slot 1 (4), unused].
         # Read and written through ctypes: a plain load or store per element
@@ -357,6 +357,7 @@ class ShmCommunicator(HostExecutor):
         self._p2p = P2PChannels(
             self._map_shared(
                 P2PChannels.segment_bytes(self._world_size, _P2P_SLOT_BYTES, _P2P_SLOTS),
+                "p2p",
                 sparse=True,
             ),
             self._rank,
@@ -380,11 +381,12 @@ class ShmCommunicator(HostExecutor):
                 "Use HierarchicalCommunicator across nodes."
             )
 
-    def _map_shared(self, nbytes: int, sparse: bool = False) -> torch.Tensor:
+    def _map_shared(self, nbytes: int, kind: str, sparse: bool = False) -> torch.Tensor:
         """Collective: a segment of ``nbytes`` mapped by every rank, whose name
         is gone from the file system when this returns [Note: segment lifetime].
         Unless ``sparse`` (pages written only where used), the space for it
-        must be free [Note: room in /dev/shm]."""
+        must be free [Note: room in /dev/shm]. ``kind`` ends the name (slots,
+        symmetric, p2p), so a count from outside can tell them apart."""
         names: list[str | None] = [None]
         if self._rank == 0:
             short = None if sparse else _no_room(nbytes, self._world_size)
@@ -392,7 +394,7 @@ class ShmCommunicator(HostExecutor):
                 names = [f"!{short}"]
         if self._rank == 0 and names[0] is None:
             _remove_stale_segments()  # [Note: segment lifetime]
-            created = str(_shm_dir() / f"pc-comm-{os.getpid()}-{uuid.uuid4().hex}")
+            created = str(_shm_dir() / f"pc-comm-{os.getpid()}-{uuid.uuid4().hex}-{kind}")
             # Readable by this user only [Note: segment lifetime]: the
             # segment holds training data (gradients, parameters).
             handle = os.open(created, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
@@ -432,7 +434,7 @@ class ShmCommunicator(HostExecutor):
                 f"every rank; got [numel, itemsize, world] = {shapes}."
             )
         region = -(-max(1, numel * dtype.itemsize) // _LINE) * _LINE
-        segment = self._map_shared(region * self._world_size)
+        segment = self._map_shared(region * self._world_size, "symmetric")
         self._symmetric = [s for s in self._symmetric if s.storage() is not None]
         symmetric = _Symmetric(weakref.ref(segment.untyped_storage()), region)
         self._symmetric.append(symmetric)

@@ -48,6 +48,7 @@ from pc_booster.plugin import Boosted, BoostRequest
 from pc_booster.plugins.low_level_zero import masters_from_built
 from pc_booster.step_policies import GradientStep
 from pc_booster.wrappers import OptimizerView
+from pc_comm import weak_method
 from pc_zero import LowLevelZeroOptimizer
 
 if TYPE_CHECKING:
@@ -141,7 +142,7 @@ class ExpertGradientSync:
         self.group = group if group is not None and dist.get_world_size(group) > 1 else None
         self._queued = False
         self._hooks = [
-            p.register_post_accumulate_grad_hook(self._arrived)  # type: ignore[no-untyped-call]
+            p.register_post_accumulate_grad_hook(weak_method(self._arrived))  # type: ignore[no-untyped-call]
             for p in self.params
         ]
 

@@ -7,7 +7,8 @@ with that rank's traceback or stack. ``run_torchrun_agents`` starts real
 torchrun agents as simulated nodes; ``tiny_gpt2`` is the small model the
 parity tests train; ``assert_exits_cleanly`` runs a script repeatedly and
 requires a clean exit every time; ``small_tmpfs`` mounts a small file
-system for the disk tests. See docs/testing.md.
+system for the disk tests; ``host_memory`` counts what a rank holds on
+the host (live tensors and shared segments). See docs/testing.md.
 """
 
 from pc_comm.testing._fixtures import (
@@ -26,12 +27,15 @@ from pc_comm.testing._harness import (
     run_subtests,
     spawn,
 )
+from pc_comm.testing._memory import HostMemory, host_memory
 
 __all__ = [
     "DistributedTestError",
+    "HostMemory",
     "SubcaseError",
     "assert_exits_cleanly",
     "find_free_port",
+    "host_memory",
     "one_process_group",
     "preload",
     "run_subtests",
