@@ -37,7 +37,13 @@ PACKAGES = [
 ]
 INTEGRATION = "integration"
 # datasets: pc-train reads save_to_disk directories; the test of that needs it.
-TEST_DEPS = ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6", "datasets>=2.14"]
+TEST_DEPS = [
+    "pytest>=8",
+    "pytest-timeout>=2.3",
+    "hypothesis>=6",
+    "datasets>=2.14",
+    "torchao>=0.10",  # 8-bit optimizer states (pc_offload.states)
+]
 
 nox.options.sessions = ["lint", "typecheck", "tests"]
 nox.options.reuse_venv = "yes"

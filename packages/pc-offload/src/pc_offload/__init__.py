@@ -1,6 +1,7 @@
 """pc-offload: activation CPU offload, Adam optimizers that step fp32 master
 weights on the host (or wherever each parameter lives), and a bounded pool
-of pinned host buffers with an asynchronous copy engine."""
+of pinned host buffers with an asynchronous copy engine. Adam's moments may
+be stored in bf16 or 8 bits (``state_dtype``)."""
 
 from pc_offload.activation import CPUOffload, OffloadStats
 from pc_offload.optim import CPUAdam, CPUAdamW, HybridAdam
@@ -12,6 +13,7 @@ from pc_offload.pool import (
     Transfer,
     pinned_empty,
 )
+from pc_offload.states import StateDtype, parse_state_dtype
 
 __version__ = "0.1.0"
 
@@ -25,6 +27,8 @@ __all__ = [
     "PinnedPool",
     "PoolExhaustedError",
     "PoolStats",
+    "StateDtype",
     "Transfer",
+    "parse_state_dtype",
     "pinned_empty",
 ]

@@ -53,10 +53,14 @@ like the parameter. ``step`` stays a plain scalar, as in torch.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.optim import Optimizer
+
+from pc_offload import states
+from pc_offload.states import StateDtype, parse_state_dtype
 
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
@@ -129,7 +133,11 @@ class _MasterAdam(Optimizer):
         maximize: bool,
         decoupled: bool,
         bias_correction: bool,
+        state_dtype: str | torch.dtype | StateDtype = "fp32",
     ) -> None:
+        # How the moments are stored [Note: low-precision optimizer states].
+        self.state_dtype = parse_state_dtype(state_dtype)
+        states.check_available(self.state_dtype)
         if lr < 0.0:
             raise ValueError(f"invalid learning rate: {lr} (must be >= 0).")
         if eps < 0.0:
@@ -149,6 +157,8 @@ class _MasterAdam(Optimizer):
             "amsgrad": amsgrad,
             "maximize": maximize,
             "bias_correction": bias_correction,
+            # Recorded in checkpoints; the format this optimizer stores.
+            "state_dtype": self.state_dtype.value,
         }
         super().__init__(params, defaults)
 
@@ -166,7 +176,8 @@ class _MasterAdam(Optimizer):
         state: dict[str, Any] = self.state[param]
         if state:
             if amsgrad and "max_exp_avg_sq" not in state:
-                zeros = torch.zeros_like(_local(state["exp_avg"]))
+                master = _local(state["master"]) if "master" in state else _local(param)
+                zeros = states.zeros(master, self.state_dtype, signed=False)
                 state["max_exp_avg_sq"] = _like(param, zeros)
             return state
         device = self._step_device(param)
@@ -178,7 +189,7 @@ class _MasterAdam(Optimizer):
             state["master"] = _like(param, master)
         state["step"] = torch.zeros((), dtype=torch.float32, device=device)
         for key in ("exp_avg", "exp_avg_sq", *(("max_exp_avg_sq",) if amsgrad else ())):
-            zeros = torch.zeros_like(master, memory_format=torch.preserve_format)
+            zeros = states.zeros(master, self.state_dtype, signed=key == "exp_avg")
             state[key] = _like(param, zeros)
         return state
 
@@ -204,6 +215,9 @@ class _MasterAdam(Optimizer):
         amsgrad = bool(group["amsgrad"])
         by_device: dict[torch.device, list[list[torch.Tensor]]] = {}
         refresh: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # Tensors whose moments are stored narrow, stepped block by block
+        # [Note: low-precision optimizer states].
+        narrow: list[tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], torch.Tensor]] = []
         crosses = False  # a device parameter stepped through a host master
         for param in group["params"]:
             if param.grad is None:
@@ -217,6 +231,13 @@ class _MasterAdam(Optimizer):
             grad = _local_grad(param, param.grad)
             if grad.dtype != torch.float32 or grad.device != master.device:
                 grad = grad.to(device=master.device, dtype=torch.float32, non_blocking=True)
+            if master is not local:
+                refresh.append((local, master))
+                crosses = crosses or (local.is_cuda and not master.is_cuda)
+            if states.is_narrow(_local(state["exp_avg"])):
+                keys = ("exp_avg", "exp_avg_sq", *(("max_exp_avg_sq",) if amsgrad else ()))
+                narrow.append((master, grad, [_local(state[k]) for k in keys], state["step"]))
+                continue
             lists = by_device.setdefault(master.device, [[], [], [], [], [], []])
             lists[0].append(master)
             lists[1].append(grad)
@@ -225,20 +246,18 @@ class _MasterAdam(Optimizer):
             if amsgrad:
                 lists[4].append(_local(state["max_exp_avg_sq"]))
             lists[5].append(state["step"])
-            if master is not local:
-                refresh.append((local, master))
-                crosses = crosses or (local.is_cuda and not master.is_cuda)
         if crosses:
             # The host kernel must not start before this step's asynchronous
             # device-to-host gradient copies have landed, nor overwrite a
             # master that last step's host-to-device refresh still reads.
             torch.cuda.synchronize()
+        update = self._fused_step if group["bias_correction"] else self._uncorrected_step
         for lists in by_device.values():
             torch._foreach_add_(lists[5], 1)
-            if group["bias_correction"]:
-                self._fused_step(group, *lists)
-            else:
-                self._uncorrected_step(group, *lists)
+            update(group, *lists)
+        for master, grad, moments, step in narrow:
+            step.add_(1)
+            states.step_blockwise(partial(update, group), master, grad, moments, step)
         for local, master in refresh:
             local.copy_(master, non_blocking=True)
 
@@ -307,6 +326,17 @@ class _MasterAdam(Optimizer):
         torch._foreach_add_(denoms, eps)
         torch._foreach_addcdiv_(masters, exp_avgs, denoms, value=-lr)
 
+    def state_dict(self) -> dict[str, Any]:
+        """torch's, with the moments in fp32 whatever their storage, and each
+        group's ``state_dtype`` [Note: low-precision optimizer states]."""
+        saved: dict[str, Any] = super().state_dict()
+        saved["state"] = {k: dict(v) for k, v in saved["state"].items()}  # not ours to change
+        for entry in saved["state"].values():
+            for key, value in entry.items():
+                if isinstance(value, torch.Tensor) and states.is_narrow(_local(value)):
+                    entry[key] = _like(value, states.widen(_local(value)))
+        return saved
+
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """As torch's, but moment and master tensors keep fp32 on the step
@@ -325,6 +355,9 @@ class _MasterAdam(Optimizer):
             # existed, lacks this optimizer's extra keys: take the defaults.
             for key, value in self.defaults.items():
                 group.setdefault(key, value)
+            # The format is this optimizer's, not the checkpoint's: a state
+            # saved in another loads into it [Note: low-precision optimizer states].
+            group["state_dtype"] = self.state_dtype.value
         for saved_key, param in zip(saved_keys, params, strict=True):
             if saved_key not in saved:
                 continue
@@ -342,6 +375,10 @@ class _MasterAdam(Optimizer):
         scalar)."""
         local = _local(value).detach().to(device=self._step_device(param), dtype=torch.float32)
         local = local.clone()
+        if key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
+            stored = states.zeros(local, self.state_dtype, signed=key == "exp_avg")
+            states.narrow_into(stored, local)
+            local = stored
         if key == "step" or not isinstance(param, DTensor):
             return local
         if local.shape != _local(param).shape:
@@ -387,7 +424,9 @@ class CPUAdam(_MasterAdam):
     with fp32 master weights and optimizer states in host memory. Arguments
     in the CPU Adam order [Note: call shape]; ``bias_correction=False`` drops
     the moments' bias correction.
-    ``nvme_offload_fraction`` must be 0: pc keeps the states in memory."""
+    ``nvme_offload_fraction`` must be 0: pc keeps the states in memory.
+    ``state_dtype`` (``"fp32"``, ``"bf16"``, ``"int8"``) is how the moments
+    are stored [Note: low-precision optimizer states]."""
 
     def __init__(
         self,
@@ -403,6 +442,7 @@ class CPUAdam(_MasterAdam):
         *,
         amsgrad: bool = False,
         maximize: bool = False,
+        state_dtype: str | torch.dtype | StateDtype = "fp32",
     ) -> None:
         name = type(self).__name__
         _refuse_nvme(name, nvme_offload_fraction, nvme_offload_dir)
@@ -416,13 +456,15 @@ class CPUAdam(_MasterAdam):
             maximize=maximize,
             decoupled=adamw_mode,
             bias_correction=_check_flag(name, bias_correction),
+            state_dtype=state_dtype,
         )
 
 
 class CPUAdamW(_MasterAdam):
     """AdamW (decoupled weight decay, as ``torch.optim.AdamW``, whose
     argument order it keeps) with fp32 master weights and optimizer states
-    in host memory."""
+    in host memory, stored as ``state_dtype`` (``"fp32"``, ``"bf16"``,
+    ``"int8"``) [Note: low-precision optimizer states]."""
 
     def __init__(
         self,
@@ -435,6 +477,7 @@ class CPUAdamW(_MasterAdam):
         *,
         maximize: bool = False,
         bias_correction: bool = True,
+        state_dtype: str | torch.dtype | StateDtype = "fp32",
     ) -> None:
         super().__init__(
             params,
@@ -446,6 +489,7 @@ class CPUAdamW(_MasterAdam):
             maximize=maximize,
             decoupled=True,
             bias_correction=bias_correction,
+            state_dtype=state_dtype,
         )
 
 

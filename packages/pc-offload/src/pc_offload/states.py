@@ -1,0 +1,197 @@
+"""Adam's moments kept in fp32, bf16 or 8 bits.
+
+[Note: low-precision optimizer states]
+The moments are *stored* in the chosen format and *computed* in fp32: each
+step takes a tensor's moments a block at a time (``_BLOCK`` elements,
+a bounded fp32 scratch), widens them to fp32, runs the same fused Adam
+kernel as fp32 training on the fp32 master, gradient and widened moments,
+and narrows the new moments back into storage. The parameter update of a
+step therefore uses this step's fp32 moments, as torchao's low-bit Adams
+do; only what is carried to the next step is rounded.
+
+- ``bf16``: moments in bfloat16, rounded to nearest. 2 + 2 bytes per
+  parameter instead of 4 + 4.
+- ``int8``: torchao's 8-bit scheme, the one bitsandbytes introduced: blocks
+  of 256 values scaled by their largest magnitude, each value coded as the
+  nearest of 256 levels of a dynamic (non-linear) map, signed for the first
+  moment and unsigned for the second. The codes and scales are torchao's
+  ``OptimState8bit``; its quantise and dequantise functions do the work.
+  torchao's own ``AdamW8bit`` runs its step through ``torch.compile`` (a C++
+  toolchain and seconds of compilation per shape on a CPU); this step is
+  eager torch over fp32 blocks, so what pc writes is the blocking and the
+  step around torchao's format, not the format. A tensor of fewer than 4096
+  elements, or not a whole number of blocks, keeps fp32 moments, as torchao
+  and bitsandbytes do. About 1 + 1/64 bytes per moment value.
+
+Masters stay fp32. A checkpoint holds the moments in fp32 whatever the
+storage (``state_dict`` widens them) and each group's ``state_dtype``;
+loading narrows them into this optimizer's format, so a checkpoint written
+with one format loads into another.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+__all__ = ["StateDtype", "parse_state_dtype"]
+
+_BLOCK = 1 << 18  # elements widened at a time: 1 MiB of fp32 per moment
+_QUANT_BLOCK = 256  # torchao's (and bitsandbytes') 8-bit block
+_QUANT_MIN = 4096  # smaller tensors keep fp32 moments, as torchao does
+
+
+class StateDtype(enum.Enum):
+    """How Adam's moments are stored [Note: low-precision optimizer states]."""
+
+    FP32 = "fp32"
+    BF16 = "bf16"
+    INT8 = "int8"
+
+
+_NAMES = {
+    "fp32": StateDtype.FP32,
+    "float32": StateDtype.FP32,
+    "bf16": StateDtype.BF16,
+    "bfloat16": StateDtype.BF16,
+    "int8": StateDtype.INT8,
+    "8bit": StateDtype.INT8,
+}
+
+
+def parse_state_dtype(value: str | torch.dtype | StateDtype) -> StateDtype:
+    """``"fp32"``, ``"bf16"``, ``"int8"`` (or ``torch.float32`` /
+    ``torch.bfloat16``, or a :class:`StateDtype`)."""
+    if isinstance(value, StateDtype):
+        return value
+    if value == torch.float32:
+        return StateDtype.FP32
+    if value == torch.bfloat16:
+        return StateDtype.BF16
+    if isinstance(value, str) and value.lower() in _NAMES:
+        return _NAMES[value.lower()]
+    raise ValueError(
+        f"optimizer state dtype: expected one of 'fp32', 'bf16', 'int8' (or torch.float32, "
+        f"torch.bfloat16), got {value!r}."
+    )
+
+
+def _torchao_8bit() -> Any:
+    try:
+        from torchao.optim.subclass_8bit import OptimState8bit
+    except ImportError as error:
+        raise ImportError(
+            "8-bit optimizer states use torchao's format (OptimState8bit): install torchao "
+            "(`pip install torchao`, or pc-offload[int8]), or use state_dtype='bf16'."
+        ) from error
+    return OptimState8bit
+
+
+def check_available(dtype: StateDtype) -> None:
+    """Fail at construction, not at the first step, when int8 cannot run."""
+    if dtype is StateDtype.INT8:
+        _torchao_8bit()
+
+
+def quantizable(like: torch.Tensor) -> bool:
+    return like.numel() >= _QUANT_MIN and like.numel() % _QUANT_BLOCK == 0
+
+
+def zeros(like: torch.Tensor, dtype: StateDtype, signed: bool) -> torch.Tensor:
+    """A zero moment shaped like the fp32 master ``like``, stored as ``dtype``."""
+    if dtype is StateDtype.BF16:
+        return torch.zeros(like.shape, dtype=torch.bfloat16, device=like.device)
+    if dtype is StateDtype.INT8 and quantizable(like):
+        state8: torch.Tensor = _torchao_8bit().zeros(
+            like.shape, signed=signed, block_size=_QUANT_BLOCK, device=like.device
+        )
+        return state8
+    return torch.zeros_like(like, memory_format=torch.preserve_format)
+
+
+def is_narrow(moment: torch.Tensor) -> bool:
+    """Stored in fewer bits than fp32."""
+    return moment.dtype != torch.float32 or hasattr(moment, "codes")
+
+
+def widen(moment: torch.Tensor) -> torch.Tensor:
+    """A new fp32 tensor with ``moment``'s values."""
+    if hasattr(moment, "codes"):
+        quantized: Any = moment  # torchao's OptimState8bit
+        out: torch.Tensor = quantized.dequantize()
+        return out.float()
+    return moment.detach().to(torch.float32, copy=True)
+
+
+def narrow_into(moment: torch.Tensor, values: torch.Tensor) -> None:
+    """Store fp32 ``values`` into ``moment``, in its format."""
+    if hasattr(moment, "codes"):
+        _write_block(moment, 0, moment.numel(), values.reshape(-1))
+    else:
+        moment.copy_(values)
+
+
+def stored_like(template: torch.Tensor, values: torch.Tensor, signed: bool) -> torch.Tensor:
+    """fp32 ``values`` stored in ``template``'s format (a new tensor)."""
+    if hasattr(template, "codes"):
+        out = zeros(values, StateDtype.INT8, signed)
+        narrow_into(out, values)
+        return out
+    return values.to(template.dtype)
+
+
+def _read_block(moment: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    if hasattr(moment, "codes"):
+        from torchao.optim.quant_utils import dequant_with_qmap
+
+        quantized: Any = moment  # torchao's OptimState8bit
+        codes = quantized.codes.view(-1)[lo:hi]
+        scale = quantized.scale[lo // _QUANT_BLOCK : hi // _QUANT_BLOCK]
+        block: torch.Tensor = dequant_with_qmap(codes, quantized.qmap, scale)
+        return block
+    return moment.view(-1)[lo:hi].float()
+
+
+def _write_block(moment: torch.Tensor, lo: int, hi: int, values: torch.Tensor) -> None:
+    if hasattr(moment, "codes"):
+        from torchao.optim.quant_utils import quantize_8bit_with_qmap, scale_tensor
+
+        quantized: Any = moment  # torchao's OptimState8bit
+        scaled, scale = scale_tensor(values, _QUANT_BLOCK)
+        quantized.codes.view(-1)[lo:hi] = quantize_8bit_with_qmap(scaled, quantized.qmap)
+        quantized.scale[lo // _QUANT_BLOCK : hi // _QUANT_BLOCK] = scale
+    else:
+        moment.view(-1)[lo:hi] = values
+
+
+Kernel = Callable[..., None]
+
+
+def step_blockwise(
+    kernel: Kernel,
+    master: torch.Tensor,
+    grad: torch.Tensor,
+    moments: Sequence[torch.Tensor],
+    step: torch.Tensor,
+) -> None:
+    """``kernel([master], [grad], [m], [v], [max_v], [step])`` over fp32
+    blocks of a tensor whose moments are stored narrow [Note: low-precision
+    optimizer states]. ``moments`` is (exp_avg, exp_avg_sq[, max_exp_avg_sq])."""
+    flat_master, flat_grad = master.view(-1), grad.reshape(-1)
+    numel = flat_master.numel()
+    for lo in range(0, numel, _BLOCK):
+        hi = min(numel, lo + _BLOCK)
+        wide = [_read_block(m, lo, hi) for m in moments]
+        kernel(
+            [flat_master[lo:hi]],
+            [flat_grad[lo:hi]],
+            [wide[0]],
+            [wide[1]],
+            wide[2:],
+            [step],
+        )
+        for moment, values in zip(moments, wide, strict=True):
+            _write_block(moment, lo, hi, values)
