@@ -13,7 +13,14 @@ from pc_offload.pool import (
     Transfer,
     pinned_empty,
 )
-from pc_offload.states import StateDtype, parse_state_dtype
+from pc_offload.states import (
+    StateDtype,
+    is_narrow,
+    moment_bytes,
+    parse_state_dtype,
+    stored_bytes,
+    widen,
+)
 
 __version__ = "0.1.0"
 
@@ -29,6 +36,10 @@ __all__ = [
     "PoolStats",
     "StateDtype",
     "Transfer",
+    "is_narrow",
+    "moment_bytes",
     "parse_state_dtype",
     "pinned_empty",
+    "stored_bytes",
+    "widen",
 ]

@@ -175,6 +175,7 @@ class _MasterAdam(Optimizer):
         [Note: DTensor parameters]."""
         state: dict[str, Any] = self.state[param]
         if state:
+            self._restore_format(param, state)
             if amsgrad and "max_exp_avg_sq" not in state:
                 master = _local(state["master"]) if "master" in state else _local(param)
                 zeros = states.zeros(master, self.state_dtype, signed=False)
@@ -192,6 +193,21 @@ class _MasterAdam(Optimizer):
             zeros = states.zeros(master, self.state_dtype, signed=key == "exp_avg")
             state[key] = _like(param, zeros)
         return state
+
+    def _restore_format(self, param: torch.Tensor, state: dict[str, Any]) -> None:
+        """Moments in fp32 where this optimizer stores them narrow (widened
+        for a checkpoint's pieces, pc_zero) go back to its format
+        [Note: low-precision optimizer states]."""
+        if self.state_dtype is StateDtype.FP32:
+            return
+        for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
+            value = state.get(key)
+            if value is None or states.is_narrow(_local(value)):
+                continue
+            stored = states.zeros(_local(value), self.state_dtype, signed=key == "exp_avg")
+            if states.is_narrow(stored):
+                states.narrow_into(stored, _local(value))
+                state[key] = _like(param, stored)
 
     @staticmethod
     def _master_of(local: torch.Tensor, device: torch.device) -> torch.Tensor:

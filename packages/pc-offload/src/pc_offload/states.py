@@ -37,7 +37,14 @@ from typing import Any
 
 import torch
 
-__all__ = ["StateDtype", "parse_state_dtype"]
+__all__ = [
+    "StateDtype",
+    "is_narrow",
+    "moment_bytes",
+    "parse_state_dtype",
+    "stored_bytes",
+    "widen",
+]
 
 _BLOCK = 1 << 18  # elements widened at a time: 1 MiB of fp32 per moment
 _QUANT_BLOCK = 256  # torchao's (and bitsandbytes') 8-bit block
@@ -112,6 +119,23 @@ def zeros(like: torch.Tensor, dtype: StateDtype, signed: bool) -> torch.Tensor:
     return torch.zeros_like(like, memory_format=torch.preserve_format)
 
 
+def moment_bytes(dtype: StateDtype) -> float:
+    """Bytes per moment value in ``dtype`` (8-bit: the code plus its share
+    of a block's fp32 scale), for the planners' accounting."""
+    return {StateDtype.FP32: 4.0, StateDtype.BF16: 2.0, StateDtype.INT8: 1 + 4 / _QUANT_BLOCK}[
+        dtype
+    ]
+
+
+def stored_bytes(moment: torch.Tensor) -> int:
+    """Bytes ``moment`` keeps (codes and scales for 8 bits)."""
+    if hasattr(moment, "codes"):
+        quantized: Any = moment
+        parts = (quantized.codes, quantized.scale)
+        return sum(int(t.numel()) * t.element_size() for t in parts)
+    return int(moment.numel()) * moment.element_size()
+
+
 def is_narrow(moment: torch.Tensor) -> bool:
     """Stored in fewer bits than fp32."""
     return moment.dtype != torch.float32 or hasattr(moment, "codes")
@@ -127,11 +151,26 @@ def widen(moment: torch.Tensor) -> torch.Tensor:
 
 
 def narrow_into(moment: torch.Tensor, values: torch.Tensor) -> None:
-    """Store fp32 ``values`` into ``moment``, in its format."""
+    """Store fp32 ``values`` (from a checkpoint) into ``moment``, in its
+    format [Note: 8-bit moments through a checkpoint]."""
     if hasattr(moment, "codes"):
-        _write_block(moment, 0, moment.numel(), values.reshape(-1))
+        _write_block(moment, 0, moment.numel(), values.reshape(-1), from_levels=True)
     else:
         moment.copy_(values)
+
+
+# [Note: 8-bit moments through a checkpoint]
+# A checkpoint holds fp32 moments (what any optimizer reads), so an 8-bit
+# moment is saved as its dequantised values, code level x block scale, and
+# narrowed again on load. torchao's scheme scales a block by its largest
+# magnitude, mapping it to +-1; the signed map's lowest level is -0.99297,
+# not -1, so a block whose extreme value is negative was stored at level
+# -0.99297 x scale, and scaling its dequantised values again by their
+# largest magnitude would shift every code of the block. On load (only), a
+# block whose extreme is negative is scaled by it over 0.99297, which puts
+# it back on its level: the codes come back the same and the scale to
+# fp32 rounding of one division, so a resumed run continues the one that
+# saved to the last bit of that scale.
 
 
 def stored_like(template: torch.Tensor, values: torch.Tensor, signed: bool) -> torch.Tensor:
@@ -155,12 +194,31 @@ def _read_block(moment: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
     return moment.view(-1)[lo:hi].float()
 
 
-def _write_block(moment: torch.Tensor, lo: int, hi: int, values: torch.Tensor) -> None:
+def _scale_from_levels(
+    values: torch.Tensor, qmap: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block scales that put dequantised values back on their levels
+    [Note: 8-bit moments through a checkpoint]."""
+    blocks = values.view(-1, _QUANT_BLOCK)
+    top, bottom = blocks.amax(-1), blocks.amin(-1)
+    # A tie goes to the negative side: a positive value at that magnitude
+    # cannot have been at level 1, or it would be the larger.
+    negative = -bottom >= top
+    scale = torch.where(negative, bottom / float(qmap.min()), top).clip(1e-12)
+    return (blocks / scale.view(-1, 1)).view(values.shape), scale
+
+
+def _write_block(
+    moment: torch.Tensor, lo: int, hi: int, values: torch.Tensor, from_levels: bool = False
+) -> None:
     if hasattr(moment, "codes"):
         from torchao.optim.quant_utils import quantize_8bit_with_qmap, scale_tensor
 
         quantized: Any = moment  # torchao's OptimState8bit
-        scaled, scale = scale_tensor(values, _QUANT_BLOCK)
+        if from_levels and float(quantized.qmap.min()) < 0:
+            scaled, scale = _scale_from_levels(values, quantized.qmap)
+        else:
+            scaled, scale = scale_tensor(values, _QUANT_BLOCK)
         quantized.codes.view(-1)[lo:hi] = quantize_8bit_with_qmap(scaled, quantized.qmap)
         quantized.scale[lo // _QUANT_BLOCK : hi // _QUANT_BLOCK] = scale
     else:

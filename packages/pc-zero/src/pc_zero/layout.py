@@ -60,11 +60,15 @@ class Bucket:
 
 
 def plan_buckets(
-    groups: list[list[tuple[int, torch.Size]]], bucket_numel: int, world_size: int
+    groups: list[list[tuple[int, torch.Size]]],
+    bucket_numel: int,
+    world_size: int,
+    piece_multiple: int = 1,
 ) -> list[list[Bucket]]:
     """Buckets per group for parameters given as ``(index, shape)`` in
     arrival order (their ``index`` gives the arrival rank across groups).
-    A parameter larger than ``bucket_numel`` gets a bucket of its own."""
+    A parameter larger than ``bucket_numel`` gets a bucket of its own.
+    Each rank's piece is a multiple of ``piece_multiple`` elements."""
     if bucket_numel < 1:
         raise ValueError(f"bucket size must be at least 1 element, got {bucket_numel}.")
     planned: list[list[Bucket]] = []
@@ -84,7 +88,8 @@ def plan_buckets(
             if not run:
                 continue
             used = run[-1].offset + run[-1].numel
-            padded = max(1, -(-used // world_size)) * world_size
+            unit = world_size * piece_multiple
+            padded = max(1, -(-used // unit)) * unit
             buckets.append(Bucket(g, start, padded, padded // world_size, tuple(run)))
             start += padded
         planned.append(buckets)

@@ -52,7 +52,15 @@ from pc_comm import (
     default_communicator,
     weak_method,
 )
-from pc_offload import CPUAdam, CPUAdamW
+from pc_offload import (
+    CPUAdam,
+    CPUAdamW,
+    HybridAdam,
+    StateDtype,
+    parse_state_dtype,
+    stored_bytes,
+    widen,
+)
 from pc_zero.clipping import ClipsInStep
 from pc_zero.layout import Bucket, Slot, plan_buckets
 from pc_zero.loss_scale import (
@@ -119,6 +127,19 @@ def _checked_stage(
     return stage
 
 
+def _checked_states(optimizer: Optimizer, value: str | StateDtype) -> StateDtype:
+    """The moments' format; a narrow one needs an Adam pc-offload steps."""
+    states = parse_state_dtype(value)
+    adams = (torch.optim.Adam, torch.optim.AdamW, CPUAdam, CPUAdamW)
+    if states is not StateDtype.FP32 and not isinstance(optimizer, adams):
+        raise ValueError(
+            f"LowLevelZeroOptimizer: optimizer_states={states.value!r} stores Adam's moments "
+            f"narrow; it applies to torch.optim.Adam / AdamW or pc_offload's CPUAdam family, "
+            f"got {type(optimizer).__name__}. Use optimizer_states='fp32' with it."
+        )
+    return states
+
+
 def _one_dtype_and_device(params: list[torch.Tensor]) -> tuple[torch.dtype, torch.device]:
     """The one dtype and device of the trainable ``params``."""
     trainable = [p for p in params if p.requires_grad]
@@ -149,7 +170,9 @@ class LowLevelZeroOptimizer(ClipsInStep, Optimizer):
     ``loss_scale``: the dynamic scale for fp16 parameters (on by default for
     fp16, unused otherwise). ``cpu_offload``: masters, optimizer states and
     the step on the host (Adam/AdamW step through pc-offload's fused CPU
-    optimizers).
+    optimizers). ``optimizer_states``: how Adam's moments are stored,
+    ``"fp32"``, ``"bf16"`` or ``"int8"`` (pc-offload's [Note: low-precision
+    optimizer states]; torch's Adam/AdamW then step through pc-offload's).
 
     The global norm (clipping, and the fp16 overflow check) spans the whole
     model [Note: global norm across groups]: ``model_parallel_groups`` are
@@ -190,8 +213,10 @@ class LowLevelZeroOptimizer(ClipsInStep, Optimizer):
         model_parallel_groups: Sequence[dist.ProcessGroup] = (),
         counts_toward_norm: Callable[[torch.Tensor], bool] | None = None,
         replica_process_group: dist.ProcessGroup | None = None,
+        optimizer_states: str | StateDtype = "fp32",
     ) -> None:
         self.stage = _checked_stage(optimizer, stage, partition_grad, max_norm)
+        self.optimizer_states = _checked_states(optimizer, optimizer_states)
         self.comm = comm if comm is not None else default_communicator(dp_process_group)
         # [Note: two-level sharding]: the ranks holding the same shards.
         self._replicas = (
@@ -314,7 +339,9 @@ class LowLevelZeroOptimizer(ClipsInStep, Optimizer):
             [(index[id(p)], p.shape) for p in reversed(g["params"]) if p.requires_grad]
             for g in optimizer.param_groups
         ]
-        planned = plan_buckets(groups, bucket_numel, self.world_size)
+        # 8-bit moments are kept per block of 256: whole blocks per piece.
+        multiple = 256 if self.optimizer_states is StateDtype.INT8 else 1
+        planned = plan_buckets(groups, bucket_numel, self.world_size, multiple)
         buckets = [
             replace(b, order=max(arrival[id(self._params[s.index])] for s in b.slots))
             for group in planned
@@ -375,15 +402,28 @@ class LowLevelZeroOptimizer(ClipsInStep, Optimizer):
         per_group: list[list[torch.Tensor]] = [[] for _ in optimizer.param_groups]
         for b, master in zip(self.buckets, self._masters, strict=True):
             per_group[b.group].append(master)
-        if self.cpu_offload and type(optimizer) in (torch.optim.Adam, torch.optim.AdamW):
+        narrow = self.optimizer_states is not StateDtype.FP32
+        torch_adam = type(optimizer) in (torch.optim.Adam, torch.optim.AdamW)
+        if (self.cpu_offload or narrow) and torch_adam:
             keys = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize")
             groups = [
                 {"params": ps, **{k: g[k] for k in keys if k in g}}
                 for g, ps in zip(optimizer.param_groups, per_group, strict=True)
             ]
+            states = self.optimizer_states
+            if not self.cpu_offload:  # steps where the masters are
+                decoupled = isinstance(optimizer, torch.optim.AdamW)
+                return HybridAdam(groups, adamw_mode=decoupled, state_dtype=states)
             if isinstance(optimizer, torch.optim.AdamW):
-                return CPUAdamW(groups)
-            return CPUAdam(groups, adamw_mode=False)  # torch's Adam: L2 weight decay
+                return CPUAdamW(groups, state_dtype=states)
+            return CPUAdam(groups, adamw_mode=False, state_dtype=states)  # torch's Adam: L2 decay
+        if narrow and optimizer.defaults.get("state_dtype") != self.optimizer_states.value:
+            raise ValueError(
+                f"LowLevelZeroOptimizer: optimizer_states={self.optimizer_states.value!r} but "
+                f"the {type(optimizer).__name__} given stores "
+                f"{optimizer.defaults.get('state_dtype')!r}; build it with "
+                f"state_dtype={self.optimizer_states.value!r}, or pass torch's AdamW."
+            )
         optimizer.state.clear()
         adam = type(optimizer) in (torch.optim.Adam, torch.optim.AdamW)
         for g, ps in zip(optimizer.param_groups, per_group, strict=True):
@@ -709,10 +749,12 @@ class LowLevelZeroOptimizer(ClipsInStep, Optimizer):
         def size(tensors: list[torch.Tensor]) -> tuple[int, int]:
             total = host = 0
             for t in tensors:  # tensors, not storages: symmetric buffers share one
-                nbytes = t.numel() * t.element_size()
-                if t.data_ptr() in seen or nbytes == 0:
+                nbytes = stored_bytes(t)
+                # 8-bit moments are a wrapper: their codes' address names them.
+                address = getattr(t, "codes", t).data_ptr()
+                if address in seen or nbytes == 0:
                     continue
-                seen.add(t.data_ptr())
+                seen.add(address)
                 total += nbytes
                 host += nbytes if t.device.type == "cpu" else 0
             return total, host
@@ -780,6 +822,12 @@ class LowLevelZeroOptimizer(ClipsInStep, Optimizer):
         for b, master in zip(self.buckets, self._masters, strict=True):
             lo, hi = b.piece_range(self.rank)
             state = self.inner.state[master]
+            for key, value in list(state.items()):
+                # 8-bit moments have no element views: a checkpoint's pieces
+                # read and write an fp32 copy, stored 8-bit again at the next
+                # step (pc_offload [Note: low-precision optimizer states]).
+                if isinstance(value, torch.Tensor) and hasattr(value, "codes"):
+                    state[key] = widen(value)
             for slot in b.slots:
                 start, end = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
                 if start >= end:

@@ -33,6 +33,7 @@ import torch
 from torch.optim import Optimizer
 
 from pc_comm import Communicator
+from pc_offload import is_narrow, widen
 from pc_zero.layout import Bucket
 from pc_zero.loss_scale import DynamicLossScaler
 
@@ -95,6 +96,9 @@ def _entries(opt: BucketedShards, k: int) -> dict[str, Any]:
     """Bucket ``k``'s optimizer state on this rank, master included."""
     master = opt.masters[k]
     entries = dict(opt.inner.state.get(master, {}))
+    for key, value in entries.items():  # fp32 in checkpoints, whatever the storage
+        if isinstance(value, torch.Tensor) and is_narrow(value):
+            entries[key] = widen(value)
     if entries and opt.dtype != torch.float32:
         entries["master"] = master
     return entries

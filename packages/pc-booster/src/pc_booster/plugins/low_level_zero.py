@@ -55,6 +55,7 @@ from pc_booster.rules import (
     TrainPrecision,
 )
 from pc_booster.step_policies import GradientStep
+from pc_offload import moment_bytes, parse_state_dtype
 from pc_zero import ShardedOptimizer
 
 __all__ = [
@@ -77,13 +78,30 @@ def _stage(options: LowLevelZeroOptions, setting: RunSetting) -> str | None:
     return None
 
 
+def _states(options: LowLevelZeroOptions, setting: RunSetting) -> str | None:
+    try:
+        parse_state_dtype(options.optimizer_states)
+    except ValueError as error:
+        return f"{error} (optimizer_states)"
+    return None
+
+
 def zero_states(
-    psi: float, dp: int, precision: TrainPrecision, stage: int, *, offload: bool, pipeline: bool
+    psi: float,
+    dp: int,
+    precision: TrainPrecision,
+    stage: int,
+    *,
+    offload: bool,
+    pipeline: bool,
+    moment_bytes: float = 4.0,
 ) -> StateBytes:
     """ZeRO-1/2 model states per rank (the ZeRO paper's accounting): the
     compute-dtype parameters whole, masters and moments sharded; stage 1
     keeps the whole gradient (and, reduced in backward, its piece; a
-    pipeline reduces at the step), stage 2 only its piece."""
+    pipeline reduces at the step), stage 2 only its piece. Two moments of
+    ``moment_bytes`` each per parameter (4 in fp32, 2 in bf16, about 1 in
+    8 bits)."""
     p = precision.bytes
     m = 4 if precision is not TrainPrecision.FP32 or offload else 0
     if stage == 1:
@@ -92,7 +110,7 @@ def zero_states(
         grads = p * psi / dp
     else:  # no ZeRO: everything whole
         return StateBytes(p * psi, p * psi, m * psi, 8 * psi)
-    masters, moments = m * psi / dp, 8 * psi / dp
+    masters, moments = m * psi / dp, 2 * moment_bytes * psi / dp
     return StateBytes(p * psi, grads, masters, moments, host=masters + moments if offload else 0.0)
 
 
@@ -103,6 +121,8 @@ class LowLevelZeroOptions(PluginConfig, LossScaleOptions):
     - ``stage``: 1 shards optimizer states, 2 gradients too.
     - ``cpu_offload``: masters, moments and the step on the host.
     - ``max_norm``: clipping by the global norm, 0 for none.
+    - ``optimizer_states``: Adam's moments stored as ``"fp32"``, ``"bf16"``
+      or ``"int8"`` (pc_offload [Note: low-precision optimizer states]).
     - ``extra_dp_size``: two-level sharding, the model sharded in this
       many groups of consecutive ranks (a node's, with torchrun's
       numbering), each replicating the others (pc_zero [Note: two-level
@@ -114,6 +134,11 @@ class LowLevelZeroOptions(PluginConfig, LossScaleOptions):
     name: ClassVar[str] = "low-level-zero"
     RULES: ClassVar[tuple[Rule, ...]] = (
         Rule("stage other than 1 or 2", _stage, ({"stage": 3}, RunSetting())),
+        Rule(
+            "optimizer_states other than fp32, bf16 or int8",
+            _states,
+            ({"optimizer_states": "fp8"}, RunSetting()),
+        ),
         EXTRA_DP_RULE,
     )
 
@@ -126,15 +151,24 @@ class LowLevelZeroOptions(PluginConfig, LossScaleOptions):
     # Floating inputs cast to the compute dtype (an fp32 batch into an fp16 model).
     cast_inputs: bool = True
     extra_dp_size: int = 1
+    optimizer_states: str = "fp32"
 
     def describe(self) -> str:
         extra = f" x{self.extra_dp_size}" if self.extra_dp_size > 1 else ""
-        return f"zero{self.stage}{extra}" + (" cpu-offload" if self.cpu_offload else "")
+        states = f" {self.optimizer_states} states" if self.optimizer_states != "fp32" else ""
+        return f"zero{self.stage}{extra}" + (" cpu-offload" if self.cpu_offload else "") + states
 
     def model_states(self, psi: float, dp: int, precision: TrainPrecision) -> StateBytes:
         shards = max(dp // self.extra_dp_size, 1)  # sharded inside each group
+        moments = moment_bytes(parse_state_dtype(self.optimizer_states))
         return zero_states(
-            psi, shards, precision, self.stage, offload=self.cpu_offload, pipeline=False
+            psi,
+            shards,
+            precision,
+            self.stage,
+            offload=self.cpu_offload,
+            pipeline=False,
+            moment_bytes=moments,
         )
 
 
@@ -350,6 +384,7 @@ class LowLevelZeroPlugin(Plugin, SupportsNoSync):
             overlap_communication=o.overlap_communication,
             max_norm=o.max_norm,
             loss_scale=o.loss_scale(),
+            optimizer_states=o.optimizer_states,
         )
         masters_from_built(model, zero, built)
         if o.cast_inputs and precision is not TrainPrecision.FP32:
