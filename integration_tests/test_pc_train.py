@@ -189,6 +189,14 @@ def test_one_rank_on_all_cores_after_plugin_auto(tmp_path: Path) -> None:
             ["--plugin", "gemini", "--step-in-backward", "--clip-norm", "0", "--precision", "fp16"],
             "use bf16 or fp32, or step_in_backward=False",
         ),
+        (
+            ["--plugin", "gemini", "--optimizer-states", "bf16"],
+            "built for --plugin zero1 / zero2 so far, not gemini",
+        ),
+        (
+            ["--plugin", "auto", "--optimizer-states", "int8"],
+            "--optimizer-states int8 would be overwritten",
+        ),
     ],
 )
 def test_bad_input_is_one_clear_message(
@@ -215,3 +223,20 @@ def test_yaml_config_with_command_line_overrides(tmp_path: Path) -> None:
     config.write_text("steps: many\n")
     with pytest.raises(SystemExit):
         parse_args(["--config", str(config)])
+
+
+def test_optimizer_states_narrow_train_and_resume_in_another_format(tmp_path: Path) -> None:
+    """ZeRO-2 with 8-bit moments trains and checkpoints; the run resumes
+    with bf16 moments from the same checkpoint (fp32 moments inside)."""
+    base = ["--model", "gpt2-tiny", "--plugin", "zero2", "--nproc", "2", "--no-progress",
+            "--no-tensorboard", "--eval-every", "0", "--checkpoint-every", "2",
+            "--output-dir", str(tmp_path)]  # fmt: skip
+    for extra in (["--steps", "4", "--optimizer-states", "int8"],
+                  ["--steps", "6", "--optimizer-states", "bf16", "--resume"]):  # fmt: skip
+        done = subprocess.run(
+            [*COMMAND, *base, *extra], capture_output=True, text=True, timeout=300
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+    losses = _losses(tmp_path)
+    assert len(losses) == 6
+    assert all(loss == loss for loss in losses)  # finite, not NaN

@@ -48,6 +48,8 @@ _FLAGS = {
     "compile": "--compile",
 }
 RECOMPUTE = ("none", "full", "selective")
+# How Adam's moments are stored (pc_offload [Note: low-precision optimizer states]).
+OPTIMIZER_STATES = ("fp32", "bf16", "int8")
 
 
 def _flags_named(message: str) -> str:
@@ -66,6 +68,8 @@ class PluginOptions:
     - ``sequence_parallel``: hybrid with tp > 1.
     - ``offload_frac``: Gemini's share of chunks kept on the host.
     - ``cpu_offload``: ZeRO-1/2 optimizer states and step on the host.
+    - ``optimizer_states``: Adam's moments in fp32, bf16 or int8 (zero1 /
+      zero2 for now).
     - ``step_in_backward``: Gemini steps each chunk inside backward (12
       bytes per parameter of model states instead of 16).
     - ``sp`` / ``sp_mode``: sequence parallelism over ``sp`` ranks of its
@@ -88,6 +92,7 @@ class PluginOptions:
     sequence_parallel: bool = False
     offload_frac: float = 0.0
     cpu_offload: bool = False
+    optimizer_states: str = "fp32"
     step_in_backward: bool = False
     sp: int = 1
     sp_mode: str = "all_to_all"
@@ -119,6 +124,7 @@ class PluginOptions:
             extra += f" x{self.extra_dp}" if self.extra_dp > 1 else ""
             extra += f" offload {self.offload_frac:g}" if self.offload_frac else ""
             extra += " cpu-offload" if self.cpu_offload else ""
+            extra += f" {self.optimizer_states} states" if self.optimizer_states != "fp32" else ""
             extra += " step-in-backward" if self.step_in_backward else ""
             return f"{self.name}{extra}{self._blocks_text()}"
         sp = " sp" if self.sequence_parallel else ""
@@ -149,6 +155,8 @@ class PluginOptions:
             out.append(f"--offload-frac {self.offload_frac:g}")
         if self.cpu_offload:
             out.append("--cpu-offload")
+        if self.optimizer_states != "fp32":
+            out.append(f"--optimizer-states {self.optimizer_states}")
         if self.step_in_backward:
             out.append("--step-in-backward")
         return " ".join(out)
@@ -178,6 +186,7 @@ class PluginOptions:
             return plugins.LowLevelZeroOptions(
                 stage=stage,
                 cpu_offload=self.cpu_offload,
+                optimizer_states=self.optimizer_states,
                 max_norm=max_norm,
                 extra_dp_size=self.extra_dp,
                 **blocks,
@@ -247,6 +256,20 @@ class PluginOptions:
             raise ValueError("--offload-frac is an option of --plugin gemini.")
         if self.cpu_offload and self.kind not in (PluginKind.ZERO1, PluginKind.ZERO2):
             raise ValueError("--cpu-offload is an option of --plugin zero1 / zero2.")
+        if self.optimizer_states not in OPTIMIZER_STATES:
+            raise ValueError(
+                f"--optimizer-states must be one of {', '.join(OPTIMIZER_STATES)}, got "
+                f"{self.optimizer_states!r}."
+            )
+        if self.optimizer_states != "fp32" and self.kind not in (
+            PluginKind.ZERO1,
+            PluginKind.ZERO2,
+        ):
+            raise ValueError(
+                f"--optimizer-states {self.optimizer_states}: moments stored narrow are built "
+                f"for --plugin zero1 / zero2 so far, not {self.name}; use one of those, or "
+                "--optimizer-states fp32."
+            )
         if self.step_in_backward and self.kind is not PluginKind.GEMINI:
             raise ValueError("--step-in-backward is an option of --plugin gemini.")
 

@@ -13,7 +13,13 @@ from pathlib import Path
 from typing import Any
 
 from pc_train.models import MODEL_PRESETS
-from pc_train.options import PLUGIN_NAMES, PRECISIONS, RECOMPUTE, PluginOptions
+from pc_train.options import (
+    OPTIMIZER_STATES,
+    PLUGIN_NAMES,
+    PRECISIONS,
+    RECOMPUTE,
+    PluginOptions,
+)
 
 __all__ = ["TrainConfig", "parse_args"]
 
@@ -52,6 +58,7 @@ class TrainConfig:
     sequence_parallel: bool = False
     offload_frac: float = 0.0
     cpu_offload: bool = False
+    optimizer_states: str = "fp32"
     step_in_backward: bool = False
     sp: int = 1
     sp_mode: str = "all_to_all"
@@ -168,6 +175,8 @@ _HELP = {
     "each MoE block's experts split over ep data-parallel ranks",
     "offload_frac": "share of Gemini's chunks kept on the host",
     "cpu_offload": "ZeRO-1/2 optimizer step on the host",
+    "optimizer_states": "Adam's moments stored as fp32, bf16 (half the bytes) or int8 "
+    "(block-wise 8 bits, torchao's format; about a quarter); zero1 / zero2",
     "step_in_backward": "Gemini: step each chunk as soon as its gradients are reduced (12 "
     "bytes per parameter of model states instead of 16; needs --clip-norm 0, --accumulation 1 "
     "and fp32 or bf16)",
@@ -236,6 +245,10 @@ def _parser() -> argparse.ArgumentParser:
             parser.add_argument(flag, choices=PRECISIONS, default=argparse.SUPPRESS, help=text)
         elif item.name == "activation_checkpointing":
             parser.add_argument(flag, choices=RECOMPUTE, default=argparse.SUPPRESS, help=text)
+        elif item.name == "optimizer_states":
+            parser.add_argument(
+                flag, choices=OPTIMIZER_STATES, default=argparse.SUPPRESS, help=text
+            )
         else:
             parser.add_argument(flag, type=kind, default=argparse.SUPPRESS, help=text)
     return parser
