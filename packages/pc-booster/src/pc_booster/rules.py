@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+from pc_offload import parse_state_dtype
 from pc_zero import LossScaleConfig
 
 if TYPE_CHECKING:
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "EXTRA_DP_RULE",
+    "OPTIMIZER_STATES_RULE",
     "RECOMPUTE",
     "BlockOptions",
     "LossScaleOptions",
@@ -148,6 +150,24 @@ def _extra_dp(options: Any, setting: RunSetting) -> str | None:
 #: Two-level sharding's rule, shared by the plugins that take ``extra_dp_size``.
 EXTRA_DP_RULE = Rule(
     "extra_dp_size not dividing the ranks", _extra_dp, ({"extra_dp_size": 3}, RunSetting(world=4))
+)
+
+
+def _optimizer_states(options: Any, setting: RunSetting) -> str | None:
+    try:
+        parse_state_dtype(options.optimizer_states)
+    except ValueError as error:
+        return f"optimizer_states: {error}"
+    return None
+
+
+#: The rule of ``optimizer_states`` (Adam's moments in fp32, bf16 or 8
+#: bits; pc_offload [Note: low-precision optimizer states]), shared by the
+#: plugins that take it.
+OPTIMIZER_STATES_RULE = Rule(
+    "optimizer_states other than fp32, bf16 or int8",
+    _optimizer_states,
+    ({"optimizer_states": "fp8"}, RunSetting()),
 )
 
 

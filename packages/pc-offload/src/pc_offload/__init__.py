@@ -4,6 +4,7 @@ of pinned host buffers with an asynchronous copy engine. Adam's moments may
 be stored in bf16 or 8 bits (``state_dtype``)."""
 
 from pc_offload.activation import CPUOffload, OffloadStats
+from pc_offload.convert import adam_storing
 from pc_offload.optim import CPUAdam, CPUAdamW, HybridAdam
 from pc_offload.pool import (
     CopyEngine,
@@ -36,6 +37,7 @@ __all__ = [
     "PoolStats",
     "StateDtype",
     "Transfer",
+    "adam_storing",
     "is_narrow",
     "moment_bytes",
     "parse_state_dtype",

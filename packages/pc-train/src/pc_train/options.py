@@ -46,10 +46,12 @@ _FLAGS = {
     "extra_dp_size": "--extra-dp",
     "activation_checkpointing": "--activation-checkpointing",
     "compile": "--compile",
+    "optimizer_states": "--optimizer-states",
 }
 RECOMPUTE = ("none", "full", "selective")
 # How Adam's moments are stored (pc_offload [Note: low-precision optimizer states]).
 OPTIMIZER_STATES = ("fp32", "bf16", "int8")
+NARROW_STATES = (PluginKind.ZERO1, PluginKind.ZERO2, PluginKind.GEMINI)
 
 
 def _flags_named(message: str) -> str:
@@ -68,8 +70,8 @@ class PluginOptions:
     - ``sequence_parallel``: hybrid with tp > 1.
     - ``offload_frac``: Gemini's share of chunks kept on the host.
     - ``cpu_offload``: ZeRO-1/2 optimizer states and step on the host.
-    - ``optimizer_states``: Adam's moments in fp32, bf16 or int8 (zero1 /
-      zero2 for now).
+    - ``optimizer_states``: Adam's moments in fp32, bf16 or int8 (zero1,
+      zero2, gemini for now).
     - ``step_in_backward``: Gemini steps each chunk inside backward (12
       bytes per parameter of model states instead of 16).
     - ``sp`` / ``sp_mode``: sequence parallelism over ``sp`` ranks of its
@@ -198,6 +200,7 @@ class PluginOptions:
                 step_in_backward=self.step_in_backward,
                 tp_size=self.tp,
                 extra_dp_size=self.extra_dp,
+                optimizer_states=self.optimizer_states,
                 **blocks,
             )
         return plugins.HybridParallelOptions(
@@ -261,14 +264,11 @@ class PluginOptions:
                 f"--optimizer-states must be one of {', '.join(OPTIMIZER_STATES)}, got "
                 f"{self.optimizer_states!r}."
             )
-        if self.optimizer_states != "fp32" and self.kind not in (
-            PluginKind.ZERO1,
-            PluginKind.ZERO2,
-        ):
+        if self.optimizer_states != "fp32" and self.kind not in NARROW_STATES:
             raise ValueError(
                 f"--optimizer-states {self.optimizer_states}: moments stored narrow are built "
-                f"for --plugin zero1 / zero2 so far, not {self.name}; use one of those, or "
-                "--optimizer-states fp32."
+                f"for --plugin zero1 / zero2 / gemini so far, not {self.name}; use one of "
+                "those, or --optimizer-states fp32."
             )
         if self.step_in_backward and self.kind is not PluginKind.GEMINI:
             raise ValueError("--step-in-backward is an option of --plugin gemini.")

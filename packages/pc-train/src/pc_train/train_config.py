@@ -176,7 +176,7 @@ _HELP = {
     "offload_frac": "share of Gemini's chunks kept on the host",
     "cpu_offload": "ZeRO-1/2 optimizer step on the host",
     "optimizer_states": "Adam's moments stored as fp32, bf16 (half the bytes) or int8 "
-    "(block-wise 8 bits, torchao's format; about a quarter); zero1 / zero2",
+    "(block-wise 8 bits, torchao's format; about a quarter); zero1, zero2, gemini",
     "step_in_backward": "Gemini: step each chunk as soon as its gradients are reduced (12 "
     "bytes per parameter of model states instead of 16; needs --clip-norm 0, --accumulation 1 "
     "and fp32 or bf16)",

@@ -102,7 +102,7 @@ from pc_chunk import (
 )
 from pc_chunk.manager import execution_order
 from pc_comm import Communicator, default_communicator
-from pc_offload import CopyEngine, PinnedPool
+from pc_offload import CopyEngine, PinnedPool, moment_bytes, parse_state_dtype
 from pc_zero.clipping import ClipsInStep
 from pc_zero.gemini_search import ChunkOptions, searched_chunk_size
 from pc_zero.loss_scale import (
@@ -530,8 +530,9 @@ class GeminiOptimizer(ClipsInStep, Optimizer):
         if budget is None:
             return
         defaults = self.inner.defaults
-        if "betas" in defaults:  # Adam family: momentum and variance
-            per_element = _STATE_BYTES
+        if "betas" in defaults:  # Adam family: momentum and variance, maybe narrow
+            narrow = parse_state_dtype(defaults.get("state_dtype", "fp32"))
+            per_element = math.ceil(2 * moment_bytes(narrow))
         elif defaults.get("momentum") == 0:  # plain SGD keeps nothing
             per_element = 0
         else:  # one state (SGD momentum, Adagrad's sum, ...)

@@ -55,8 +55,9 @@ from pc_comm import (
 from pc_offload import (
     CPUAdam,
     CPUAdamW,
-    HybridAdam,
     StateDtype,
+    adam_storing,
+    is_narrow,
     parse_state_dtype,
     stored_bytes,
     widen,
@@ -404,26 +405,12 @@ class LowLevelZeroOptimizer(ClipsInStep, Optimizer):
             per_group[b.group].append(master)
         narrow = self.optimizer_states is not StateDtype.FP32
         torch_adam = type(optimizer) in (torch.optim.Adam, torch.optim.AdamW)
-        if (self.cpu_offload or narrow) and torch_adam:
-            keys = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize")
-            groups = [
-                {"params": ps, **{k: g[k] for k in keys if k in g}}
-                for g, ps in zip(optimizer.param_groups, per_group, strict=True)
-            ]
-            states = self.optimizer_states
-            if not self.cpu_offload:  # steps where the masters are
-                decoupled = isinstance(optimizer, torch.optim.AdamW)
-                return HybridAdam(groups, adamw_mode=decoupled, state_dtype=states)
-            if isinstance(optimizer, torch.optim.AdamW):
-                return CPUAdamW(groups, state_dtype=states)
-            return CPUAdam(groups, adamw_mode=False, state_dtype=states)  # torch's Adam: L2 decay
-        if narrow and optimizer.defaults.get("state_dtype") != self.optimizer_states.value:
-            raise ValueError(
-                f"LowLevelZeroOptimizer: optimizer_states={self.optimizer_states.value!r} but "
-                f"the {type(optimizer).__name__} given stores "
-                f"{optimizer.defaults.get('state_dtype')!r}; build it with "
-                f"state_dtype={self.optimizer_states.value!r}, or pass torch's AdamW."
-            )
+        if torch_adam and (self.cpu_offload or narrow):
+            # Steps on the host (cpu_offload) or where the masters are.
+            on_host = self.cpu_offload or self._master_device.type == "cpu"
+            return adam_storing(optimizer, self.optimizer_states, on_host=on_host, params=per_group)
+        if narrow:  # pc-offload's own Adam, given: it must store that format
+            adam_storing(optimizer, self.optimizer_states, on_host=True)
         optimizer.state.clear()
         adam = type(optimizer) in (torch.optim.Adam, torch.optim.AdamW)
         for g, ps in zip(optimizer.param_groups, per_group, strict=True):
@@ -823,10 +810,11 @@ class LowLevelZeroOptimizer(ClipsInStep, Optimizer):
             lo, hi = b.piece_range(self.rank)
             state = self.inner.state[master]
             for key, value in list(state.items()):
-                # 8-bit moments have no element views: a checkpoint's pieces
-                # read and write an fp32 copy, stored 8-bit again at the next
-                # step (pc_offload [Note: low-precision optimizer states]).
-                if isinstance(value, torch.Tensor) and hasattr(value, "codes"):
+                # Checkpoints hold fp32 moments, and 8-bit ones have no
+                # element views: a checkpoint's pieces read and write an fp32
+                # copy, stored narrow again at the next step (pc_offload
+                # [Note: low-precision optimizer states]).
+                if isinstance(value, torch.Tensor) and is_narrow(value):
                     state[key] = widen(value)
             for slot in b.slots:
                 start, end = max(lo, slot.offset), min(hi, slot.offset + slot.numel)

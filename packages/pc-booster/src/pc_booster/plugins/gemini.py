@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
+import pc_offload
 from pc_booster.canonical import (
     CanonicalOptimizerState,
     canonical_to_torch,
@@ -54,6 +55,7 @@ from pc_booster.plugins.tp_state import (
 )
 from pc_booster.rules import (
     EXTRA_DP_RULE,
+    OPTIMIZER_STATES_RULE,
     LossScaleOptions,
     PluginConfig,
     Rule,
@@ -138,7 +140,8 @@ class GeminiOptions(PluginConfig, LossScaleOptions):
     pc_chunk.chunk); 1 shards over every rank; ``tp_size``: tensor
     parallelism (pc-tensor's, as HybridParallelPlugin's) inside groups of
     that many consecutive ranks, the chunks of each rank's pieces sharded
-    over the data-parallel ranks (Colossal-AI's argument)."""
+    over the data-parallel ranks (Colossal-AI's argument); ``optimizer_states``:
+    Adam's moments as "fp32", "bf16" or "int8" (pc_offload's state_dtype)."""
 
     name: ClassVar[str] = "gemini"
     gathers_parameters: ClassVar[bool] = True
@@ -169,6 +172,7 @@ class GeminiOptions(PluginConfig, LossScaleOptions):
             ({"step_in_backward": True}, RunSetting(accumulation=2)),
         ),
         EXTRA_DP_RULE,
+        OPTIMIZER_STATES_RULE,
         Rule(
             "tp_size not dividing the ranks, or with extra_dp_size",
             _tensor_parallel,
@@ -193,6 +197,7 @@ class GeminiOptions(PluginConfig, LossScaleOptions):
     hidden_dim: int | None = None
     extra_dp_size: int = 1
     tp_size: int = 1
+    optimizer_states: str = "fp32"
 
     def host_fraction(self) -> float:
         """The share of chunks (shards and their optimizer states) on the host."""
@@ -209,18 +214,20 @@ class GeminiOptions(PluginConfig, LossScaleOptions):
         replicas = f" x{self.extra_dp_size}" if self.extra_dp_size > 1 else ""
         replicas += f" tp{self.tp_size}" if self.tp_size > 1 else ""
         in_backward = " step-in-backward" if self.step_in_backward else ""
-        return f"gemini{replicas}{extra}{in_backward}"
+        states = f" {self.optimizer_states} states" if self.optimizer_states != "fp32" else ""
+        return f"gemini{replicas}{extra}{in_backward}{states}"
 
     def model_states(self, psi: float, dp: int, precision: TrainPrecision) -> StateBytes:
         dp = max(dp // self.extra_dp_size, 1)  # sharded inside each group
         p = precision.bytes
         m = 0 if precision is TrainPrecision.FP32 else 4
+        moments = 2 * pc_offload.moment_bytes(pc_offload.parse_state_dtype(self.optimizer_states))
         if self.step_in_backward:
             # The fp32 shard is parameter and master (the compute-dtype copy
             # exists only while gathered); no gradient shard is kept.
-            states = StateBytes(4 * psi / dp, 0.0, 0.0, 8 * psi / dp)
+            states = StateBytes(4 * psi / dp, 0.0, 0.0, moments * psi / dp)
         else:
-            states = StateBytes(p * psi / dp, p * psi / dp, m * psi / dp, 8 * psi / dp)
+            states = StateBytes(p * psi / dp, p * psi / dp, m * psi / dp, moments * psi / dp)
         host = self.host_fraction() * states.total
         return StateBytes(
             states.parameters, states.gradients, states.masters, states.optimizer, host
@@ -355,6 +362,8 @@ class GeminiPlugin(Plugin, SupportsNoSync):
         zero = None  # boosted without an optimizer: inference (forward, state, saves)
         if optimizer is not None:
             inner = rebuild_optimizer(optimizer, names, trainable, skip_missing=True)
+            if pc_offload.parse_state_dtype(o.optimizer_states).value != "fp32":  # in place
+                inner = pc_offload.adam_storing(inner, o.optimizer_states, on_host=False)
             scale = o.loss_scale()
             zero = GeminiOptimizer(
                 inner, wrapped, max_norm=o.max_norm, loss_scale=scale, tp_group=self.tp_group
@@ -506,6 +515,9 @@ class GeminiPlugin(Plugin, SupportsNoSync):
         for param, start, part, shape in self._my_parts(optimizer):
             name = names[id(param)]
             entry = inner.state[param]
+            for key, value in list(entry.items()):  # narrow moments: pieces of fp32 copies
+                if isinstance(value, torch.Tensor) and pc_offload.is_narrow(value):
+                    entry[key] = pc_offload.widen(value)  # narrow again at the next step
             for key, elementwise in (saved or {}).get(name, {}).items():
                 if key not in entry:
                     entry[key] = (

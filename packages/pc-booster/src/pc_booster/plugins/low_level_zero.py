@@ -47,6 +47,7 @@ from pc_booster.plugins.sharded import (
 )
 from pc_booster.rules import (
     EXTRA_DP_RULE,
+    OPTIMIZER_STATES_RULE,
     LossScaleOptions,
     PluginConfig,
     Rule,
@@ -75,14 +76,6 @@ def _stage(options: LowLevelZeroOptions, setting: RunSetting) -> str | None:
             f"stage must be 1 or 2, got {options.stage!r}; ZeRO-3 is TorchFSDPPlugin or "
             "GeminiPlugin."
         )
-    return None
-
-
-def _states(options: LowLevelZeroOptions, setting: RunSetting) -> str | None:
-    try:
-        parse_state_dtype(options.optimizer_states)
-    except ValueError as error:
-        return f"{error} (optimizer_states)"
     return None
 
 
@@ -134,11 +127,7 @@ class LowLevelZeroOptions(PluginConfig, LossScaleOptions):
     name: ClassVar[str] = "low-level-zero"
     RULES: ClassVar[tuple[Rule, ...]] = (
         Rule("stage other than 1 or 2", _stage, ({"stage": 3}, RunSetting())),
-        Rule(
-            "optimizer_states other than fp32, bf16 or int8",
-            _states,
-            ({"optimizer_states": "fp8"}, RunSetting()),
-        ),
+        OPTIMIZER_STATES_RULE,
         EXTRA_DP_RULE,
     )
 
