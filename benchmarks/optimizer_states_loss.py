@@ -35,8 +35,9 @@ def _model(family: str) -> nn.Module:
     torch.manual_seed(0)
     if family == "gpt2":
         config: transformers.PretrainedConfig = transformers.GPT2Config(
-            vocab_size=256, n_positions=SEQ, n_embd=128, n_layer=4, n_head=4
-        )
+            vocab_size=256, n_positions=SEQ, n_embd=128, n_layer=4, n_head=4,
+            bos_token_id=0, eos_token_id=0,
+        )  # fmt: skip
         model: nn.Module = transformers.GPT2LMHeadModel(config)
         return model
     config = transformers.LlamaConfig(
@@ -59,7 +60,7 @@ def train(family: str, state_dtype: str, steps: int, corpus: torch.Tensor) -> li
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     return losses
 
 
