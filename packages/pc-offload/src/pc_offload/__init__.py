@@ -5,6 +5,7 @@ be stored in bf16 or 8 bits (``state_dtype``)."""
 
 from pc_offload.activation import CPUOffload, OffloadStats
 from pc_offload.convert import adam_storing
+from pc_offload.nvme import NvmeSpaceError, NvmeTier
 from pc_offload.optim import CPUAdam, CPUAdamW, HybridAdam
 from pc_offload.pool import (
     CopyEngine,
@@ -31,6 +32,8 @@ __all__ = [
     "CPUOffload",
     "CopyEngine",
     "HybridAdam",
+    "NvmeSpaceError",
+    "NvmeTier",
     "OffloadStats",
     "PinnedPool",
     "PoolExhaustedError",

@@ -52,6 +52,7 @@ like the parameter. ``step`` stays a plain scalar, as in torch.
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Callable, Iterable
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -60,6 +61,7 @@ import torch
 from torch.optim import Optimizer
 
 from pc_offload import states
+from pc_offload.nvme import NvmeTier
 from pc_offload.states import StateDtype, parse_state_dtype
 
 if TYPE_CHECKING:
@@ -134,10 +136,23 @@ class _MasterAdam(Optimizer):
         decoupled: bool,
         bias_correction: bool,
         state_dtype: str | torch.dtype | StateDtype = "fp32",
+        nvme_offload_fraction: float = 0.0,
+        nvme_offload_dir: str | None = None,
     ) -> None:
         # How the moments are stored [Note: low-precision optimizer states].
         self.state_dtype = parse_state_dtype(state_dtype)
         states.check_available(self.state_dtype)
+        # The disk tier [Note: the NVMe tier in pc_offload.nvme]: the share
+        # of the parameters (by elements, in order) whose states live there.
+        if not 0.0 <= nvme_offload_fraction <= 1.0:
+            raise ValueError(
+                f"nvme_offload_fraction must be in [0, 1], got {nvme_offload_fraction}."
+            )
+        self.nvme_offload_fraction = float(nvme_offload_fraction)
+        self.nvme: NvmeTier | None = None
+        if self.nvme_offload_fraction > 0.0:
+            self.nvme = NvmeTier(nvme_offload_dir or tempfile.gettempdir())
+        self._on_disk: set[int] | None = None  # ids of the parameters placed there
         if lr < 0.0:
             raise ValueError(f"invalid learning rate: {lr} (must be >= 0).")
         if eps < 0.0:
@@ -176,6 +191,7 @@ class _MasterAdam(Optimizer):
         state: dict[str, Any] = self.state[param]
         if state:
             self._restore_format(param, state)
+            self._restore_placement(param, state)
             if amsgrad and "max_exp_avg_sq" not in state:
                 master = _local(state["master"]) if "master" in state else _local(param)
                 zeros = states.zeros(master, self.state_dtype, signed=False)
@@ -192,7 +208,39 @@ class _MasterAdam(Optimizer):
         for key in ("exp_avg", "exp_avg_sq", *(("max_exp_avg_sq",) if amsgrad else ())):
             zeros = states.zeros(master, self.state_dtype, signed=key == "exp_avg")
             state[key] = _like(param, zeros)
+        self._restore_placement(param, state)
         return state
+
+    def _disk(self, param: torch.Tensor) -> bool:
+        """Whether ``param``'s states live on the NVMe tier: the first
+        parameters, in order, up to the fraction of all elements."""
+        if self.nvme is None:
+            return False
+        if self._on_disk is None:
+            params = [p for g in self.param_groups for p in g["params"]]
+            budget = self.nvme_offload_fraction * sum(_local(p).numel() for p in params)
+            self._on_disk, used = set(), 0
+            for p in params:
+                if used + _local(p).numel() <= budget:
+                    self._on_disk.add(id(p))
+                    used += _local(p).numel()
+        return id(param) in self._on_disk
+
+    def _restore_placement(self, param: torch.Tensor, state: dict[str, Any]) -> None:
+        """States of a parameter placed on the NVMe tier live there (made,
+        loaded or widened in memory, they move at its next step)."""
+        if self.nvme is None or not self._disk(param):
+            return
+        for key in ("master", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
+            value = state.get(key)
+            if value is None:
+                continue
+            local = _local(value)
+            if hasattr(local, "codes") or self.nvme.holds(local):  # 8-bit: small, in memory
+                continue
+            placed = self.nvme.empty(local.shape, local.dtype)
+            placed.copy_(local)
+            state[key] = _like(param, placed)
 
     def _restore_format(self, param: torch.Tensor, state: dict[str, Any]) -> None:
         """Moments in fp32 where this optimizer stores them narrow (widened
@@ -223,6 +271,8 @@ class _MasterAdam(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self.nvme is not None:
+            self.nvme.wait()  # the last step's write-behind, and its errors
         for group in self.param_groups:
             self._step_group(group)
         return loss
@@ -250,7 +300,7 @@ class _MasterAdam(Optimizer):
             if master is not local:
                 refresh.append((local, master))
                 crosses = crosses or (local.is_cuda and not master.is_cuda)
-            if states.is_narrow(_local(state["exp_avg"])):
+            if states.is_narrow(_local(state["exp_avg"])) or self._disk(param):
                 keys = ("exp_avg", "exp_avg_sq", *(("max_exp_avg_sq",) if amsgrad else ()))
                 narrow.append((master, grad, [_local(state[k]) for k in keys], state["step"]))
                 continue
@@ -271,9 +321,16 @@ class _MasterAdam(Optimizer):
         for lists in by_device.values():
             torch._foreach_add_(lists[5], 1)
             update(group, *lists)
-        for master, grad, moments, step in narrow:
+        for i, (master, grad, moments, step) in enumerate(narrow):
+            if self.nvme is not None and i + 1 < len(narrow):  # [Note: the NVMe tier]
+                self.nvme.read_ahead([narrow[i + 1][0], *narrow[i + 1][2]])
             step.add_(1)
-            states.step_blockwise(partial(update, group), master, grad, moments, step)
+            if states.is_narrow(moments[0]):
+                states.step_blockwise(partial(update, group), master, grad, moments, step)
+            else:
+                update(group, [master], [grad], moments[:1], moments[1:2], moments[2:], [step])
+            if self.nvme is not None:
+                self.nvme.write_behind([master, *moments])
         for local, master in refresh:
             local.copy_(master, non_blocking=True)
 
@@ -407,21 +464,6 @@ class _MasterAdam(Optimizer):
         return _like(param, local)
 
 
-def _refuse_nvme(name: str, fraction: float, directory: str | None) -> None:
-    """pc keeps optimizer states in memory; NVMe offload of a fraction of
-    them is not implemented, so asking for it is an error rather
-    than silently ignored."""
-    if fraction == 0.0:
-        return
-    where = f" (nvme_offload_dir={directory!r})" if directory is not None else ""
-    raise ValueError(
-        f"{name}: expected nvme_offload_fraction=0.0, got {fraction}{where}. pc does not "
-        "offload optimizer states to NVMe: they stay in host memory (CPUAdam) or beside each "
-        "parameter (HybridAdam). Drop nvme_offload_fraction, or shard the states over more "
-        "ranks (LowLevelZeroPlugin, GeminiPlugin) to fit them."
-    )
-
-
 def _check_flag(name: str, bias_correction: object) -> bool:
     """``bias_correction`` as passed, refusing a torch-ordered call that put
     ``betas`` there [Note: call shape]."""
@@ -440,7 +482,10 @@ class CPUAdam(_MasterAdam):
     with fp32 master weights and optimizer states in host memory. Arguments
     in the CPU Adam order [Note: call shape]; ``bias_correction=False`` drops
     the moments' bias correction.
-    ``nvme_offload_fraction`` must be 0: pc keeps the states in memory.
+    ``nvme_offload_fraction`` of the parameters (by elements, the first in
+    order) keep their states (moments, and masters where separate) in
+    scratch files in ``nvme_offload_dir`` (default: the temporary
+    directory) [Note: the NVMe tier in pc_offload.nvme].
     ``state_dtype`` (``"fp32"``, ``"bf16"``, ``"int8"``) is how the moments
     are stored [Note: low-precision optimizer states]."""
 
@@ -461,7 +506,6 @@ class CPUAdam(_MasterAdam):
         state_dtype: str | torch.dtype | StateDtype = "fp32",
     ) -> None:
         name = type(self).__name__
-        _refuse_nvme(name, nvme_offload_fraction, nvme_offload_dir)
         super().__init__(
             params,
             lr,
@@ -473,6 +517,8 @@ class CPUAdam(_MasterAdam):
             decoupled=adamw_mode,
             bias_correction=_check_flag(name, bias_correction),
             state_dtype=state_dtype,
+            nvme_offload_fraction=nvme_offload_fraction,
+            nvme_offload_dir=nvme_offload_dir,
         )
 
 
@@ -480,7 +526,8 @@ class CPUAdamW(_MasterAdam):
     """AdamW (decoupled weight decay, as ``torch.optim.AdamW``, whose
     argument order it keeps) with fp32 master weights and optimizer states
     in host memory, stored as ``state_dtype`` (``"fp32"``, ``"bf16"``,
-    ``"int8"``) [Note: low-precision optimizer states]."""
+    ``"int8"``) [Note: low-precision optimizer states]; ``nvme_offload_*``
+    as :class:`CPUAdam`'s."""
 
     def __init__(
         self,
@@ -494,6 +541,8 @@ class CPUAdamW(_MasterAdam):
         maximize: bool = False,
         bias_correction: bool = True,
         state_dtype: str | torch.dtype | StateDtype = "fp32",
+        nvme_offload_fraction: float = 0.0,
+        nvme_offload_dir: str | None = None,
     ) -> None:
         super().__init__(
             params,
@@ -506,6 +555,8 @@ class CPUAdamW(_MasterAdam):
             decoupled=True,
             bias_correction=bias_correction,
             state_dtype=state_dtype,
+            nvme_offload_fraction=nvme_offload_fraction,
+            nvme_offload_dir=nvme_offload_dir,
         )
 
 

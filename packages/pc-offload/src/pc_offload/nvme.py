@@ -1,0 +1,193 @@
+"""A disk tier for optimizer states: moments (and separate masters) in
+scratch files on local disk, mapped into memory.
+
+[Note: the NVMe tier]
+A tensor placed on the tier is a view of a private, memory-mapped scratch
+file (``mmap`` of a file allocated in full up front), so everything that
+reads or writes optimizer state (the fused step, checkpoints, ZeRO's and
+Gemini's pieces) works on it unchanged; the pages live in the kernel's page
+cache, which it writes to disk and reclaims under memory pressure instead of
+failing (they are file pages, not anonymous memory: a cgroup's limit evicts
+them). The step streams through them one tensor at a time: before a tensor
+is stepped the next one's pages are asked for (``MADV_WILLNEED``: the
+kernel reads them ahead while this one computes), and after it a worker
+thread writes its pages back and drops them from the cache (``msync`` then
+``POSIX_FADV_DONTNEED``), so what the tier holds in memory between tensors
+is about the tensors in flight, not the whole state. (A pinned-buffer
+design with ``O_DIRECT`` reads, DeepSpeed's, avoids the page cache
+entirely but needs every reader of the state to go through it; pc chose
+the mapping so that checkpoints and sharded pieces need no second path.)
+
+Scratch, never a checkpoint: each optimizer's file lives in a directory of
+its own, ``pc-nvme-<pid>-<random>`` (mode 0700), made inside the directory
+the user named, which must be a real directory (not a symbolic link) owned
+by this user, or a shared sticky one such as /tmp. The file is created
+exclusively (0600, never through a link) and unlinked at once: the open
+descriptor and the mappings keep its blocks, and nothing remains on disk
+when the process ends, however it ends. Each tensor's range is allocated
+when it is placed (``posix_fallocate``: a disk too small fails there,
+naming the directory and the bytes, rather than with SIGBUS mid-step). The
+empty directory is removed with the optimizer, and any left by a process
+that no longer exists are removed when the next tier starts.
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import shutil
+import stat
+import uuid
+import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+__all__ = ["NvmeSpaceError", "NvmeTier"]
+
+_PREFIX = "pc-nvme-"
+
+
+class NvmeSpaceError(OSError):
+    """The disk named for the NVMe tier has no room for the states."""
+
+
+def _check_parent(parent: Path) -> None:
+    """A real directory this user owns, or a shared sticky one (/tmp)."""
+    try:
+        info = os.lstat(parent)
+    except FileNotFoundError:
+        raise ValueError(
+            f"nvme_offload_dir={str(parent)!r} does not exist: create it (a directory on a "
+            "local disk with room for the offloaded states), or pass another."
+        ) from None
+    if stat.S_ISLNK(info.st_mode):
+        raise ValueError(
+            f"nvme_offload_dir={str(parent)!r} is a symbolic link (to {os.readlink(parent)!r}): "
+            "pc writes its scratch files only in a directory named directly; pass the target."
+        )
+    if not stat.S_ISDIR(info.st_mode):
+        raise ValueError(f"nvme_offload_dir={str(parent)!r} is not a directory.")
+    shared = bool(info.st_mode & stat.S_ISVTX) and bool(info.st_mode & stat.S_IWOTH)
+    if info.st_uid != os.getuid() and not shared:
+        raise ValueError(
+            f"nvme_offload_dir={str(parent)!r} belongs to another user (uid {info.st_uid}): "
+            "pc keeps its scratch files in a directory of this user's, or in a shared sticky "
+            "one such as /tmp; pass one of those."
+        )
+
+
+def remove_stale(parent: Path) -> list[str]:
+    """Scratch directories of this user's processes that no longer exist."""
+    removed = []
+    for path in parent.glob(f"{_PREFIX}*-*"):
+        pid = path.name[len(_PREFIX) :].split("-")[0]
+        try:
+            info = os.lstat(path)
+            if not pid.isdigit() or info.st_uid != os.getuid() or not stat.S_ISDIR(info.st_mode):
+                continue
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path.name)
+        except OSError:
+            continue
+    return removed
+
+
+def _release(path: Path, pool: ThreadPoolExecutor, fd: int) -> None:
+    pool.shutdown(wait=True)
+    os.close(fd)  # the blocks go with the last mapping
+    shutil.rmtree(path, ignore_errors=True)
+
+
+class NvmeTier:
+    """Tensors backed by a private scratch file in ``parent`` [Note: the
+    NVMe tier]."""
+
+    def __init__(self, parent: str | os.PathLike[str]) -> None:
+        base = Path(parent)
+        _check_parent(base)
+        remove_stale(base)
+        self.parent = base
+        self.path = base / f"{_PREFIX}{os.getpid()}-{uuid.uuid4().hex}"
+        os.mkdir(self.path, 0o700)
+        os.chmod(self.path, 0o700)  # whatever the umask
+        name = self.path / "states"
+        # One file, unlinked at once: the open descriptor and the mappings
+        # keep its blocks until this process lets go of them.
+        self._fd = os.open(name, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW, 0o600)
+        os.unlink(name)
+        self.bytes = 0  # allocated on disk
+        # One writer thread: write-behind of the tensors just stepped.
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="pc-nvme")
+        # Each tensor's storage address -> (its mapping, offset in the file, bytes).
+        self._maps: dict[int, tuple[mmap.mmap, int, int]] = {}
+        self._pending: list[Future[None]] = []
+        self._finalizer = weakref.finalize(self, _release, self.path, self._pool, self._fd)
+
+    def empty(self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A zero tensor backed by a new range of the scratch file."""
+        numel = 1
+        for size in shape:
+            numel *= int(size)
+        nbytes = max(1, numel * dtype.itemsize)
+        grain = mmap.ALLOCATIONGRANULARITY
+        offset = -(-self.bytes // grain) * grain
+        try:
+            os.posix_fallocate(self._fd, offset, nbytes)
+        except OSError as error:
+            if error.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            free = shutil.disk_usage(self.parent).free
+            raise NvmeSpaceError(
+                error.errno,
+                f"the NVMe tier needs {nbytes:,} more bytes in {str(self.parent)!r} "
+                f"({self.bytes:,} already placed there), and the disk has {free:,} free: "
+                "free space there, pass another nvme_offload_dir, or a smaller "
+                "nvme_offload_fraction",
+            ) from None
+        mapped = mmap.mmap(self._fd, nbytes, offset=offset)
+        self.bytes = offset + nbytes
+        tensor = torch.frombuffer(mapped, dtype=torch.uint8, count=nbytes)
+        tensor = tensor[: numel * dtype.itemsize].view(dtype).view(shape)
+        self._maps[tensor.untyped_storage().data_ptr()] = (mapped, offset, nbytes)
+        return tensor
+
+    def holds(self, tensor: torch.Tensor) -> bool:
+        return tensor.untyped_storage().data_ptr() in self._maps
+
+    def read_ahead(self, tensors: list[torch.Tensor]) -> None:
+        """Ask the kernel to read these tensors' pages now."""
+        for tensor in tensors:
+            found = self._maps.get(tensor.untyped_storage().data_ptr())
+            if found is not None:
+                mapped, _, nbytes = found
+                mapped.madvise(mmap.MADV_WILLNEED, 0, nbytes)
+
+    def write_behind(self, tensors: list[torch.Tensor]) -> None:
+        """Write these tensors' pages back and drop them from memory, on the
+        worker thread."""
+        found = [self._maps.get(t.untyped_storage().data_ptr()) for t in tensors]
+        maps = [m for m in found if m is not None]
+        if maps:
+            self._pending = [f for f in self._pending if not f.done()]
+            self._pending.append(self._pool.submit(_write_back, self._fd, maps))
+
+    def wait(self) -> None:
+        """Until every write-behind finished (raising its error)."""
+        pending, self._pending = self._pending, []
+        for future in pending:
+            future.result()
+
+    def close(self) -> None:
+        self._finalizer()
+
+
+def _write_back(fd: int, maps: list[tuple[mmap.mmap, int, int]]) -> None:
+    for mapped, offset, nbytes in maps:
+        mapped.flush(0, nbytes)  # msync: the pages reach the disk
+        mapped.madvise(mmap.MADV_DONTNEED, 0, nbytes)  # this process lets go of them
+        os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_DONTNEED)  # and the page cache
