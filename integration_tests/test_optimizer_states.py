@@ -18,7 +18,7 @@ from booster_models import batch, build
 
 from pc_booster import Booster, GeminiPlugin, LowLevelZeroPlugin, Plugin
 from pc_comm.testing import run_subtests
-from pc_offload import CPUAdamW
+from pc_offload import CPUAdamW, HybridAdam
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -99,9 +99,34 @@ def check_checkpoints_resume_and_cross_formats(plugin: str, saved: str, shard: b
         dist.barrier()
 
 
+def check_states_on_disk_train_bitwise_as_in_memory(plugin: str) -> None:
+    """fp32 states on the NVMe tier ([Note: the NVMe tier] in pc_offload.nvme)
+    under ZeRO-2 with CPU offload and under Gemini: 20 steps bitwise equal
+    to the same run with them in memory."""
+    runs = []
+    with tempfile.TemporaryDirectory() as scratch:
+        for fraction in (0.0, 1.0):
+            if plugin == "zero2":
+                booster = Booster(plugin=LowLevelZeroPlugin(stage=2, cpu_offload=True))
+                cls: type[CPUAdamW] | type[HybridAdam] = CPUAdamW
+            else:
+                booster, cls = Booster(plugin=GeminiPlugin()), HybridAdam
+            model = build("gpt2")
+            optimizer = cls(model.parameters(), lr=LR, nvme_offload_fraction=fraction,
+                            nvme_offload_dir=scratch)  # fmt: skip
+            model, optimizer, *_ = booster.boost(model, optimizer)
+            runs.append(_train(booster, model, optimizer, range(20)))
+            if fraction:
+                on_disk = [p for p in Path(scratch).iterdir() if p.name.startswith("pc-nvme-")]
+                assert on_disk, "no scratch directory: the tier was not used"
+            del booster, model, optimizer
+    assert runs[0] == runs[1], (plugin, runs)
+
+
 def test_optimizer_states_through_the_booster() -> None:
     run_subtests(check_bf16_matches_one_process, 2, {"plugin": list(PLUGINS)})
     run_subtests(check_int8_trains_close_to_fp32, 2, {"plugin": list(PLUGINS)})
+    run_subtests(check_states_on_disk_train_bitwise_as_in_memory, 2, {"plugin": list(PLUGINS)})
     run_subtests(
         check_checkpoints_resume_and_cross_formats,
         2,

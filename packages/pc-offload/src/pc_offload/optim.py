@@ -174,6 +174,10 @@ class _MasterAdam(Optimizer):
             "bias_correction": bias_correction,
             # Recorded in checkpoints; the format this optimizer stores.
             "state_dtype": self.state_dtype.value,
+            # Kept with the hyperparameters so that an optimizer rebuilt from
+            # them (a plugin's, over its shards) keeps its disk tier.
+            "nvme_offload_fraction": self.nvme_offload_fraction,
+            "nvme_offload_dir": nvme_offload_dir,
         }
         super().__init__(params, defaults)
 
