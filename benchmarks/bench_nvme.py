@@ -54,7 +54,7 @@ def disk_bandwidth(folder: Path, nbytes: int = 256 << 20) -> tuple[float, float]
     return write, read
 
 
-def _optimizer(folder: Path | None) -> tuple[list[torch.Tensor], CPUAdamW]:
+def _optimizer(folder: Path | None) -> tuple[list[torch.nn.Parameter], CPUAdamW]:
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(NUMEL)) for _ in range(TENSORS)]
     for p in params:
