@@ -60,8 +60,8 @@ def test_states_on_disk_train_bitwise_as_in_memory(
     assert opt.nvme is not None
     placed = [p for p in disk.parameters() if opt.nvme.holds(opt.state[p]["exp_avg"])]
     total = sum(p.numel() for p in disk.parameters())
-    assert sum(p.numel() for p in placed) <= fraction * total
-    assert sum(p.numel() for p in placed) >= fraction * total - 128 * 64  # the largest
+    largest = max(p.numel() for p in disk.parameters())  # within a tensor of the fraction
+    assert abs(sum(p.numel() for p in placed) - fraction * total) <= largest
 
 
 def _resident(tag: str) -> int:

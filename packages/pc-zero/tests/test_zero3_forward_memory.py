@@ -85,3 +85,58 @@ def check_forward_holds_one_chunk(checkpointing: bool) -> None:
 
 def test_forward_holds_at_most_one_gathered_chunk() -> None:
     run_subtests(check_forward_holds_one_chunk, 2, {"checkpointing": [False, True]})
+
+
+class _NormLast(nn.Module):
+    """A block whose norm is registered after its linear layer but runs
+    before it, as a Llama block's norms follow its MLP."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, WIDTH)
+        self.norm = nn.LayerNorm(WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.linear(self.norm(x)))
+
+
+def _blocks() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*[_NormLast() for _ in range(LAYERS)])
+
+
+def check_revisited_chunks_are_not_kept() -> None:
+    """Chunks packed in registration order, each a linear layer, a norm and
+    the next linear layer: the next block's norm starts the next chunk, so
+    a forward runs that norm, then comes back to the chunk it released for
+    the linear layer. Such a chunk is gathered again, not kept for the rest
+    of the forward (only a tied weight's is): before, every chunk was, and
+    the whole model stayed gathered until backward."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    quantum = 64 * world
+    size = 2 * (WIDTH * WIDTH + WIDTH) + 2 * WIDTH  # linear, norm, linear
+    model = GeminiDDP(_blocks(), chunk_size=-(-size // quantum) * quantum)
+    chunks = model.manager.chunks
+    assert len(chunks) >= 4
+    reference = _blocks()
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(STEPS):
+        x = torch.randn(2 * world, WIDTH, generator=torch.Generator().manual_seed(step))
+        ref_loss = reference(x).square().mean()
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        loss = model(x[rank * 2 : rank * 2 + 2]).square().mean()
+        gathered = [c for c in chunks if c.state is not ChunkState.FREE]
+        assert len(gathered) <= 1, f"step {step}: {len(gathered)} of {len(chunks)} gathered"
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        torch.testing.assert_close(mean / world, ref_loss.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_a_chunk_revisited_in_forward_is_gathered_again_not_kept() -> None:
+    run_subtests(check_revisited_chunks_are_not_kept, 2, {})

@@ -27,8 +27,14 @@ module's forward ends), so the modules sharing a chunk (a block's attention
 and MLP) cost one gather, not one each. Inside backward nothing is released
 after a forward: that forward is activation-checkpoint recomputation, and
 backward needs the same chunk next; the chunk goes when its gradients are
-reduced. A chunk a forward needs again after releasing it (a tied weight
-used by the first and the last module) is kept through later forwards.
+reduced. A chunk a forward needs again after releasing it is kept through
+later forwards when it holds a tied weight (used by the first and the last
+module); any other is gathered again. (A chunk revisited only because the
+modules' order of registration is not the order they run in, as a Llama
+block's norms registered after its MLP, used to be kept too: with chunks of
+a few blocks every chunk was, and the whole model stayed gathered from the
+first module to the end of the forward, 4 bytes per parameter at any world
+size: benchmarks/bench_state_tiers.py.)
 With ``reshard_after_forward=False`` chunks stay gathered from
 forward until their gradients are reduced (ZeRO-2-like). The first step
 records the order in which chunks get gathered in forward and in backward
@@ -520,8 +526,9 @@ class ChunkManager:
         gathered = [c for c in chunks if c.state is ChunkState.FREE]
         for chunk in chunks:
             if not in_autograd:
-                if chunk in self._used_this_forward and chunk.state is ChunkState.FREE:
-                    self._sticky.add(chunk)  # used again later (tied weights): keep it
+                revisited = chunk in self._used_this_forward and chunk.state is ChunkState.FREE
+                if revisited and chunk in self._shared:  # a tied weight, used again: keep it
+                    self._sticky.add(chunk)
                 self._used_this_forward.add(chunk)
             chunk.access()
         # Recomputation inside backward follows backward's order.

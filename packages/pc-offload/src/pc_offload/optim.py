@@ -152,7 +152,9 @@ class _MasterAdam(Optimizer):
         self.nvme: NvmeTier | None = None
         if self.nvme_offload_fraction > 0.0:
             self.nvme = NvmeTier(nvme_offload_dir or tempfile.gettempdir())
-        self._on_disk: set[int] | None = None  # ids of the parameters placed there
+        # Each parameter's place (by id), and the elements seen and placed.
+        self._disk_of: dict[int, bool] = {}
+        self._seen_numel = self._placed_numel = 0
         if lr < 0.0:
             raise ValueError(f"invalid learning rate: {lr} (must be >= 0).")
         if eps < 0.0:
@@ -216,19 +218,24 @@ class _MasterAdam(Optimizer):
         return state
 
     def _disk(self, param: torch.Tensor) -> bool:
-        """Whether ``param``'s states live on the NVMe tier: the first
-        parameters, in order, up to the fraction of all elements."""
+        """Whether ``param``'s states live on the NVMe tier, decided when its
+        states are first made: there when that brings the elements placed
+        closer to the fraction of all seen so far (every one at 1.0; within
+        a tensor of the fraction otherwise). Decided as they come, not from
+        the groups' sizes up front: a plugin's shard parameters may be
+        empty until their chunk is first used."""
         if self.nvme is None:
             return False
-        if self._on_disk is None:
-            params = [p for g in self.param_groups for p in g["params"]]
-            budget = self.nvme_offload_fraction * sum(_local(p).numel() for p in params)
-            self._on_disk, used = set(), 0
-            for p in params:
-                if used + _local(p).numel() <= budget:
-                    self._on_disk.add(id(p))
-                    used += _local(p).numel()
-        return id(param) in self._on_disk
+        decided = self._disk_of.get(id(param))
+        if decided is None:
+            numel = _local(param).numel()
+            self._seen_numel += numel
+            target = self.nvme_offload_fraction * self._seen_numel
+            placed = self._placed_numel
+            decided = abs(placed + numel - target) <= abs(placed - target)
+            self._placed_numel += numel if decided else 0
+            self._disk_of[id(param)] = decided
+        return decided
 
     def _restore_placement(self, param: torch.Tensor, state: dict[str, Any]) -> None:
         """States of a parameter placed on the NVMe tier live there (made,
