@@ -30,6 +30,18 @@ def _mlp() -> nn.Sequential:
     return nn.Sequential(*layers)
 
 
+def _reference_step(
+    reference: nn.Module, optimizer: torch.optim.Optimizer, step: int, world: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One single-process step on the global batch: the batch and its loss."""
+    x = torch.randn(2 * world, WIDTH, generator=torch.Generator().manual_seed(step))
+    loss = reference(x).square().mean()
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return x, loss
+
+
 def check_forward_holds_one_chunk(checkpointing: bool) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     reference = _mlp()
@@ -42,11 +54,7 @@ def check_forward_holds_one_chunk(checkpointing: bool) -> None:
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     for step in range(STEPS):
-        x = torch.randn(2 * world, WIDTH, generator=torch.Generator().manual_seed(step))
-        ref_loss = reference(x).square().mean()
-        ref_loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
+        x, ref_loss = _reference_step(reference, ref_opt, step, world)
         mine = x[rank * 2 : rank * 2 + 2]
         if checkpointing:
             from torch.utils.checkpoint import checkpoint
@@ -122,11 +130,7 @@ def check_revisited_chunks_are_not_kept() -> None:
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for step in range(STEPS):
-        x = torch.randn(2 * world, WIDTH, generator=torch.Generator().manual_seed(step))
-        ref_loss = reference(x).square().mean()
-        ref_loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
+        x, ref_loss = _reference_step(reference, ref_opt, step, world)
         loss = model(x[rank * 2 : rank * 2 + 2]).square().mean()
         gathered = [c for c in chunks if c.state is not ChunkState.FREE]
         assert len(gathered) <= 1, f"step {step}: {len(gathered)} of {len(chunks)} gathered"
