@@ -16,6 +16,31 @@ import os
 # the user chose one (TORCH_CPP_LOG_LEVEL=WARNING shows them again).
 os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
+import importlib.util
+import logging
+
+# [Note: torchao's import-time warnings] transformers imports torchao when
+# it is installed (pc-offload's 8-bit optimizer states use it), and
+# importing torchao logs warnings about its own set-up (each CUDA kernel
+# library a CPU-only torch cannot load; torch's deprecation of how it
+# registers two enums): four lines on stderr in every process, before
+# pc-train's one-line messages. pc-train imports it first, and transformers'
+# models that import more of it, with those two loggers quieted, so only
+# the import is silent; torchao's later warnings show as usual.
+if importlib.util.find_spec("torchao") is not None:
+    _quieted = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
+    _levels = [logger.level for logger in _quieted]
+    for _logger in _quieted:
+        _logger.setLevel(logging.ERROR)
+    try:  # torchao, and what transformers' models import of it
+        import torchao  # noqa: F401
+        import transformers.modeling_utils  # noqa: F401
+    except Exception:  # a broken torchao is transformers' to report, as before
+        pass
+    finally:
+        for _logger, _level in zip(_quieted, _levels, strict=True):
+            _logger.setLevel(_level)
+
 from pc_train.data import load_byte_corpus
 
 # Through pc_train.estimate (the command line, which re-exports the cost

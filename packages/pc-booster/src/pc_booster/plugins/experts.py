@@ -48,7 +48,6 @@ from pc_booster.plugin import Boosted, BoostRequest
 from pc_booster.plugins.low_level_zero import masters_from_built
 from pc_booster.step_policies import GradientStep
 from pc_booster.wrappers import OptimizerView
-from pc_comm import weak_method
 from pc_zero import LowLevelZeroOptimizer
 
 if TYPE_CHECKING:
@@ -141,8 +140,11 @@ class ExpertGradientSync:
         self.params = [p for p in params if p.requires_grad]
         self.group = group if group is not None and dist.get_world_size(group) > 1 else None
         self._queued = False
+        # Bound, not weak: nothing else holds this object, its hooks keep it
+        # alive as long as the expert shards (pc_comm.weak_method's cycle is
+        # then the shards' own: they go together or not at all).
         self._hooks = [
-            p.register_post_accumulate_grad_hook(weak_method(self._arrived))  # type: ignore[no-untyped-call]
+            p.register_post_accumulate_grad_hook(self._arrived)  # type: ignore[no-untyped-call]
             for p in self.params
         ]
 
