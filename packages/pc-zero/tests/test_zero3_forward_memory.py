@@ -42,6 +42,18 @@ def _reference_step(
     return x, loss
 
 
+def _step_and_compare(
+    loss: torch.Tensor, optimizer: torch.optim.Optimizer, ref_loss: torch.Tensor, world: int
+) -> None:
+    """This rank's step; the mean loss over the ranks is the reference's."""
+    loss.backward()  # type: ignore[no-untyped-call]
+    optimizer.step()
+    optimizer.zero_grad()
+    mean = loss.detach().clone()
+    dist.all_reduce(mean)
+    torch.testing.assert_close(mean / world, ref_loss.detach(), rtol=1e-5, atol=1e-6)
+
+
 def check_forward_holds_one_chunk(checkpointing: bool) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     reference = _mlp()
@@ -78,12 +90,7 @@ def check_forward_holds_one_chunk(checkpointing: bool) -> None:
             f"are {sum(c.payload_bytes for c in chunks)} bytes"
         )
         assert sum(c.state is not ChunkState.FREE for c in chunks) <= 1
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        mean = loss.detach().clone()
-        dist.all_reduce(mean)
-        torch.testing.assert_close(mean / world, ref_loss.detach(), rtol=1e-5, atol=1e-6)
+        _step_and_compare(loss, opt, ref_loss, world)
     with model.summon_full_params():
         for (name, ours), theirs in zip(
             model.module.named_parameters(), reference.parameters(), strict=True
@@ -134,12 +141,7 @@ def check_revisited_chunks_are_not_kept() -> None:
         loss = model(x[rank * 2 : rank * 2 + 2]).square().mean()
         gathered = [c for c in chunks if c.state is not ChunkState.FREE]
         assert len(gathered) <= 1, f"step {step}: {len(gathered)} of {len(chunks)} gathered"
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        mean = loss.detach().clone()
-        dist.all_reduce(mean)
-        torch.testing.assert_close(mean / world, ref_loss.detach(), rtol=1e-5, atol=1e-6)
+        _step_and_compare(loss, opt, ref_loss, world)
 
 
 def test_a_chunk_revisited_in_forward_is_gathered_again_not_kept() -> None:

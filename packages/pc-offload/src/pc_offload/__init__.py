@@ -4,7 +4,7 @@ of pinned host buffers with an asynchronous copy engine. Adam's moments may
 be stored in bf16 or 8 bits (``state_dtype``)."""
 
 from pc_offload.activation import CPUOffload, OffloadStats
-from pc_offload.convert import adam_storing
+from pc_offload.convert import adam_storing, check_storable
 from pc_offload.nvme import NvmeSpaceError, NvmeTier
 from pc_offload.optim import CPUAdam, CPUAdamW, HybridAdam
 from pc_offload.pool import (
@@ -41,6 +41,7 @@ __all__ = [
     "StateDtype",
     "Transfer",
     "adam_storing",
+    "check_storable",
     "is_narrow",
     "moment_bytes",
     "parse_state_dtype",

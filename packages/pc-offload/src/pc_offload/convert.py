@@ -13,10 +13,34 @@ from torch.optim import Optimizer
 from pc_offload.optim import CPUAdam, CPUAdamW, HybridAdam
 from pc_offload.states import StateDtype, parse_state_dtype
 
-__all__ = ["adam_storing"]
+__all__ = ["adam_storing", "check_storable"]
 
 # The hyperparameters torch's Adam / AdamW and pc-offload's share.
 _KEYS = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize")
+
+
+def check_storable(optimizer: Optimizer, state_dtype: str | StateDtype) -> StateDtype:
+    """``state_dtype`` parsed, when ``optimizer`` can keep its moments that
+    way: any optimizer in fp32; narrow, torch's Adam / AdamW (which
+    :func:`adam_storing` converts) or pc-offload's Adam built with it."""
+    states = parse_state_dtype(state_dtype)
+    if states is StateDtype.FP32:
+        return states
+    if isinstance(optimizer, (CPUAdam, CPUAdamW)):
+        if optimizer.state_dtype is not states:
+            raise ValueError(
+                f"optimizer_states={states.value!r} but the {type(optimizer).__name__} given "
+                f"stores {optimizer.state_dtype.value!r}; build it with "
+                f"state_dtype={states.value!r}, or pass torch's AdamW."
+            )
+        return states
+    if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
+        raise ValueError(
+            f"optimizer_states={states.value!r} stores Adam's moments narrow; it applies to "
+            f"torch.optim.Adam / AdamW or pc_offload's CPUAdam family, got "
+            f"{type(optimizer).__name__}. Use optimizer_states='fp32' with it."
+        )
+    return states
 
 
 def adam_storing(
@@ -33,22 +57,9 @@ def adam_storing(
     lives. ``params``: each group's tensors (default: the optimizer's).
     pc-offload's own Adams are kept when they already store ``state_dtype``;
     anything else is refused, naming what to pass."""
-    states = parse_state_dtype(state_dtype)
-    own = (CPUAdam, CPUAdamW)
-    if isinstance(optimizer, own) and not params:
-        if optimizer.state_dtype is not states:
-            raise ValueError(
-                f"optimizer_states={states.value!r} but the {type(optimizer).__name__} given "
-                f"stores {optimizer.state_dtype.value!r}; build it with "
-                f"state_dtype={states.value!r}, or pass torch's AdamW."
-            )
+    states = check_storable(optimizer, state_dtype)
+    if isinstance(optimizer, (CPUAdam, CPUAdamW)) and not params:
         return optimizer
-    if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
-        raise ValueError(
-            f"optimizer_states={states.value!r} stores Adam's moments narrow; it applies to "
-            f"torch.optim.Adam / AdamW or pc_offload's CPUAdam family, got "
-            f"{type(optimizer).__name__}. Use optimizer_states='fp32' with it."
-        )
     tensors = params if params is not None else [g["params"] for g in optimizer.param_groups]
     groups: list[dict[str, Any]] = [
         {"params": list(ps), **{k: g[k] for k in _KEYS if k in g}}

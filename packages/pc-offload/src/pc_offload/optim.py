@@ -223,8 +223,10 @@ class _MasterAdam(Optimizer):
         closer to the fraction of all seen so far (every one at 1.0; within
         a tensor of the fraction otherwise). Decided as they come, not from
         the groups' sizes up front: a plugin's shard parameters may be
-        empty until their chunk is first used."""
-        if self.nvme is None:
+        empty until their chunk is first used. Only states stepped on the
+        host go there (HybridAdam steps a device parameter on its device,
+        with its states beside it, as Colossal-AI's does)."""
+        if self.nvme is None or self._step_device(param).type != "cpu":
             return False
         decided = self._disk_of.get(id(param))
         if decided is None:
@@ -263,9 +265,8 @@ class _MasterAdam(Optimizer):
             value = state.get(key)
             if value is None or states.is_narrow(_local(value)):
                 continue
-            stored = states.zeros(_local(value), self.state_dtype, signed=key == "exp_avg")
-            if states.is_narrow(stored):
-                states.narrow_into(stored, _local(value))
+            stored = states.store(_local(value), self.state_dtype, signed=key == "exp_avg")
+            if stored is not _local(value):
                 state[key] = _like(param, stored)
 
     @staticmethod
@@ -460,9 +461,7 @@ class _MasterAdam(Optimizer):
         local = _local(value).detach().to(device=self._step_device(param), dtype=torch.float32)
         local = local.clone()
         if key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
-            stored = states.zeros(local, self.state_dtype, signed=key == "exp_avg")
-            states.narrow_into(stored, local)
-            local = stored
+            local = states.store(local, self.state_dtype, signed=key == "exp_avg")
         if key == "step" or not isinstance(param, DTensor):
             return local
         if local.shape != _local(param).shape:

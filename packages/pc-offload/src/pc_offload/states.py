@@ -173,13 +173,15 @@ def narrow_into(moment: torch.Tensor, values: torch.Tensor) -> None:
 # saved to the last bit of that scale.
 
 
-def stored_like(template: torch.Tensor, values: torch.Tensor, signed: bool) -> torch.Tensor:
-    """fp32 ``values`` stored in ``template``'s format (a new tensor)."""
-    if hasattr(template, "codes"):
-        out = zeros(values, StateDtype.INT8, signed)
-        narrow_into(out, values)
-        return out
-    return values.to(template.dtype)
+def store(values: torch.Tensor, dtype: StateDtype, signed: bool) -> torch.Tensor:
+    """fp32 ``values`` as a moment stored in ``dtype``: a new narrow tensor,
+    or ``values`` themselves where that format keeps fp32 (fp32, or a
+    tensor too small for 8 bits)."""
+    stored = zeros(values, dtype, signed)
+    if not is_narrow(stored):
+        return values
+    narrow_into(stored, values)
+    return stored
 
 
 def _read_block(moment: torch.Tensor, lo: int, hi: int) -> torch.Tensor:

@@ -53,12 +53,10 @@ from pc_comm import (
     weak_method,
 )
 from pc_offload import (
-    CPUAdam,
-    CPUAdamW,
     StateDtype,
     adam_storing,
+    check_storable,
     is_narrow,
-    parse_state_dtype,
     stored_bytes,
     widen,
 )
@@ -126,19 +124,6 @@ def _checked_stage(
     if max_norm < 0:
         raise ValueError(f"max_norm must be >= 0 (0 disables), got {max_norm}.")
     return stage
-
-
-def _checked_states(optimizer: Optimizer, value: str | StateDtype) -> StateDtype:
-    """The moments' format; a narrow one needs an Adam pc-offload steps."""
-    states = parse_state_dtype(value)
-    adams = (torch.optim.Adam, torch.optim.AdamW, CPUAdam, CPUAdamW)
-    if states is not StateDtype.FP32 and not isinstance(optimizer, adams):
-        raise ValueError(
-            f"LowLevelZeroOptimizer: optimizer_states={states.value!r} stores Adam's moments "
-            f"narrow; it applies to torch.optim.Adam / AdamW or pc_offload's CPUAdam family, "
-            f"got {type(optimizer).__name__}. Use optimizer_states='fp32' with it."
-        )
-    return states
 
 
 def _one_dtype_and_device(params: list[torch.Tensor]) -> tuple[torch.dtype, torch.device]:
@@ -217,7 +202,7 @@ class LowLevelZeroOptimizer(ClipsInStep, Optimizer):
         optimizer_states: str | StateDtype = "fp32",
     ) -> None:
         self.stage = _checked_stage(optimizer, stage, partition_grad, max_norm)
-        self.optimizer_states = _checked_states(optimizer, optimizer_states)
+        self.optimizer_states = check_storable(optimizer, optimizer_states)
         self.comm = comm if comm is not None else default_communicator(dp_process_group)
         # [Note: two-level sharding]: the ranks holding the same shards.
         self._replicas = (
@@ -409,10 +394,8 @@ class LowLevelZeroOptimizer(ClipsInStep, Optimizer):
             # Steps on the host (cpu_offload) or where the masters are.
             on_host = self.cpu_offload or self._master_device.type == "cpu"
             return adam_storing(optimizer, self.optimizer_states, on_host=on_host, params=per_group)
-        if narrow:  # pc-offload's own Adam, given: it must store that format
-            adam_storing(optimizer, self.optimizer_states, on_host=True)
         optimizer.state.clear()
-        adam = type(optimizer) in (torch.optim.Adam, torch.optim.AdamW)
+        adam = torch_adam
         for g, ps in zip(optimizer.param_groups, per_group, strict=True):
             g["params"] = ps
             # Masters are dense fp32 on one device: torch's fused kernel fits
