@@ -81,19 +81,25 @@ class HostExecutor:
             item = self._queue.get()
             if item is None:
                 return
-            self._run_one(*item)
-            del item  # the work's tensors must not outlive it in this frame
-
-    @staticmethod
-    def _run_one(work: Callable[[], None], future: Future[None]) -> None:
-        if not future.set_running_or_notify_cancel():
-            return
-        try:
-            work()
-        except BaseException as error:  # delivered to whoever waits
-            future.set_exception(error)
-        else:
-            future.set_result(None)
+            work, future = item
+            del item
+            if not future.set_running_or_notify_cancel():
+                continue
+            error: BaseException | None = None
+            try:
+                work()
+            except BaseException as raised:  # delivered to whoever waits
+                error = raised
+            # The work's tensors are released before the waiter wakes: a
+            # buffer the caller drops after ``wait()`` is then freed on the
+            # caller's thread, when it drops it, never later on this one
+            # (where a memory profiler of the caller's thread cannot see it).
+            del work
+            if error is None:
+                future.set_result(None)
+            else:
+                future.set_exception(error)
+            del error
 
     def _submit(self, work: Callable[[], None], async_op: bool) -> Handle:
         future: Future[None] = Future()
