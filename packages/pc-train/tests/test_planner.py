@@ -161,3 +161,42 @@ def test_plugin_auto_keeps_the_recomputation_asked_for(tmp_path: object) -> None
     assert config.activation_checkpointing_fraction == 0.5
     config, _, _ = prepare(parse_args(base), 2)
     assert config.activation_checkpointing_fraction == 1.0
+
+
+def test_moments_are_narrowed_only_where_fp32_does_not_fit() -> None:
+    """Llama-7B on 8 devices of 26 GiB: ZeRO-2 does not fit with fp32
+    moments at any micro-batch, and is planned with bf16 moments; every
+    narrowed plan is the least narrowing that fits (fp32, and bf16 for an
+    int8 plan, do not fit, Gemini's with all its chunks on the host), and
+    only the plugins that store moments narrow on the device get one."""
+    shape = model_shape(resolve_model("llama-7b", 4096))
+    device = replace(gpu_device("H100", "bf16"), memory_bytes=26 * 2**30)
+    cluster = Cluster(1, 8, device, 50e9)
+    plans = search(shape, cluster, 8, 4096, "bf16")
+    narrowed = [p for p in plans if p.options.optimizer_states != "fp32"]
+    assert any(
+        p.options.kind is PluginKind.ZERO2 and p.options.optimizer_states == "bf16"
+        for p in narrowed
+    ), [p.options.describe() for p in plans]
+    assert not any(  # on the device, fp32 moments do not fit (the host's do)
+        p.options.kind is PluginKind.ZERO2
+        and p.options.optimizer_states == "fp32"
+        and not p.options.cpu_offload
+        for p in plans
+    )
+    for plan in narrowed:
+        options = plan.options
+        assert options.kind in (PluginKind.ZERO1, PluginKind.ZERO2, PluginKind.GEMINI)
+        assert not options.cpu_offload
+        wider = ["fp32", "bf16"] if options.optimizer_states == "int8" else ["fp32"]
+        for states in wider:
+            other = replace(options, optimizer_states=states)
+            if other.kind is PluginKind.GEMINI and other.tp == 1:  # as the planner offloads
+                other = replace(other, offload_frac=1.0)
+            result = estimate(shape, other, 8, plan.micro_batch, 4096, "bf16", device)
+            assert not result.fits, (options.describe(), states)
+    # The flags round-trip through pc-train.
+    flags = narrowed[0].flags()
+    assert "--optimizer-states" in flags
+    config = parse_args([*shlex.split(flags), "--model", "llama-7b"])
+    assert config.optimizer_states == narrowed[0].options.optimizer_states

@@ -40,6 +40,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from pc_booster.rules import StateBytes, TrainPrecision
+from pc_offload import moment_bytes, parse_state_dtype
 from pc_train.activations import (
     COMPILED_TIME,
     RECOMPUTE_COST,
@@ -225,6 +226,9 @@ class Estimate:
     # Working memory of the optimizer step [Note: the step's working memory].
     step_bytes: int = 0
     gathers_parameters: bool = False
+    # Adam's moments as a checkpoint holds them: fp32, however they are
+    # stored (narrow moments are widened for a save); 0: optimizer_bytes.
+    saved_optimizer_bytes: int = 0
 
     @property
     def model_state_bytes(self) -> int:
@@ -243,7 +247,7 @@ class Estimate:
         this rank's share of the fp32 values and Adam's moments (12 bytes
         per parameter it keeps optimizer states for). A synchronous sharded
         save writes from the plugin's own tensors and adds nothing."""
-        return self.optimizer_bytes * 3 // 2
+        return (self.saved_optimizer_bytes or self.optimizer_bytes) * 3 // 2
 
     @property
     def full_save_bytes(self) -> int:
@@ -347,6 +351,9 @@ def estimate(
         exposed_comm_seconds=0.5 * comm_seconds,
         step_bytes=int(step_working_bytes(options, states_bytes - host)),
         gathers_parameters=plugin.gathers_parameters,
+        saved_optimizer_bytes=int(
+            states_bytes * 4 / moment_bytes(parse_state_dtype(options.optimizer_states))
+        ),
     )
 
 

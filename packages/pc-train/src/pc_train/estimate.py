@@ -26,7 +26,7 @@ from pc_train.cost import (
 )
 from pc_train.hardware import GPUS, DeviceInfo, GiB, cpu_peak_flops, gpu_device, gpu_peak_flops
 from pc_train.models import MODEL_PRESETS, ModelSpec, resolve_model
-from pc_train.options import PRECISIONS, PluginKind, PluginOptions
+from pc_train.options import OPTIMIZER_STATES, PRECISIONS, PluginKind, PluginOptions
 from pc_train.planner import Cluster, search
 from pc_train.trial import Trial
 
@@ -116,6 +116,13 @@ def _parser() -> argparse.ArgumentParser:
         "gemini, estimate it; without --plugin, let the recommendation use it",
     )
     parser.add_argument(
+        "--optimizer-states",
+        choices=OPTIMIZER_STATES,
+        default="fp32",
+        help="with --plugin zero1/zero2/gemini: Adam's moments stored as fp32, bf16 or int8 "
+        "(--search narrows them itself where fp32 does not fit)",
+    )
+    parser.add_argument(
         "--search",
         action="store_true",
         help="search every layout (data, ZeRO stage, two-level sharding, tensor, pipeline and "
@@ -182,6 +189,7 @@ def _estimate_plugin(args: argparse.Namespace, shape: ModelShape, device: Device
     )
     if args.step_in_backward:
         options = replace(options, step_in_backward=True)
+    options = replace(options, optimizer_states=args.optimizer_states)
     options.check(args.world, args.precision, shape.layers, heads=shape.heads)
     return estimate(
         shape, options, args.world, args.micro_batch, args.seq_len, args.precision, device
@@ -319,6 +327,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     try:
         if args.world < 1 or args.micro_batch < 1 or args.seq_len < 1:
             raise ValueError("--world, --micro-batch and --seq-len must be at least 1.")
+        if args.optimizer_states != "fp32" and args.plugin is None:
+            raise ValueError(
+                f"--optimizer-states {args.optimizer_states} estimates one plugin: pass --plugin "
+                "zero1, zero2 or gemini with it (--search narrows the moments itself where fp32 "
+                "moments do not fit)."
+            )
         spec = resolve_model(args.model, args.seq_len)
         device = _device(args)
         shape = model_shape(spec)

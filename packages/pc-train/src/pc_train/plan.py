@@ -164,7 +164,7 @@ _AUTO_CHOOSES = {
     "sequence_parallel": "--sequence-parallel", "offload_frac": "--offload-frac",
     "cpu_offload": "--cpu-offload", "sp": "--sp", "sp_mode": "--sp-mode", "ep": "--ep",
     "extra_dp": "--extra-dp",
-    # The planner does not count narrow moments yet (issue 56, item 4).
+    # fp32, or the least narrowing that fits [Note: the planner].
     "optimizer_states": "--optimizer-states",
 }  # fmt: skip
 

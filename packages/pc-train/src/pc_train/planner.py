@@ -21,7 +21,13 @@ divide the blocks. Each candidate is checked by its plugin's own rules
 (:func:`pc_train.cost.estimate`: per-rank memory with activations and in-
 flight micro-batches; step time as compute at the device's efficiency plus
 each collective over the link it crosses) and kept when it fits; the plans
-are ranked by predicted tokens per second, then by memory. ``pc-estimate
+are ranked by predicted tokens per second, then by memory. A layout that
+does not fit with fp32 moments (Gemini: with the least share of its
+chunks on the host that fits) is tried with Adam's moments in bf16, then
+in 8 bits, where its plugin stores them narrow (ZeRO-1/2 on the device,
+Gemini): the least narrowing that fits, since narrow moments change the
+numerics (pc_offload's [Note: low-precision optimizer states]); a layout
+that fits in fp32 is never narrowed. ``pc-estimate
 --search`` prints them; ``--trial K`` runs the first K on this machine and
 prints each rank's measured peak against the prediction.
 """
@@ -33,7 +39,7 @@ from dataclasses import dataclass, replace
 
 from pc_train.cost import Estimate, Links, ModelShape, estimate
 from pc_train.hardware import DeviceInfo
-from pc_train.options import PluginKind, PluginOptions
+from pc_train.options import NARROW_STATES, OPTIMIZER_STATES, PluginKind, PluginOptions
 
 __all__ = ["Cluster", "Plan", "candidates", "search"]
 
@@ -180,17 +186,23 @@ def search(
     (Gemini stepping in backward cannot clip by the global norm)."""
     plans = []
     for options, micro, accumulation in candidates(shape, cluster, global_batch):
-        try:
-            options.check(
-                cluster.world,
-                precision,
-                shape.layers,
-                max_norm=max_norm,
-                accumulation=accumulation,
-                heads=shape.heads,
-            )
-        except ValueError:
-            continue  # the plugin's own rules refuse it
+
+        def accepted(options: PluginOptions, accumulation: int = accumulation) -> bool:
+            try:
+                options.check(
+                    cluster.world,
+                    precision,
+                    shape.layers,
+                    max_norm=max_norm,
+                    accumulation=accumulation,
+                    heads=shape.heads,
+                )
+            except ValueError:
+                return False  # the plugin's own rules refuse it
+            return True
+
+        if not accepted(options):
+            continue
 
         def run(options: PluginOptions, micro: int = micro) -> Estimate:
             return estimate(
@@ -198,13 +210,38 @@ def search(
                 cluster.links,
             )  # fmt: skip
 
-        result = run(options)
-        if not result.fits and options.kind is PluginKind.GEMINI and options.tp == 1:
-            options, result = _least_offload(options, run)
+        options, result = _least_change(options, run, accepted)
         if result.fits:
             plans.append(Plan(options, micro, accumulation, result))
     plans.sort(key=lambda p: (-p.tokens_per_second, p.estimate.device_bytes))
     return plans
+
+
+def _least_change(
+    options: PluginOptions,
+    run: Callable[[PluginOptions], Estimate],
+    accepted: Callable[[PluginOptions], bool],
+) -> tuple[PluginOptions, Estimate]:
+    """``options`` as given when they fit; otherwise the least change that
+    fits [Note: the planner]: Gemini's least share on the host, then Adam's
+    moments narrower, fp32 -> bf16 -> int8, where the plugin keeps them
+    narrow on the device and its rules accept them. The last tried (not
+    fitting) when nothing does."""
+    order = OPTIMIZER_STATES[OPTIMIZER_STATES.index(options.optimizer_states) :]
+    if options.kind not in NARROW_STATES or options.cpu_offload:
+        order = order[:1]  # moments on the host: narrowing frees no device memory
+    result = run(options)
+    for states in order:
+        narrowed = replace(options, optimizer_states=states)
+        if narrowed != options:
+            if not accepted(narrowed):
+                break
+            options, result = narrowed, run(narrowed)
+        if not result.fits and options.kind is PluginKind.GEMINI and options.tp == 1:
+            options, result = _least_offload(options, run)
+        if result.fits:
+            break
+    return options, result
 
 
 def _least_offload(
