@@ -262,10 +262,13 @@ def test_recommendation_steps_in_backward_only_when_allowed() -> None:
 def test_pc_train_auto_runs_the_planners_first_plan(monkeypatch: pytest.MonkeyPatch) -> None:
     """``pc-train --plugin auto`` takes the planner's first plan among those
     with the user's accumulation, flags and all: on a device too small for
-    any plugin's model states with 1 micro-step of 4 sequences, Gemini
-    stepping in backward with the least share of chunks on the host where
-    the run does not clip, a plan that clips (and offloads) where it does,
-    and never stepping in backward with accumulation."""
+    any plugin's model states with 1 micro-step of 4 sequences, Gemini with
+    the least share of chunks on the host where the run does not clip
+    (stepping in backward is among the plans then; it holds no gradient
+    shards, but at this peak, backward's start, Gemini holds none either:
+    [Note: Gemini's gradients at the peak]), a plan that clips (and
+    offloads) where it does, and never stepping in backward with
+    accumulation."""
     from pc_train.planner import Cluster, search
     from pc_train.train import prepare
     from pc_train.train_config import parse_args
@@ -282,7 +285,10 @@ def test_pc_train_auto_runs_the_planners_first_plan(monkeypatch: pytest.MonkeyPa
 
     def first(max_norm: float, accumulation: int, batch: int = 8) -> PluginOptions:
         plans = search(shape, cluster, batch, 64, "fp32", max_norm=max_norm)
-        return next(p.options for p in plans if p.accumulation == accumulation)
+        found = [p.options for p in plans if p.accumulation == accumulation]
+        if max_norm == 0 and accumulation == 1:
+            assert any(o.step_in_backward for o in found), [o.describe() for o in found]
+        return found[0]
 
     for argv, max_norm, accumulation, batch in (
         (["--clip-norm", "0"], 0.0, 1, 8),
@@ -296,7 +302,6 @@ def test_pc_train_auto_runs_the_planners_first_plan(monkeypatch: pytest.MonkeyPa
         assert plan.describe() in reasons[0], reasons
         if max_norm == 0 and accumulation == 1:
             assert plan.kind is PluginKind.GEMINI, plan
-            assert plan.step_in_backward, plan
             assert plan.offload_frac > 0, plan
             less = replace(plan, offload_frac=round(plan.offload_frac - 0.05, 2))
             assert not estimate(shape, less, 2, 4, 64, "fp32", device).fits  # the least share

@@ -45,6 +45,11 @@ LAYOUTS: list[tuple[int, int, PluginOptions]] = [
     (4, 1, PluginOptions(K.HYBRID, tp=2, pp=2, zero_stage=1)),
     (4, 2, PluginOptions(K.ZERO2, extra_dp=2)),
     (4, 2, PluginOptions(K.GEMINI, extra_dp=2)),
+    # Adam's moments stored narrow (pc_offload's [Note: low-precision optimizer states]).
+    (2, 1, PluginOptions(K.ZERO2, optimizer_states="bf16")),
+    (2, 1, PluginOptions(K.ZERO2, optimizer_states="int8")),
+    (2, 1, PluginOptions(K.GEMINI, optimizer_states="bf16")),
+    (2, 1, PluginOptions(K.GEMINI, optimizer_states="int8")),
 ]
 
 

@@ -17,7 +17,6 @@ __all__ = [
     "activation_bytes",
     "bucket_in_flight",
     "fsdp_gathered_bytes",
-    "gemini_reduce_bytes",
     "step_working_bytes",
 ]
 
@@ -131,11 +130,10 @@ def bucket_in_flight(plugin: Any, psi: float, grad_bytes: int) -> int:
 # recomputation leaves little activation memory, FSDP2's peak is at the
 # optimizer step, not in backward: AdamW's foreach path over DTensor shards
 # holds temporaries of about 1.4 times the moments' bytes (78.2 MiB against
-# 63.5 with foreach=False and 44.2 without a step). Gemini holds, in
-# backward, 4 bytes per parameter of its shard beyond its states and
-# activations, whatever the optimizer (99.0 MiB against 86.8 predicted;
-# 76.2 against 64.0 with no step at all): counted with its activations.
-# Both are measurements, not derivations; the calibration table holds them.
+# 63.5 with foreach=False and 44.2 without a step): a measurement, not a
+# derivation; the calibration table holds it. (Gemini's peak is below its
+# states plus activations: [Note: Gemini's gradients at the peak] in
+# pc_train.cost.)
 _FOREACH_DTENSOR_STEP = 1.4
 
 
@@ -144,15 +142,6 @@ def step_working_bytes(options: PluginOptions, optimizer_bytes: float) -> float:
     if options.kind is PluginKind.FSDP:
         return _FOREACH_DTENSOR_STEP * optimizer_bytes
     return 0.0
-
-
-def gemini_reduce_bytes(options: PluginOptions, psi: float, shards: int) -> float:
-    """Gemini's working memory in backward beyond its states [Note: the
-    step's working memory]: 4 bytes per parameter of the rank's shard."""
-    if options.kind is not PluginKind.GEMINI:
-        return 0.0
-    replicas = max(1, options.extra_dp)
-    return 4 * psi / max(1, shards // replicas)
 
 
 # [Note: FSDP2's gathered blocks]
