@@ -68,6 +68,11 @@ LAYOUTS: dict[str, Layout] = {
     "gemini-bf16": Layout("pc", state_dtype="bf16"),
     "gemini-int8": Layout("pc", state_dtype="int8"),
     "gemini-nvme": Layout("pc", nvme_fraction=1.0),
+    # DeepSpeed ZeRO-3 with parameters and optimizer offloaded to the CPU
+    # (ZeRO-Offload), and with the optimizer on disk (ZeRO-Infinity, where
+    # its async-IO op builds), when deepspeed imports (nox -s bench).
+    "deepspeed-offload": Layout("deepspeed"),
+    "deepspeed-infinity": Layout("deepspeed", nvme_fraction=1.0),
 }
 
 
@@ -151,6 +156,39 @@ def _fsdp2_model(k: int) -> tuple[Any, Step]:
     return model, step
 
 
+def _deepspeed_model(layout: Layout, k: int, scratch: str) -> tuple[Any, Step]:
+    import deepspeed  # type: ignore[import-not-found, unused-ignore]
+    import transformers
+
+    optimizer_place: dict[str, Any] = {"device": "cpu"}
+    if layout.nvme_fraction:
+        optimizer_place = {"device": "nvme", "nvme_path": scratch}
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {
+            "stage": 3,
+            "offload_param": {"device": "cpu"},
+            "offload_optimizer": optimizer_place,
+        },
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+        "steps_per_print": 10**9,
+    }
+    with deepspeed.zero.Init(config_dict_or_path=config):  # each rank builds its shard
+        model = transformers.LlamaForCausalLM(llama_config(k))
+    engine, *_ = deepspeed.initialize(
+        model=model, model_parameters=model.parameters(), config=config
+    )
+
+    def step(ids: torch.Tensor) -> float:
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        return float(loss)
+
+    return engine, step
+
+
 def train(out: str, layout_name: str, k: int, steps: int, scratch: str, group: str) -> None:
     """One rank: join the job's cap, build, train ``steps`` steps; rank 0
     writes the losses and the step times."""
@@ -160,10 +198,19 @@ def train(out: str, layout_name: str, k: int, steps: int, scratch: str, group: s
     # allocator]), in every layout alike.
     tune_host_allocator(HostAllocatorSettings(mmap_threshold=1 << 20))
     transformers.LlamaForCausalLM(llama_config(1))  # imports before the cap
+    if LAYOUTS[layout_name].framework == "deepspeed":
+        rank, world = str(dist.get_rank()), str(dist.get_world_size())
+        os.environ.update(DS_ACCELERATOR="cpu", LOCAL_RANK=rank, LOCAL_WORLD_SIZE=world)
+        import deepspeed  # noqa: F401  # type: ignore[import-not-found, unused-ignore]
     (ROOT / group / "cgroup.procs").write_text(str(os.getpid()))  # the job's one group
     layout = LAYOUTS[layout_name]
     start = time.perf_counter()
-    _, step = _fsdp2_model(k) if layout.framework == "torch" else _pc_model(layout, k, scratch)
+    if layout.framework == "torch":
+        _, step = _fsdp2_model(k)
+    elif layout.framework == "deepspeed":
+        _, step = _deepspeed_model(layout, k, scratch)
+    else:
+        _, step = _pc_model(layout, k, scratch)
     build = time.perf_counter() - start
     losses: list[float] = []
     times: list[float] = []
@@ -243,7 +290,7 @@ def main() -> None:
     parser.add_argument("--cap-gib", type=float, default=3.0)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--start", type=int, default=12)
-    parser.add_argument("--layouts", default=",".join(LAYOUTS))
+    parser.add_argument("--layouts", default=",".join(k for k in LAYOUTS if "deepspeed" not in k))
     parser.add_argument("--scratch", default=tempfile.gettempdir())
     args = parser.parse_args()
     why = unavailable()
