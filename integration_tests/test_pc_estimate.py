@@ -350,3 +350,44 @@ def test_sequence_parallel_activations_by_mode() -> None:
             activations(seq, sp, "ring_attn") - activations(seq, sp, "all_to_all") for sp in (2, 4)
         ]
         assert extra[1] == pytest.approx(extra[0] / 4, rel=1e-6)
+
+
+def test_every_published_run_gets_a_plan() -> None:
+    """tools/published_runs.py: the planner finds a plan for each run on its
+    authors' hardware, Bloom-176B's 70 blocks included (over stage counts
+    that do not divide them: one more block on the middle stages), and an
+    uneven plan's flags reach the hybrid plugin as num_layers_per_stage,
+    which its rules accept."""
+    import sys
+    from pathlib import Path
+
+    import transformers
+
+    from pc_train.hardware import gpu_device
+    from pc_train.models import ModelSpec
+    from pc_train.planner import Cluster, search
+    from pc_train.train_config import parse_args
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    from published_runs import RUNS
+
+    for run in RUNS:
+        config = getattr(transformers, run.family)(**run.config)
+        shape = model_shape(ModelSpec(run.name, config))
+        cluster = Cluster(
+            run.nodes, run.per_node, gpu_device(run.gpu, "bf16"), run.inter_gbps * 1e9
+        )
+        plans = search(shape, cluster, run.global_batch, run.seq_len, "bf16")
+        assert plans, f"{run.name}: no plan on {run.nodes} x {run.per_node} {run.gpu}"
+        if run.name.startswith("Bloom"):
+            uneven = [p for p in plans if p.options.layers_per_stage]
+            assert uneven, [p.options.describe() for p in plans[:10]]
+            options = uneven[0].options
+            split = options.stage_split()
+            assert split is not None
+            assert sum(split) == shape.layers == 70
+            assert max(split) - min(split) == 1
+            argv = [*uneven[0].flags().split(), "--model", "gpt2-tiny"]
+            chosen = parse_args(argv).plugin_options()
+            assert chosen.config().num_layers_per_stage == split  # type: ignore[attr-defined]
+            chosen.check(cluster.world, "bf16", 70, heads=shape.heads)

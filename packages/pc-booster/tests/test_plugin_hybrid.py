@@ -79,3 +79,47 @@ def test_pipeline_criterion_and_fp16_overflow() -> None:
         {"case": ["criterion", "fp16-overflow"]},
         timeout=300,
     )
+
+
+def check_uneven_stages_match_one_process(split: tuple[int, int]) -> None:
+    """A pipeline whose stages hold different numbers of blocks
+    (``num_layers_per_stage``, as pc-train's ``--layers-per-stage`` and the
+    planner's uneven splits set it) trains as one process on the same
+    global batch: losses over three SGD steps (rtol 1e-5, atol 1e-6)."""
+    import copy
+
+    import torch
+    import torch.distributed as dist
+    from plugin_matrix import Case, batch, build_model
+
+    from pc_booster import Booster, HybridParallelPlugin
+
+    plugin = HybridParallelPlugin(pp_size=2, zero_stage=0, num_microbatches=2,
+                                  num_layers_per_stage=split)  # fmt: skip
+    booster = Booster(plugin=plugin)
+    model = build_model(Case("hybrid", "fp32", False, 1, False, "fp32"))
+    reference = copy.deepcopy(model)
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer, *_ = booster.boost(model, optimizer)
+    names = [n for n, _ in model.named_parameters()]  # "stages.0.<layer>.block.<...>"
+    blocks = {n.split(".block.")[0] for n in names if ".block." in n}
+    assert len(blocks) == split[dist.get_rank()], (split, sorted(blocks))
+    for step in range(3):
+        data = batch(step, 4)
+        loss = booster.execute_pipeline(iter([data]), model, None, optimizer)["loss"]
+        optimizer.step()
+        optimizer.zero_grad()
+        expected = reference(**data).loss
+        expected.backward()
+        reference_optimizer.step()
+        reference_optimizer.zero_grad()
+        if dist.get_rank() == 1:  # the last stage has the loss
+            torch.testing.assert_close(loss, expected.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_uneven_stages_match_one_process() -> None:
+    from pc_comm.testing import run_subtests
+
+    run_subtests(check_uneven_stages_match_one_process, 2, {"split": [(1, 3), (3, 1)]},
+                 timeout=300)  # fmt: skip

@@ -57,7 +57,7 @@ def activation_bytes(
             transient = 2 * 4 * a * b * block * block / t
     else:
         per_layer = s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
-    layers = shape.layers / options.pp
+    layers = max(options.stage_blocks(shape.layers))  # the busiest stage's
     in_flight = min(options.pp, options.microbatches or options.pp) if options.pp > 1 else 1
     # fp32 logits, softmax, gradient; split by vocabulary under pc-tensor's
     # tensor parallelism, whole under FSDP2's (its output layer is whole).

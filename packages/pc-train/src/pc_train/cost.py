@@ -94,12 +94,12 @@ class ModelShape:
         return math.ceil(stage / options.ep)
 
     def _stage_total(self, options: PluginOptions) -> int:
-        # Blocks per stage, rounded up: an uneven split (126 blocks over 16
-        # stages) puts the larger share on the busiest stage.
-        per_stage = -(-self.layers // options.pp)
-        blocks = [
-            sum(self.stage_params[i : i + per_stage]) for i in range(0, self.layers, per_stage)
-        ]
+        # The blocks of each stage (``--layers-per-stage``, else an even
+        # split, the larger shares first): the busiest stage's parameters.
+        blocks, start = [], 0
+        for count in options.stage_blocks(self.layers):
+            blocks.append(sum(self.stage_params[start : start + count]))
+            start += count
         blocks[0] += self.embed_params
         blocks[-1] += self.head_params
         return max(blocks)
@@ -307,6 +307,7 @@ def estimate(
     activations += bucket_in_flight(plugin, psi, g)
     activations += fsdp_gathered_bytes(shape, options, precision)
     pipeline_batches = options.microbatches or options.pp if options.pp > 1 else 1
+    busiest = max(options.stage_blocks(shape.layers))  # blocks on the busiest stage
     tokens = micro_batch * seq_len * n * pipeline_batches
     flops = (6 * shape.params + 12 * shape.layers * shape.hidden * seq_len) * tokens
     compute = flops / world / (device.peak_flops * device.efficiency)
@@ -322,17 +323,18 @@ def estimate(
     tp_bytes = 0.0
     if options.tp > 1:
         per_layer = 8 * (options.tp - 1) / options.tp * micro_batch * seq_len * shape.hidden * p
-        tp_bytes = per_layer * shape.layers / options.pp * pipeline_batches
+        tp_bytes = per_layer * busiest * pipeline_batches
     if options.sp > 1:  # Ulysses: four all-to-alls of 1/sp of the tokens a layer, each way
         sp = options.sp
         per_layer = 8 * (sp - 1) / sp * micro_batch * seq_len * shape.hidden * p / sp
-        tp_bytes += per_layer * shape.layers / options.pp * pipeline_batches
+        tp_bytes += per_layer * busiest * pipeline_batches
     seconds = compute + 0.5 * comm_seconds + tp_bytes / device.bandwidth
     if host:  # offloaded shards cross PCIe (about 25 GB/s) and step on the host (about 10 GB/s)
         seconds += 2 * host / 25e9 + host / 10e9
     if options.pp > 1:
         chunks = options.microbatches or options.pp
         seconds *= 1 + (options.pp - 1) / chunks  # 1F1B's bubble
+        seconds *= busiest / (shape.layers / options.pp)  # the busiest stage sets the pace
     # [Note: Gemini's gradients at the peak]
     # Gemini's gradient shards are made in backward, chunk by chunk, as the
     # activations are freed, and the step frees them: at the activations'

@@ -47,6 +47,7 @@ _FLAGS = {
     "activation_checkpointing": "--activation-checkpointing",
     "compile": "--compile",
     "optimizer_states": "--optimizer-states",
+    "num_layers_per_stage": "--layers-per-stage",
 }
 RECOMPUTE = ("none", "full", "selective")
 # How Adam's moments are stored (pc_offload [Note: low-precision optimizer states]).
@@ -84,6 +85,8 @@ class PluginOptions:
       across them.
     - ``activation_checkpointing`` / ``activation_checkpointing_fraction``
       / ``compile``: every plugin's per-block recomputation and compile.
+    - ``layers_per_stage``: hybrid with pp > 1, transformer blocks per
+      stage, comma-separated (``"6,6,5"``); None: an even split.
     """
 
     kind: PluginKind
@@ -103,6 +106,7 @@ class PluginOptions:
     activation_checkpointing: str = "none"
     activation_checkpointing_fraction: float = 1.0
     compile: bool = False
+    layers_per_stage: str | None = None
 
     @property
     def name(self) -> str:
@@ -132,7 +136,29 @@ class PluginOptions:
         sp = " sp" if self.sequence_parallel else ""
         sp += f" {self.sp_mode} sp{self.sp}" if self.sp > 1 else ""
         sp += f" ep{self.ep}" if self.ep > 1 else ""
+        sp += f" layers {self.layers_per_stage}" if self.layers_per_stage else ""
         return f"hybrid tp{self.tp} pp{self.pp} zero{self.zero_stage}{sp}{self._blocks_text()}"
+
+    def stage_split(self) -> tuple[int, ...] | None:
+        """``layers_per_stage`` as numbers (None: an even split)."""
+        if self.layers_per_stage is None:
+            return None
+        try:
+            split = tuple(int(part) for part in self.layers_per_stage.split(","))
+        except ValueError:
+            raise ValueError(
+                f"--layers-per-stage must be comma-separated block counts such as 6,6,5, got "
+                f"{self.layers_per_stage!r}."
+            ) from None
+        return split
+
+    def stage_blocks(self, layers: int) -> list[int]:
+        """Transformer blocks on each pipeline stage: the given split, else
+        an even one (the larger shares first where it is uneven)."""
+        split = self.stage_split()
+        if split is not None:
+            return list(split)
+        return [layers // self.pp + (i < layers % self.pp) for i in range(self.pp)]
 
     def flags(self) -> str:
         """The pc-train command-line options that select this plugin."""
@@ -142,6 +168,7 @@ class PluginOptions:
             out += ["--sequence-parallel"] if self.sequence_parallel else []
             out += [f"--sp {self.sp}", f"--sp-mode {self.sp_mode}"] if self.sp > 1 else []
             out += [f"--ep {self.ep}"] if self.ep > 1 else []
+            out += [f"--layers-per-stage {self.layers_per_stage}"] if self.layers_per_stage else []
         elif self.tp > 1:
             out.append(f"--tp {self.tp}")
         if self.extra_dp > 1:
@@ -215,6 +242,7 @@ class PluginOptions:
             ep_size=self.ep,
             max_norm=max_norm,
             pp_timeout=timeout,
+            num_layers_per_stage=self.stage_split(),
         )
 
     def check_flags(self) -> None:
@@ -272,6 +300,10 @@ class PluginOptions:
             )
         if self.step_in_backward and self.kind is not PluginKind.GEMINI:
             raise ValueError("--step-in-backward is an option of --plugin gemini.")
+        if self.layers_per_stage is not None:
+            if self.kind is not PluginKind.HYBRID:
+                raise ValueError("--layers-per-stage is an option of --plugin hybrid (with --pp).")
+            self.stage_split()  # parses, or names the bad value
 
     def check(
         self,

@@ -163,7 +163,7 @@ _AUTO_CHOOSES = {
     "tp": "--tp", "pp": "--pp", "zero_stage": "--zero-stage", "microbatches": "--microbatches",
     "sequence_parallel": "--sequence-parallel", "offload_frac": "--offload-frac",
     "cpu_offload": "--cpu-offload", "sp": "--sp", "sp_mode": "--sp-mode", "ep": "--ep",
-    "extra_dp": "--extra-dp",
+    "extra_dp": "--extra-dp", "layers_per_stage": "--layers-per-stage",
     # fp32, or the least narrowing that fits [Note: the planner].
     "optimizer_states": "--optimizer-states",
 }  # fmt: skip

@@ -67,6 +67,7 @@ class TrainConfig:
     activation_checkpointing: str = "none"
     activation_checkpointing_fraction: float = 1.0
     compile: bool = False
+    layers_per_stage: str | None = None
     precision: str = "fp32"
     corpus: str | None = None
     corpus_bytes: int = 2_000_000
@@ -169,6 +170,8 @@ _HELP = {
     "pp": "pipeline-parallel size (hybrid: GPT-2 and Llama)",
     "zero_stage": "ZeRO stage over the data-parallel ranks (hybrid: 0, 1, 2)",
     "microbatches": "pipeline micro-batches per step (default: pp)",
+    "layers_per_stage": "transformer blocks on each pipeline stage, comma-separated (hybrid "
+    "with --pp; default: an even split, which the blocks must allow)",
     "sp": "sequence-parallel size of its own (hybrid): each sequence split over sp ranks",
     "sp_mode": "sequence parallelism with --sp: all_to_all (Ulysses) or ring_attn (ring attention)",
     "ep": "expert-parallel size (hybrid, mixture-of-experts models such as mixtral-tiny): "
