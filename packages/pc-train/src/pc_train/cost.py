@@ -40,7 +40,6 @@ from torch import nn
 from torch.optim import Optimizer
 
 from pc_booster.rules import StateBytes, TrainPrecision
-from pc_offload import moment_bytes, parse_state_dtype
 from pc_train.activations import (
     COMPILED_TIME,
     RECOMPUTE_COST,
@@ -335,6 +334,14 @@ def estimate(
         chunks = options.microbatches or options.pp
         seconds *= 1 + (options.pp - 1) / chunks  # 1F1B's bubble
         seconds *= busiest / (shape.layers / options.pp)  # the busiest stage sets the pace
+    # A checkpoint holds fp32 moments however they are stored (saves widen
+    # narrow ones): the same plugin's fp32 count.
+    saved_moments = states_bytes
+    if options.optimizer_states != "fp32":
+        wide = replace(options, optimizer_states="fp32").config()
+        saved_moments = wide.model_states(
+            psi, n * options.sp, TrainPrecision.parse(precision)
+        ).optimizer
     # [Note: Gemini's gradients at the peak]
     # Gemini's gradient shards are made in backward, chunk by chunk, as the
     # activations are freed, and the step frees them: at the activations'
@@ -369,9 +376,7 @@ def estimate(
         step_bytes=int(step_working_bytes(options, states_bytes - host)),
         gathers_parameters=plugin.gathers_parameters,
         gradients_after_peak=int(after_peak),
-        saved_optimizer_bytes=int(
-            states_bytes * 4 / moment_bytes(parse_state_dtype(options.optimizer_states))
-        ),
+        saved_optimizer_bytes=int(saved_moments),
     )
 
 

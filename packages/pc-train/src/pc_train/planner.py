@@ -21,7 +21,8 @@ divide the blocks. Each candidate is checked by its plugin's own rules
 (:func:`pc_train.cost.estimate`: per-rank memory with activations and in-
 flight micro-batches; step time as compute at the device's efficiency plus
 each collective over the link it crosses) and kept when it fits; the plans
-are ranked by predicted tokens per second, then by memory. A layout that
+are ranked by predicted tokens per second, equal ones in the order searched
+(the simpler layout first: DDP, ZeRO-2, ZeRO-1, FSDP2, Gemini, hybrid). A layout that
 does not fit with fp32 moments (Gemini: with the least share of its
 chunks on the host that fits) is tried with Adam's moments in bf16, then
 in 8 bits, where its plugin stores them narrow (ZeRO-1/2 on the device,
@@ -228,7 +229,7 @@ def search(
         options, result = _least_change(options, run, accepted)
         if result.fits:
             plans.append(Plan(options, micro, accumulation, result))
-    plans.sort(key=lambda p: (-p.tokens_per_second, p.estimate.device_bytes))
+    plans.sort(key=lambda p: -p.tokens_per_second)  # equal: the search order [Note: the planner]
     return plans
 
 
