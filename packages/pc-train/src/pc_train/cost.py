@@ -93,8 +93,8 @@ class ModelShape:
         return math.ceil(stage / options.ep)
 
     def _stage_total(self, options: PluginOptions) -> int:
-        # The blocks of each stage (``--layers-per-stage``, else an even
-        # split, the larger shares first): the busiest stage's parameters.
+        # The blocks of each stage (``--layers-per-stage``, else
+        # PluginOptions.stage_blocks' split): the busiest stage's parameters.
         blocks, start = [], 0
         for count in options.stage_blocks(self.layers):
             blocks.append(sum(self.stage_params[start : start + count]))

@@ -154,11 +154,15 @@ class PluginOptions:
 
     def stage_blocks(self, layers: int) -> list[int]:
         """Transformer blocks on each pipeline stage: the given split, else
-        an even one (the larger shares first where it is uneven)."""
+        an even one; where ``pp`` does not divide ``layers``, one more block
+        on the middle stages (the first holds the embedding, the last the
+        head), as Colossal-AI distributes them."""
         split = self.stage_split()
         if split is not None:
             return list(split)
-        return [layers // self.pp + (i < layers % self.pp) for i in range(self.pp)]
+        base, extra = divmod(layers, self.pp)
+        first = self.pp // 2 - extra // 2
+        return [base + (first <= i < first + extra) for i in range(self.pp)]
 
     def flags(self) -> str:
         """The pc-train command-line options that select this plugin."""

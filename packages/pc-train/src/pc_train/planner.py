@@ -129,10 +129,10 @@ def _layouts(shape: ModelShape, cluster: Cluster) -> Iterator[PluginOptions]:
             if world % (tp * pp):
                 continue
             for zero in (0, 1):
-                split = _uneven_split(shape.layers, pp)
-                hybrid = PluginOptions(
-                    PluginKind.HYBRID, tp=tp, pp=pp, zero_stage=zero, layers_per_stage=split
-                )
+                hybrid = PluginOptions(PluginKind.HYBRID, tp=tp, pp=pp, zero_stage=zero)
+                if shape.layers % pp:  # named, since the plugin splits only evenly itself
+                    split = ",".join(map(str, hybrid.stage_blocks(shape.layers)))
+                    hybrid = replace(hybrid, layers_per_stage=split)
                 if tp > 1 or pp > 1:
                     yield hybrid
                 if tp > 1:
@@ -141,18 +141,6 @@ def _layouts(shape: ModelShape, cluster: Cluster) -> Iterator[PluginOptions]:
     for sp in (2, 4, 8):
         if sp <= cluster.per_node and world % sp == 0 and shape.heads % sp == 0:
             yield PluginOptions(PluginKind.HYBRID, sp=sp, zero_stage=1)
-
-
-def _uneven_split(layers: int, stages: int) -> str | None:
-    """Blocks per stage where ``stages`` does not divide ``layers``: one
-    more block on the middle stages (the first holds the embedding, the
-    last the head), as Colossal-AI distributes them; None for an even split."""
-    base, extra = divmod(layers, stages)
-    if not extra:
-        return None
-    first = stages // 2 - extra // 2
-    counts = [base + (first <= i < first + extra) for i in range(stages)]
-    return ",".join(map(str, counts))
 
 
 def _expert_layouts(
