@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from booster_models import batch, build
 
-from pc_booster import Booster, GeminiPlugin, LowLevelZeroPlugin, Plugin
+from pc_booster import Booster, GeminiPlugin, LowLevelZeroPlugin, Plugin, TrainPrecision
 from pc_comm.testing import run_subtests
 from pc_offload import CPUAdamW, HybridAdam
 
@@ -100,32 +100,60 @@ def check_checkpoints_resume_and_cross_formats(plugin: str, saved: str, shard: b
         dist.barrier()
 
 
+def _disk_plugin(plugin: str, fraction: float, scratch: str) -> Plugin:
+    disk: dict[str, Any] = {"nvme_offload_fraction": fraction, "nvme_offload_dir": scratch}
+    if plugin == "zero2":
+        # Buckets of 4 k elements: several pieces to place (each goes whole).
+        return LowLevelZeroPlugin(stage=2, cpu_offload=True, reduce_bucket_size_in_m=0.004, **disk)
+    return GeminiPlugin(offload_param_frac=1.0, **disk)
+
+
+def _on_tier(optimizer: Any) -> tuple[int, int]:
+    """The bytes of this rank's states on the NVMe tier, and in all."""
+    while not hasattr(optimizer, "nvme") and hasattr(optimizer, "inner"):
+        optimizer = optimizer.inner
+    tier = getattr(optimizer, "nvme", None)
+    values = [v for s in optimizer.state.values() for k, v in s.items() if k != "step"]
+    held = sum(v.nbytes for v in values if tier is not None and tier.holds(v))
+    return held, sum(v.nbytes for v in values)
+
+
 def check_states_on_disk_train_bitwise_as_in_memory(plugin: str) -> None:
     """fp32 states on the NVMe tier ([Note: the NVMe tier] in pc_offload.nvme)
-    under ZeRO-2 with CPU offload and under Gemini: 20 steps bitwise equal
-    to the same run with them in memory."""
+    under ZeRO-2 with CPU offload and under Gemini, asked of the plugin
+    (``nvme_offload_fraction``) or of pc-offload's Adam: 20 steps bitwise
+    equal to the same run with them in memory, and the bytes on the tier
+    those the plugin's memory model counts (``StateBytes.disk``)."""
     runs = []
     with tempfile.TemporaryDirectory() as scratch:
-        for fraction in (0.0, 1.0):
-            if plugin == "zero2":
-                booster = Booster(plugin=LowLevelZeroPlugin(stage=2, cpu_offload=True))
-                cls: type[CPUAdamW] | type[HybridAdam] = CPUAdamW
-            else:
-                booster, cls = Booster(plugin=GeminiPlugin()), HybridAdam
+        # In memory first (pc-offload's Adam: the one a plugin converts torch's to).
+        for fraction, asked_of in ((0.0, "adam"), (1.0, "adam"), (1.0, "plugin"), (0.5, "plugin")):
             model = build("gpt2")
-            optimizer = cls(model.parameters(), lr=LR, nvme_offload_fraction=fraction,
-                            nvme_offload_dir=scratch)  # fmt: skip
+            if asked_of == "plugin":
+                booster = Booster(plugin=_disk_plugin(plugin, fraction, scratch))
+                optimizer: Any = torch.optim.AdamW(model.parameters(), lr=LR)
+            else:  # the tier built by the user, as with Colossal-AI's HybridAdam
+                booster = Booster(plugin=_disk_plugin(plugin, 0.0, scratch))
+                cls = CPUAdamW if plugin == "zero2" else HybridAdam
+                disk = {"nvme_offload_fraction": fraction, "nvme_offload_dir": scratch}
+                optimizer = cls(model.parameters(), lr=LR, weight_decay=1e-2, **disk)
             model, optimizer, *_ = booster.boost(model, optimizer)
             runs.append(_train(booster, model, optimizer, range(20)))
-            if fraction:  # every state on the tier
-                inner: Any = optimizer
-                while not hasattr(inner, "nvme"):
-                    inner = inner.inner
-                held = [inner.nvme.holds(s["exp_avg"]) for s in inner.state.values() if s]
-                assert held, "no states"
-                assert all(held), f"{held.count(False)} of {len(held)} states not on the tier"
+            held, total = _on_tier(optimizer)
+            states = booster.plugin.options.model_states(
+                sum(p.numel() for p in build("gpt2").parameters()), dist.get_world_size(),
+                TrainPrecision.FP32,
+            )  # fmt: skip
+            if asked_of == "plugin":  # padding to chunks; at 0.5, whole pieces
+                assert states.disk == pytest.approx(held, rel=0.1 if fraction != 0.5 else 0.25), (
+                    plugin, fraction, held, states.disk,
+                )  # fmt: skip
+            if fraction == 1.0:
+                assert held == total > 0, (plugin, asked_of, held, total)
+            elif fraction:  # within a tensor of the fraction, by elements
+                assert 0.2 < held / total < 0.8, (plugin, held, total)
             del booster, model, optimizer
-    assert runs[0] == runs[1], (plugin, runs)
+    assert all(run == runs[0] for run in runs), (plugin, runs)
 
 
 def test_optimizer_states_through_the_booster() -> None:

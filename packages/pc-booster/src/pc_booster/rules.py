@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "EXTRA_DP_RULE",
+    "NVME_RULE",
     "OPTIMIZER_STATES_RULE",
     "RECOMPUTE",
     "BlockOptions",
@@ -171,6 +172,34 @@ OPTIMIZER_STATES_RULE = Rule(
 )
 
 
+def _nvme(options: Any, setting: RunSetting) -> str | None:
+    fraction, where = options.nvme_offload_fraction, options.nvme_offload_dir
+    if isinstance(fraction, bool) or not isinstance(fraction, int | float):
+        return f"nvme_offload_fraction must be a number in [0, 1], got {fraction!r}."
+    if not 0.0 <= fraction <= 1.0:
+        return f"nvme_offload_fraction must be in [0, 1], got {fraction!r}."
+    if where is not None and not isinstance(where, str):
+        return f"nvme_offload_dir must be a path (a str) or None, got {where!r}."
+    if fraction and not options.states_on_host():
+        return (
+            f"nvme_offload_fraction={fraction:g} moves optimizer states the host steps to "
+            f"disk, but these options keep them on the device: {options.HOST_STATES_HINT} "
+            "with it, or nvme_offload_fraction=0."
+        )
+    return None
+
+
+#: The rule of ``nvme_offload_fraction`` / ``nvme_offload_dir`` (a share of
+#: the host's optimizer states on disk: pc_offload [Note: the NVMe tier]),
+#: shared by the plugins that take them; each says how its states go to
+#: the host (``states_on_host()``, ``HOST_STATES_HINT``).
+NVME_RULE = Rule(
+    "nvme_offload_fraction outside [0, 1], or without states on the host",
+    _nvme,
+    ({"nvme_offload_fraction": 1.0}, RunSetting()),
+)
+
+
 @dataclass(frozen=True)
 class StateBytes:
     """Model-state bytes per rank a plugin holds at the step (the ZeRO
@@ -181,10 +210,23 @@ class StateBytes:
     masters: float
     optimizer: float
     host: float = 0.0
+    # Of those on the host, the bytes kept on the disk tier instead (not
+    # counted in ``host``).
+    disk: float = 0.0
 
     @property
     def total(self) -> float:
         return self.parameters + self.gradients + self.masters + self.optimizer
+
+    def on_disk(self, fraction: float, host_share: float = 1.0) -> StateBytes:
+        """These states with ``fraction`` of the moments held on the host
+        (``host_share`` of them) on the disk tier instead (pc_offload [Note:
+        the NVMe tier]). The masters stay: the plugins' fp32 pieces are
+        the optimizer's parameters, which the tier does not hold."""
+        if not fraction or not self.host:
+            return self
+        disk = min(fraction * host_share * self.optimizer, self.host)
+        return replace(self, host=self.host - disk, disk=disk)
 
 
 def _finite_max_norm(options: Any, setting: RunSetting) -> str | None:

@@ -19,11 +19,17 @@ __all__ = ["adam_storing", "check_storable"]
 _KEYS = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize")
 
 
-def check_storable(optimizer: Optimizer, state_dtype: str | StateDtype) -> StateDtype:
+def check_storable(
+    optimizer: Optimizer, state_dtype: str | StateDtype, nvme_offload_fraction: float = 0.0
+) -> StateDtype:
     """``state_dtype`` parsed, when ``optimizer`` can keep its moments that
     way: any optimizer in fp32; narrow, torch's Adam / AdamW (which
-    :func:`adam_storing` converts) or pc-offload's Adam built with it."""
+    :func:`adam_storing` converts) or pc-offload's Adam built with it.
+    ``nvme_offload_fraction`` > 0 (that share of the states on the disk
+    tier, [Note: the NVMe tier] in pc_offload.nvme) asks the same of the
+    optimizer: torch's Adam / AdamW, or pc-offload's built with that share."""
     states = parse_state_dtype(state_dtype)
+    _check_disk_share(optimizer, nvme_offload_fraction)
     if states is StateDtype.FP32:
         return states
     if isinstance(optimizer, (CPUAdam, CPUAdamW)):
@@ -43,21 +49,48 @@ def check_storable(optimizer: Optimizer, state_dtype: str | StateDtype) -> State
     return states
 
 
+def _check_disk_share(optimizer: Optimizer, fraction: float) -> None:
+    if isinstance(fraction, bool) or not isinstance(fraction, int | float):
+        raise TypeError(f"nvme_offload_fraction must be a number in [0, 1], got {fraction!r}.")
+    if not 0.0 <= fraction <= 1.0:
+        raise ValueError(f"nvme_offload_fraction must be in [0, 1], got {fraction}.")
+    if fraction == 0.0:
+        return
+    if isinstance(optimizer, (CPUAdam, CPUAdamW)):
+        if optimizer.nvme_offload_fraction != fraction:
+            raise ValueError(
+                f"nvme_offload_fraction={fraction:g} but the {type(optimizer).__name__} given "
+                f"puts {optimizer.nvme_offload_fraction:g} of its states on disk; build it with "
+                f"nvme_offload_fraction={fraction:g}, or pass torch's AdamW."
+            )
+        return
+    if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
+        raise ValueError(
+            f"nvme_offload_fraction={fraction:g} puts Adam's states on disk; it applies to "
+            f"torch.optim.Adam / AdamW or pc_offload's CPUAdam family, got "
+            f"{type(optimizer).__name__}. Use nvme_offload_fraction=0 with it."
+        )
+
+
 def adam_storing(
     optimizer: Optimizer,
     state_dtype: str | StateDtype,
     *,
     on_host: bool,
     params: Sequence[Sequence[torch.Tensor]] | None = None,
+    nvme_offload_fraction: float = 0.0,
+    nvme_offload_dir: str | None = None,
 ) -> Optimizer:
     """``optimizer`` (torch's Adam or AdamW) as pc-offload's Adam with the
     same hyperparameters per group, its moments stored as ``state_dtype``:
     :class:`CPUAdamW` / :class:`CPUAdam` (L2 decay, as torch's Adam) when
     ``on_host``, else :class:`HybridAdam`, stepping each tensor where it
     lives. ``params``: each group's tensors (default: the optimizer's).
-    pc-offload's own Adams are kept when they already store ``state_dtype``;
-    anything else is refused, naming what to pass."""
-    states = check_storable(optimizer, state_dtype)
+    ``nvme_offload_fraction`` / ``nvme_offload_dir``: the share of the
+    states stepped on the host kept on the disk tier, and where.
+    pc-offload's own Adams are kept when they already store ``state_dtype``
+    (and that share); anything else is refused, naming what to pass."""
+    states = check_storable(optimizer, state_dtype, nvme_offload_fraction)
     if isinstance(optimizer, (CPUAdam, CPUAdamW)) and not params:
         return optimizer
     tensors = params if params is not None else [g["params"] for g in optimizer.param_groups]
@@ -66,8 +99,12 @@ def adam_storing(
         for g, ps in zip(optimizer.param_groups, tensors, strict=True)
     ]
     decoupled = isinstance(optimizer, torch.optim.AdamW)
+    disk: dict[str, Any] = {
+        "nvme_offload_fraction": nvme_offload_fraction,
+        "nvme_offload_dir": nvme_offload_dir,
+    }
     if not on_host:
-        return HybridAdam(groups, adamw_mode=decoupled, state_dtype=states)
+        return HybridAdam(groups, adamw_mode=decoupled, state_dtype=states, **disk)
     if decoupled:
-        return CPUAdamW(groups, state_dtype=states)
-    return CPUAdam(groups, adamw_mode=False, state_dtype=states)  # torch's Adam: L2 decay
+        return CPUAdamW(groups, state_dtype=states, **disk)
+    return CPUAdam(groups, adamw_mode=False, state_dtype=states, **disk)  # torch's Adam: L2

@@ -159,6 +159,9 @@ class LowLevelZeroOptimizer(ClipsInStep, Optimizer):
     optimizers). ``optimizer_states``: how Adam's moments are stored,
     ``"fp32"``, ``"bf16"`` or ``"int8"`` (pc-offload's [Note: low-precision
     optimizer states]; torch's Adam/AdamW then step through pc-offload's).
+    ``nvme_offload_fraction`` / ``nvme_offload_dir`` (with ``cpu_offload``):
+    that share of Adam's moments in scratch files on local disk
+    ([Note: the NVMe tier] in pc_offload.nvme), as Colossal-AI's HybridAdam.
 
     The global norm (clipping, and the fp16 overflow check) spans the whole
     model [Note: global norm across groups]: ``model_parallel_groups`` are
@@ -200,9 +203,20 @@ class LowLevelZeroOptimizer(ClipsInStep, Optimizer):
         counts_toward_norm: Callable[[torch.Tensor], bool] | None = None,
         replica_process_group: dist.ProcessGroup | None = None,
         optimizer_states: str | StateDtype = "fp32",
+        nvme_offload_fraction: float = 0.0,
+        nvme_offload_dir: str | None = None,
     ) -> None:
         self.stage = _checked_stage(optimizer, stage, partition_grad, max_norm)
-        self.optimizer_states = check_storable(optimizer, optimizer_states)
+        self.optimizer_states = check_storable(optimizer, optimizer_states, nvme_offload_fraction)
+        if nvme_offload_fraction and not cpu_offload:
+            raise ValueError(
+                f"nvme_offload_fraction={nvme_offload_fraction:g} puts states the host steps on "
+                "disk; pass cpu_offload=True with it, or nvme_offload_fraction=0."
+            )
+        self._disk = {
+            "nvme_offload_fraction": float(nvme_offload_fraction),
+            "nvme_offload_dir": nvme_offload_dir,
+        }
         self.comm = comm if comm is not None else default_communicator(dp_process_group)
         # [Note: two-level sharding]: the ranks holding the same shards.
         self._replicas = (
@@ -393,7 +407,9 @@ class LowLevelZeroOptimizer(ClipsInStep, Optimizer):
         if torch_adam and (self.cpu_offload or narrow):
             # Steps on the host (cpu_offload) or where the masters are.
             on_host = self.cpu_offload or self._master_device.type == "cpu"
-            return adam_storing(optimizer, self.optimizer_states, on_host=on_host, params=per_group)
+            return adam_storing(
+                optimizer, self.optimizer_states, on_host=on_host, params=per_group, **self._disk
+            )
         optimizer.state.clear()
         adam = torch_adam
         for g, ps in zip(optimizer.param_groups, per_group, strict=True):

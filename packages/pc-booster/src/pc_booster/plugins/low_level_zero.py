@@ -47,6 +47,7 @@ from pc_booster.plugins.sharded import (
 )
 from pc_booster.rules import (
     EXTRA_DP_RULE,
+    NVME_RULE,
     OPTIMIZER_STATES_RULE,
     LossScaleOptions,
     PluginConfig,
@@ -116,6 +117,10 @@ class LowLevelZeroOptions(PluginConfig, LossScaleOptions):
     - ``max_norm``: clipping by the global norm, 0 for none.
     - ``optimizer_states``: Adam's moments stored as ``"fp32"``, ``"bf16"``
       or ``"int8"`` (pc_offload [Note: low-precision optimizer states]).
+    - ``nvme_offload_fraction`` / ``nvme_offload_dir`` (with
+      ``cpu_offload``): that share of Adam's moments in scratch
+      files on local disk (pc_offload [Note: the NVMe tier]; default
+      directory: the temporary one), Colossal-AI's HybridAdam arguments.
     - ``extra_dp_size``: two-level sharding, the model sharded in this
       many groups of consecutive ranks (a node's, with torchrun's
       numbering), each replicating the others (pc_zero [Note: two-level
@@ -128,8 +133,10 @@ class LowLevelZeroOptions(PluginConfig, LossScaleOptions):
     RULES: ClassVar[tuple[Rule, ...]] = (
         Rule("stage other than 1 or 2", _stage, ({"stage": 3}, RunSetting())),
         OPTIMIZER_STATES_RULE,
+        NVME_RULE,
         EXTRA_DP_RULE,
     )
+    HOST_STATES_HINT: ClassVar[str] = "pass cpu_offload=True"
 
     stage: int = 1
     cpu_offload: bool = False
@@ -141,16 +148,23 @@ class LowLevelZeroOptions(PluginConfig, LossScaleOptions):
     cast_inputs: bool = True
     extra_dp_size: int = 1
     optimizer_states: str = "fp32"
+    nvme_offload_fraction: float = 0.0
+    nvme_offload_dir: str | None = None
+
+    def states_on_host(self) -> bool:
+        return self.cpu_offload
 
     def describe(self) -> str:
         extra = f" x{self.extra_dp_size}" if self.extra_dp_size > 1 else ""
         states = f" {self.optimizer_states} states" if self.optimizer_states != "fp32" else ""
+        if self.nvme_offload_fraction:
+            states += f" nvme {self.nvme_offload_fraction:g}"
         return f"zero{self.stage}{extra}" + (" cpu-offload" if self.cpu_offload else "") + states
 
     def model_states(self, psi: float, dp: int, precision: TrainPrecision) -> StateBytes:
         shards = max(dp // self.extra_dp_size, 1)  # sharded inside each group
         moments = moment_bytes(parse_state_dtype(self.optimizer_states))
-        return zero_states(
+        states = zero_states(
             psi,
             shards,
             precision,
@@ -159,6 +173,7 @@ class LowLevelZeroOptions(PluginConfig, LossScaleOptions):
             pipeline=False,
             moment_bytes=moments,
         )
+        return states.on_disk(self.nvme_offload_fraction if self.cpu_offload else 0.0)
 
 
 # -- ZeRO-1/2 state: the fp32 masters are the parameters' true values --------------
@@ -374,6 +389,8 @@ class LowLevelZeroPlugin(Plugin, SupportsNoSync):
             max_norm=o.max_norm,
             loss_scale=o.loss_scale(),
             optimizer_states=o.optimizer_states,
+            nvme_offload_fraction=o.nvme_offload_fraction,
+            nvme_offload_dir=o.nvme_offload_dir,
         )
         masters_from_built(model, zero, built)
         if o.cast_inputs and precision is not TrainPrecision.FP32:
