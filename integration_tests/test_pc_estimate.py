@@ -274,10 +274,13 @@ def test_pc_train_auto_runs_the_planners_first_plan(monkeypatch: pytest.MonkeyPa
     from pc_train.train_config import parse_args
 
     shape = model_shape(resolve_model("gpt2-small", 64))
+    # A GPU-like device with a host of its own (on a CPU, the host is the
+    # device: offloading there frees nothing).
+    gpu = DeviceInfo("cuda", 2**40, 1e11, 2e9, 0.5)
     in_bwd = estimate(
-        shape, PluginOptions(PluginKind.GEMINI, step_in_backward=True), 2, 4, 64, "fp32"
+        shape, PluginOptions(PluginKind.GEMINI, step_in_backward=True), 2, 4, 64, "fp32", gpu
     )
-    device = DeviceInfo("cpu", int(0.97 * in_bwd.device_bytes / 0.9), 1e11, 2e9, 0.5)
+    device = replace(gpu, memory_bytes=int(0.97 * in_bwd.device_bytes / 0.9))
     monkeypatch.setattr(DeviceInfo, "detect", staticmethod(lambda *a, **k: device))
     cluster = Cluster(1, 2, device, device.bandwidth / 4)
     base = ["--model", "gpt2-small", "--plugin", "auto", "--seq-len", "64",

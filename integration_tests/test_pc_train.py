@@ -197,6 +197,23 @@ def test_one_rank_on_all_cores_after_plugin_auto(tmp_path: Path) -> None:
             ["--plugin", "auto", "--optimizer-states", "int8"],
             "--optimizer-states int8 would be overwritten",
         ),
+        (
+            ["--plugin", "fsdp", "--nvme-offload-fraction", "1"],
+            "or gemini (--offload-frac), not fsdp",
+        ),
+        (
+            ["--plugin", "zero2", "--nvme-offload-fraction", "0.5"],
+            "pass cpu_offload=True with it, or nvme_offload_fraction=0. (in pc-train: "
+            "cpu_offload is --cpu-offload, nvme_offload_fraction is --nvme-offload-fraction)",
+        ),
+        (
+            ["--plugin", "auto", "--nvme-offload-fraction", "0.5"],
+            "--nvme-offload-fraction 0.5 would be overwritten",
+        ),
+        (
+            ["--nvme-offload-fraction", "2"],
+            "nvme_offload_fraction must be a share in [0, 1], got 2.0",
+        ),
     ],
 )
 def test_bad_input_is_one_clear_message(
@@ -223,6 +240,28 @@ def test_yaml_config_with_command_line_overrides(tmp_path: Path) -> None:
     config.write_text("steps: many\n")
     with pytest.raises(SystemExit):
         parse_args(["--config", str(config)])
+
+
+def test_moments_on_disk_train_as_in_memory_and_leave_nothing(tmp_path: Path) -> None:
+    """``--nvme-offload-fraction 1`` (ZeRO-2 with CPU offload): the same
+    losses, bitwise, as the moments in memory; the scratch directory pc
+    made inside ``--nvme-offload-dir`` is gone when the run ends."""
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    runs = []
+    for extra in ([], ["--nvme-offload-fraction", "1", "--nvme-offload-dir", str(scratch)]):
+        out = tmp_path / f"run{len(runs)}"
+        done = subprocess.run(
+            [*COMMAND, "--model", "gpt2-tiny", "--plugin", "zero2", "--cpu-offload", "--nproc",
+             "2", "--steps", "4", "--no-progress", "--no-tensorboard", "--eval-every", "0",
+             "--log-every", "1", "--checkpoint-every", "0", "--output-dir", str(out), *extra],
+            capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+        runs.append(_losses(out))
+    assert len(runs[0]) == 4
+    assert runs[0] == runs[1], runs
+    assert list(scratch.iterdir()) == []
 
 
 def test_optimizer_states_narrow_train_and_resume_in_another_format(tmp_path: Path) -> None:

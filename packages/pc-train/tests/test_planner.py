@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import shlex
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -200,3 +201,79 @@ def test_moments_are_narrowed_only_where_fp32_does_not_fit() -> None:
     assert "--optimizer-states" in flags
     config = parse_args([*shlex.split(flags), "--model", "llama-7b"])
     assert config.optimizer_states == narrowed[0].options.optimizer_states
+
+
+def test_the_disk_tier_is_planned_only_where_memory_cannot_hold_the_run() -> None:
+    """On a CPU (one memory: offloading to the "host" frees nothing) too
+    small for every layout with its moments in memory, even narrowed to 8
+    bits, the plans keep a share of the moments on the NVMe tier: the least
+    share (5 % less does not fit), fp32 or bf16 moments (8-bit ones stay in
+    memory), accepted by the plugin's rules, and written as pc-train flags
+    that parse back to the same options; a slower disk makes them slower."""
+    from pc_train.hardware import DeviceInfo
+    from pc_train.options import OPTIMIZER_STATES
+
+    shape = model_shape(resolve_model("gpt2-small", 64))
+    device = DeviceInfo("cpu", 4 * 2**20, 1e11, 2e9, 0.5)
+    plans = search(shape, Cluster(1, 2, device), 4, 64, "fp32", max_norm=0.0)
+    on_disk = [p for p in plans if p.options.nvme_offload_fraction]
+    assert on_disk, [p.options.describe() for p in plans]
+    for plan in on_disk:
+        o, micro = plan.options, plan.micro_batch
+        assert o.optimizer_states in ("fp32", "bf16"), o
+        o.check(2, "fp32", shape.layers, accumulation=plan.accumulation, heads=shape.heads)
+        assert plan.estimate.fits
+        assert plan.estimate.disk_bytes > 0
+        less = replace(o, nvme_offload_fraction=round(o.nvme_offload_fraction - 0.05, 2))
+        assert not estimate(shape, less, 2, micro, 64, "fp32", device).fits, o
+        for states in OPTIMIZER_STATES:  # nothing in memory fits, however narrow
+            memory = replace(o, nvme_offload_fraction=0.0, optimizer_states=states)
+            assert not estimate(shape, memory, 2, micro, 64, "fp32", device).fits, memory
+        config = parse_args(shlex.split(plan.flags()))
+        assert config.plugin_options() == o, (plan.flags(), o)
+        slow = estimate(shape, o, 2, micro, 64, "fp32", replace(device, disk_bandwidth=1e8))
+        assert slow.step_seconds > plan.estimate.step_seconds
+    assert all(p.estimate.disk_bytes == 0 for p in plans if p not in on_disk)
+
+
+def test_a_gpu_host_too_small_is_a_plan_that_does_not_fit() -> None:
+    """With a GPU's host memory known, a layout whose host share does not
+    fit it is not a plan, however little device memory it needs."""
+    from pc_train.hardware import GiB
+
+    shape = model_shape(resolve_model("llama-7b", 2048))
+    gpu = replace(gpu_device("H100", "bf16"), memory_bytes=8 * GiB)
+    offload = PluginOptions(PluginKind.ZERO2, cpu_offload=True)
+    roomy = estimate(shape, offload, 8, 1, 2048, "bf16", replace(gpu, host_memory_bytes=400 * GiB))
+    small = estimate(shape, offload, 8, 1, 2048, "bf16", replace(gpu, host_memory_bytes=GiB))
+    assert roomy.host_fits
+    assert not small.host_fits
+    assert not small.fits
+    assert small.device_bytes == roomy.device_bytes
+
+
+def test_the_disk_bandwidth_is_measured_once_per_disk(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """[Note: the disk's bandwidth]: measured by writing and reading a
+    scratch file in the directory, cached per filesystem; a cache that is
+    not a mapping of numbers is measured again, never run."""
+    from pc_train import hardware
+
+    where = tmp_path
+    cache = where / "cache" / "disk-bandwidth.json"
+    measured = hardware.disk_bandwidth(where, cache=cache)
+    assert measured > 0
+    assert list(where.glob("tmp*")) == []  # the probe file is gone
+    calls: list[Path] = []
+
+    def fake(path: Path) -> float:
+        calls.append(path)
+        return 5e8
+
+    monkeypatch.setattr(hardware, "_measure", fake)
+    assert hardware.disk_bandwidth(where, cache=cache) == measured
+    assert calls == []
+    cache.write_text("__import__('os').system('false')")
+    assert hardware.disk_bandwidth(where, cache=cache) == 5e8
+    assert len(calls) == 1

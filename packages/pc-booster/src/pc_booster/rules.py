@@ -180,6 +180,12 @@ def _nvme(options: Any, setting: RunSetting) -> str | None:
         return f"nvme_offload_fraction must be in [0, 1], got {fraction!r}."
     if where is not None and not isinstance(where, str):
         return f"nvme_offload_dir must be a path (a str) or None, got {where!r}."
+    if fraction and str(options.optimizer_states) == "int8":
+        return (
+            f"nvme_offload_fraction={fraction:g} with optimizer_states='int8': 8-bit moments "
+            "stay in memory (a quarter of fp32's), so the tier would hold nothing; use "
+            "optimizer_states 'fp32' or 'bf16' with it, or nvme_offload_fraction=0."
+        )
     if fraction and not options.states_on_host():
         return (
             f"nvme_offload_fraction={fraction:g} moves optimizer states the host steps to "

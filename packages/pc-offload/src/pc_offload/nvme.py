@@ -18,17 +18,19 @@ design with ``O_DIRECT`` reads, DeepSpeed's, avoids the page cache
 entirely but needs every reader of the state to go through it; pc chose
 the mapping so that checkpoints and sharded pieces need no second path.)
 
-Scratch, never a checkpoint: each optimizer's file lives in a directory of
-its own, ``pc-nvme-<pid>-<random>`` (mode 0700), made inside the directory
+Scratch, never a checkpoint: each optimizer's file is made in a directory
+of its own, ``pc-nvme-<pid>-<random>`` (mode 0700), inside the directory
 the user named, which must be a real directory (not a symbolic link) owned
 by this user, or a shared sticky one such as /tmp. The file is created
-exclusively (0600, never through a link) and unlinked at once: the open
-descriptor and the mappings keep its blocks, and nothing remains on disk
-when the process ends, however it ends. Each tensor's range is allocated
-when it is placed (``posix_fallocate``: a disk too small fails there,
-naming the directory and the bytes, rather than with SIGBUS mid-step). The
-empty directory is removed with the optimizer, and any left by a process
-that no longer exists are removed when the next tier starts.
+exclusively (0600, never through a link), then it and its directory are
+removed at once: the open descriptor and the mappings keep its blocks, and
+nothing is left to find while the process runs, or on disk when it ends,
+however it ends (multiprocessing's children and pc-train's ranks leave
+through ``os._exit``, which runs no clean-up). Each tensor's range is
+allocated when it is placed (``posix_fallocate``: a disk too small fails
+there, naming the directory and the bytes, rather than with SIGBUS
+mid-step). A directory left by a process killed between the two steps is
+removed when the next tier starts.
 """
 
 from __future__ import annotations
@@ -97,10 +99,9 @@ def remove_stale(parent: Path) -> list[str]:
     return removed
 
 
-def _release(path: Path, pool: ThreadPoolExecutor, fd: int) -> None:
+def _release(pool: ThreadPoolExecutor, fd: int) -> None:
     pool.shutdown(wait=True)
     os.close(fd)  # the blocks go with the last mapping
-    shutil.rmtree(path, ignore_errors=True)
 
 
 class NvmeTier:
@@ -120,13 +121,14 @@ class NvmeTier:
         # keep its blocks until this process lets go of them.
         self._fd = os.open(name, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW, 0o600)
         os.unlink(name)
+        os.rmdir(self.path)
         self.bytes = 0  # allocated on disk
         # One writer thread: write-behind of the tensors just stepped.
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="pc-nvme")
         # Each tensor's storage address -> (its mapping, offset in the file, bytes).
         self._maps: dict[int, tuple[mmap.mmap, int, int]] = {}
         self._pending: list[Future[None]] = []
-        self._finalizer = weakref.finalize(self, _release, self.path, self._pool, self._fd)
+        self._finalizer = weakref.finalize(self, _release, self._pool, self._fd)
 
     def empty(self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A zero tensor backed by a new range of the scratch file."""

@@ -230,6 +230,12 @@ class Estimate:
     # Gradient bytes not yet held at the activations' peak [Note: Gemini's
     # gradients at the peak].
     gradients_after_peak: int = 0
+    # Adam's moments on the NVMe tier (not in host_bytes), and whether the
+    # host holds the rest (a CPU rank's host is its device memory).
+    disk_bytes: int = 0
+    host_fits: bool = True
+    device_fits: bool = True
+    host_is_device: bool = False  # a CPU rank: one memory
 
     @property
     def model_state_bytes(self) -> int:
@@ -240,7 +246,8 @@ class Estimate:
         """The peak: in backward (states and activations) or at the
         optimizer step (states and the step's working memory)."""
         working = max(self.activation_bytes - self.gradients_after_peak, self.step_bytes)
-        return self.model_state_bytes - self.host_bytes + working
+        elsewhere = self.disk_bytes + (0 if self.host_is_device else self.host_bytes)
+        return self.model_state_bytes - elsewhere + working
 
     @property
     def async_save_bytes(self) -> int:
@@ -296,6 +303,7 @@ def estimate(
             dense.masters + expert.masters,
             dense.optimizer + expert.optimizer,
             dense.host + expert.host,
+            dense.disk + expert.disk,
         )
     params, grads = states.parameters, states.gradients
     master, host = states.masters, states.host
@@ -330,6 +338,8 @@ def estimate(
     seconds = compute + 0.5 * comm_seconds + tp_bytes / device.bandwidth
     if host:  # offloaded shards cross PCIe (about 25 GB/s) and step on the host (about 10 GB/s)
         seconds += 2 * host / 25e9 + host / 10e9
+    # The NVMe tier's moments: read and written back once a step, stepped on the host.
+    seconds += 2 * states.disk / device.disk_bandwidth + states.disk / 10e9
     if options.pp > 1:
         chunks = options.microbatches or options.pp
         seconds *= 1 + (options.pp - 1) / chunks  # 1F1B's bubble
@@ -355,8 +365,11 @@ def estimate(
     # measured while every revisited chunk stayed gathered through forward:
     # pc_chunk's [Note: releasing and prefetching].)
     after_peak = grads if options.kind is PluginKind.GEMINI and options.tp == 1 else 0.0
-    device_bytes = params + grads + master + states_bytes - host
+    device_bytes = params + grads + master + states_bytes - host - states.disk
     device_bytes += max(activations - after_peak, 0)
+    if device.kind == "cpu":  # one memory: what is "on the host" is there too
+        device_bytes += host
+    host_limit = None if device.kind == "cpu" else device.host_memory_bytes
     return Estimate(
         plugin=options.describe(),
         world=world,
@@ -371,7 +384,12 @@ def estimate(
         flops_per_step=float(flops),
         step_seconds=seconds,
         tokens_per_step=tokens,
-        fits=device_bytes <= 0.9 * device.memory_bytes,
+        fits=device_bytes <= 0.9 * device.memory_bytes
+        and (host_limit is None or host <= 0.9 * host_limit),
+        host_fits=host_limit is None or host <= 0.9 * host_limit,
+        device_fits=device_bytes <= 0.9 * device.memory_bytes,
+        disk_bytes=int(states.disk),
+        host_is_device=device.kind == "cpu",
         exposed_comm_seconds=0.5 * comm_seconds,
         step_bytes=int(step_working_bytes(options, states_bytes - host)),
         gathers_parameters=plugin.gathers_parameters,

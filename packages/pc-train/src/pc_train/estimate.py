@@ -24,7 +24,15 @@ from pc_train.cost import (
     model_shape,
     recommend,
 )
-from pc_train.hardware import GPUS, DeviceInfo, GiB, cpu_peak_flops, gpu_device, gpu_peak_flops
+from pc_train.hardware import (
+    GPUS,
+    DeviceInfo,
+    GiB,
+    cpu_peak_flops,
+    disk_bandwidth,
+    gpu_device,
+    gpu_peak_flops,
+)
 from pc_train.models import MODEL_PRESETS, ModelSpec, resolve_model
 from pc_train.options import OPTIMIZER_STATES, PRECISIONS, PluginKind, PluginOptions
 from pc_train.planner import Cluster, search
@@ -50,14 +58,15 @@ __all__ = [
 
 def _table(estimates: Sequence[Estimate]) -> str:
     rows = [
-        "| plugin | params/rank | model states | of which host | activations | step (s) "
-        "| fits | async save | full save |",
-        "|---|---:|---:|---:|---:|---:|---|---:|---:|",
+        "| plugin | params/rank | model states | of which host | of which disk | activations "
+        "| step (s) | fits | async save | full save |",
+        "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|",
     ]
     for e in estimates:
         rows.append(
             f"| {e.plugin} | {e.params_per_rank:,} | {gib_text(e.model_state_bytes)} | "
-            f"{gib_text(e.host_bytes)} | {gib_text(e.activation_bytes)} | {e.step_seconds:.3g} | "
+            f"{gib_text(e.host_bytes)} | {gib_text(e.disk_bytes)} | "
+            f"{gib_text(e.activation_bytes)} | {e.step_seconds:.3g} | "
             f"{'yes' if e.fits else 'no'} | {gib_text(e.async_save_bytes)} | "
             f"{gib_text(e.full_save_bytes)} |"
         )
@@ -123,6 +132,32 @@ def _parser() -> argparse.ArgumentParser:
         "(--search narrows them itself where fp32 does not fit)",
     )
     parser.add_argument(
+        "--offload-frac", type=float, default=0.0, help="with --plugin gemini: chunks on the host"
+    )
+    parser.add_argument(
+        "--cpu-offload", action="store_true", help="with --plugin zero1/zero2: step on the host"
+    )
+    parser.add_argument(
+        "--nvme-offload-fraction",
+        type=float,
+        default=0.0,
+        help="with --plugin zero1/zero2 (--cpu-offload) or gemini (--offload-frac): the share "
+        "of the host's moments on the NVMe tier",
+    )
+    parser.add_argument(
+        "--nvme-offload-dir",
+        default=None,
+        help="the NVMe tier's directory: its disk's bandwidth is measured once (and cached) "
+        "for the step time (default: 1 GB/s assumed)",
+    )
+    parser.add_argument(
+        "--host-memory-gib",
+        type=float,
+        default=None,
+        help="host memory per rank, checked with a GPU (default: this machine's with no "
+        "--gpu, unchecked with one)",
+    )
+    parser.add_argument(
         "--search",
         action="store_true",
         help="search every layout (data, ZeRO stage, two-level sharding, tensor, pipeline and "
@@ -173,6 +208,10 @@ def _device(args: argparse.Namespace) -> DeviceInfo:
         device = DeviceInfo.detect(args.world, args.precision)
     if args.device_memory_gib is not None:
         device = replace(device, memory_bytes=int(args.device_memory_gib * GiB))
+    if args.host_memory_gib is not None:
+        device = replace(device, host_memory_bytes=int(args.host_memory_gib * GiB))
+    if args.nvme_offload_dir is not None:
+        device = replace(device, disk_bandwidth=disk_bandwidth(args.nvme_offload_dir))
     return device
 
 
@@ -189,7 +228,14 @@ def _estimate_plugin(args: argparse.Namespace, shape: ModelShape, device: Device
     )
     if args.step_in_backward:
         options = replace(options, step_in_backward=True)
-    options = replace(options, optimizer_states=args.optimizer_states)
+    options = replace(
+        options,
+        optimizer_states=args.optimizer_states,
+        offload_frac=args.offload_frac,
+        cpu_offload=args.cpu_offload,
+        nvme_offload_fraction=args.nvme_offload_fraction,
+        nvme_offload_dir=args.nvme_offload_dir,
+    )
     options.check(args.world, args.precision, shape.layers, heads=shape.heads)
     return estimate(
         shape, options, args.world, args.micro_batch, args.seq_len, args.precision, device
@@ -327,6 +373,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     try:
         if args.world < 1 or args.micro_batch < 1 or args.seq_len < 1:
             raise ValueError("--world, --micro-batch and --seq-len must be at least 1.")
+        placed = args.offload_frac or args.cpu_offload or args.nvme_offload_fraction
+        if placed and args.plugin is None:
+            raise ValueError(
+                "--offload-frac, --cpu-offload and --nvme-offload-fraction estimate one plugin: "
+                "pass --plugin zero1, zero2 or gemini with them (--search places states itself)."
+            )
         if args.optimizer_states != "fp32" and args.plugin is None:
             raise ValueError(
                 f"--optimizer-states {args.optimizer_states} estimates one plugin: pass --plugin "

@@ -6,9 +6,12 @@ a CPU's peak is measured (fp32 matrix products on the rank's threads)."""
 
 from __future__ import annotations
 
+import json
 import os
+import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -17,6 +20,7 @@ __all__ = [
     "DeviceInfo",
     "GiB",
     "cpu_peak_flops",
+    "disk_bandwidth",
     "gpu_device",
     "gpu_peak_flops",
     "peak_flops",
@@ -28,13 +32,20 @@ GiB = 2**30
 @dataclass(frozen=True)
 class DeviceInfo:
     """The machine the estimate is for: memory per rank, peak FLOP/s per
-    rank, and the bus bandwidth of the data-parallel collectives."""
+    rank, and the bus bandwidth of the data-parallel collectives;
+    ``host_memory_bytes``: a GPU rank's share of the host's memory (None:
+    not known, not checked; a CPU rank's device memory is its host
+    memory); ``disk_bandwidth``: bytes/s to and from the NVMe tier's disk
+    (:func:`disk_bandwidth` measures it; the default is a conservative
+    NVMe's)."""
 
     kind: str  # "cuda" or "cpu"
     memory_bytes: int
     peak_flops: float
     bandwidth: float  # bytes/s
     efficiency: float  # share of peak a training step reaches
+    host_memory_bytes: int | None = None
+    disk_bandwidth: float = 1e9
 
     @staticmethod
     def detect(local_ranks: int, precision: str = "fp32", *, fork_safe: bool = False) -> DeviceInfo:
@@ -42,12 +53,12 @@ class DeviceInfo:
         scale it by the thread count, so this process never starts OpenMP's
         thread team (in a process that forks afterwards, GNU OpenMP hangs
         in the child) and never touches CUDA."""
+        pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         if not fork_safe and torch.cuda.is_available():
             props = torch.cuda.get_device_properties(0)
-            return DeviceInfo(
-                "cuda", props.total_memory, gpu_peak_flops(props.name, precision), 150e9, 0.45
-            )
-        pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+            peak = gpu_peak_flops(props.name, precision)
+            host = pages // max(1, local_ranks)
+            return DeviceInfo("cuda", props.total_memory, peak, 150e9, 0.45, host)
         threads = max(1, (os.cpu_count() or 1) // max(1, local_ranks))
         peak = cpu_peak_flops(1) * threads if fork_safe else cpu_peak_flops(threads)
         return DeviceInfo("cpu", pages // max(1, local_ranks), peak, 2e9, 0.5)
@@ -104,3 +115,64 @@ def peak_flops(device: torch.device, local_ranks: int, precision: str) -> tuple[
         return DeviceInfo.detect(local_ranks, precision).peak_flops, "datasheet"
     threads = torch.get_num_threads()
     return cpu_peak_flops(threads), f"measured matmul, {threads} thread(s) per rank"
+
+
+# [Note: the disk's bandwidth]
+# The NVMe tier reads every moment it holds once a step and writes it
+# back (pc_offload [Note: the NVMe tier]), so a step with D bytes there
+# moves 2 D through the disk. The bandwidth is measured once per
+# filesystem (device number) by writing 64 MiB to a scratch file in the
+# directory, syncing it, dropping it from the page cache and reading it
+# back (the slower of the two counts), and cached in
+# ``$XDG_CACHE_HOME/pc/disk-bandwidth.json`` (default ``~/.cache``): a
+# second estimate for the same disk measures nothing.
+
+_PROBE_BYTES = 64 * 2**20
+
+
+def disk_bandwidth(directory: str | os.PathLike[str], *, cache: Path | None = None) -> float:
+    """Bytes/s to and from the disk holding ``directory`` [Note: the
+    disk's bandwidth]; ``cache``: the cache file (default under
+    ``$XDG_CACHE_HOME/pc``)."""
+    where = Path(directory)
+    key = str(os.stat(where).st_dev)
+    if cache is None:
+        root = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+        cache = Path(root) / "pc" / "disk-bandwidth.json"
+    known: dict[str, float] = {}
+    try:
+        loaded = json.loads(cache.read_text())
+        if isinstance(loaded, dict):  # data, never code; anything else is remeasured
+            known = {k: float(v) for k, v in loaded.items() if isinstance(v, int | float)}
+    except (OSError, ValueError):
+        pass
+    if key in known and known[key] > 0:
+        return known[key]
+    measured = _measure(where)
+    known[key] = measured
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        partial = cache.with_name(f".{cache.name}.{os.getpid()}")
+        partial.write_text(json.dumps(known))
+        os.replace(partial, cache)
+    except OSError:
+        pass  # a cache that cannot be written only costs the next measurement
+    return measured
+
+
+def _measure(where: Path) -> float:
+    block = os.urandom(2**20) * 4  # 4 MiB of incompressible bytes
+    with tempfile.TemporaryFile(dir=where) as file:
+        start = time.perf_counter()
+        for _ in range(_PROBE_BYTES // len(block)):
+            file.write(block)
+        file.flush()
+        os.fsync(file.fileno())
+        wrote = time.perf_counter() - start
+        os.posix_fadvise(file.fileno(), 0, _PROBE_BYTES, os.POSIX_FADV_DONTNEED)
+        file.seek(0)
+        start = time.perf_counter()
+        while file.read(len(block)):
+            pass
+        read = time.perf_counter() - start
+    return _PROBE_BYTES / max(wrote, read, 1e-6)

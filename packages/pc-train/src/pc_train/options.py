@@ -6,6 +6,7 @@ which flags belong to which plugin."""
 
 from __future__ import annotations
 
+import shlex
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -42,11 +43,14 @@ _FLAGS = {
     "ep_size": "--ep",
     "sequence_parallelism_mode": "--sp-mode",
     "offload_param_frac": "--offload-frac",
+    "cpu_offload": "--cpu-offload",
     "no_sync": "--accumulation",
     "extra_dp_size": "--extra-dp",
     "activation_checkpointing": "--activation-checkpointing",
     "compile": "--compile",
     "optimizer_states": "--optimizer-states",
+    "nvme_offload_fraction": "--nvme-offload-fraction",
+    "nvme_offload_dir": "--nvme-offload-dir",
     "num_layers_per_stage": "--layers-per-stage",
 }
 RECOMPUTE = ("none", "full", "selective")
@@ -73,6 +77,10 @@ class PluginOptions:
     - ``cpu_offload``: ZeRO-1/2 optimizer states and step on the host.
     - ``optimizer_states``: Adam's moments in fp32, bf16 or int8 (zero1,
       zero2, gemini for now).
+    - ``nvme_offload_fraction`` / ``nvme_offload_dir``: that share of the
+      moments the host steps in scratch files on local disk (zero1 / zero2
+      with ``cpu_offload``, gemini with ``offload_frac``; pc_offload [Note:
+      the NVMe tier]); default directory: the temporary one.
     - ``step_in_backward``: Gemini steps each chunk inside backward (12
       bytes per parameter of model states instead of 16).
     - ``sp`` / ``sp_mode``: sequence parallelism over ``sp`` ranks of its
@@ -98,6 +106,8 @@ class PluginOptions:
     offload_frac: float = 0.0
     cpu_offload: bool = False
     optimizer_states: str = "fp32"
+    nvme_offload_fraction: float = 0.0
+    nvme_offload_dir: str | None = None
     step_in_backward: bool = False
     sp: int = 1
     sp_mode: str = "all_to_all"
@@ -131,6 +141,7 @@ class PluginOptions:
             extra += f" offload {self.offload_frac:g}" if self.offload_frac else ""
             extra += " cpu-offload" if self.cpu_offload else ""
             extra += f" {self.optimizer_states} states" if self.optimizer_states != "fp32" else ""
+            extra += f" nvme {self.nvme_offload_fraction:g}" if self.nvme_offload_fraction else ""
             extra += " step-in-backward" if self.step_in_backward else ""
             return f"{self.name}{extra}{self._blocks_text()}"
         sp = " sp" if self.sequence_parallel else ""
@@ -190,6 +201,10 @@ class PluginOptions:
             out.append("--cpu-offload")
         if self.optimizer_states != "fp32":
             out.append(f"--optimizer-states {self.optimizer_states}")
+        if self.nvme_offload_fraction:
+            out.append(f"--nvme-offload-fraction {self.nvme_offload_fraction:g}")
+            if self.nvme_offload_dir is not None:
+                out.append(f"--nvme-offload-dir {shlex.quote(self.nvme_offload_dir)}")
         if self.step_in_backward:
             out.append("--step-in-backward")
         return " ".join(out)
@@ -220,6 +235,8 @@ class PluginOptions:
                 stage=stage,
                 cpu_offload=self.cpu_offload,
                 optimizer_states=self.optimizer_states,
+                nvme_offload_fraction=self.nvme_offload_fraction,
+                nvme_offload_dir=self.nvme_offload_dir,
                 max_norm=max_norm,
                 extra_dp_size=self.extra_dp,
                 **blocks,
@@ -232,6 +249,8 @@ class PluginOptions:
                 tp_size=self.tp,
                 extra_dp_size=self.extra_dp,
                 optimizer_states=self.optimizer_states,
+                nvme_offload_fraction=self.nvme_offload_fraction,
+                nvme_offload_dir=self.nvme_offload_dir,
                 **blocks,
             )
         return plugins.HybridParallelOptions(
@@ -301,6 +320,12 @@ class PluginOptions:
                 f"--optimizer-states {self.optimizer_states}: moments stored narrow are built "
                 f"for --plugin zero1 / zero2 / gemini so far, not {self.name}; use one of "
                 "those, or --optimizer-states fp32."
+            )
+        if self.nvme_offload_fraction and self.kind not in NARROW_STATES:
+            raise ValueError(
+                f"--nvme-offload-fraction {self.nvme_offload_fraction:g}: the disk tier holds "
+                f"the moments the host steps, under --plugin zero1 / zero2 (--cpu-offload) or "
+                f"gemini (--offload-frac), not {self.name}; use one of those."
             )
         if self.step_in_backward and self.kind is not PluginKind.GEMINI:
             raise ValueError("--step-in-backward is an option of --plugin gemini.")

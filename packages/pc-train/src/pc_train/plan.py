@@ -24,7 +24,7 @@ from pc_train.checkpoint import (
 from pc_train.cost import gib_text, model_shape
 from pc_train.data import corpus_bytes_available, min_corpus_tokens, tokenizer_source
 from pc_train.failures import bytes_text, os_reason
-from pc_train.hardware import DeviceInfo
+from pc_train.hardware import DeviceInfo, disk_bandwidth
 from pc_train.models import MODEL_PRESETS, ModelSpec, resolve_model
 from pc_train.options import PluginKind, PluginOptions
 from pc_train.planner import Cluster, search
@@ -101,6 +101,8 @@ def _choose_plugin(
     that keep what the user chose (the accumulation, the clipping, a
     recomputation), written into ``config``, and the reasons for it."""
     device = DeviceInfo.detect(config.nproc, config.precision, fork_safe=fork_safe)
+    if config.nvme_offload_dir is not None:  # plans with the NVMe tier, at its disk's speed
+        device = replace(device, disk_bandwidth=disk_bandwidth(config.nvme_offload_dir))
     if config.step_in_backward:  # the plugin's own refusals (fp16)
         PluginOptions(PluginKind.GEMINI, step_in_backward=True).check(
             world, config.precision, max_norm=config.clip_norm, accumulation=config.accumulation
@@ -151,6 +153,7 @@ def _choose_plugin(
         )
     chosen = {f.name: getattr(options, f.name) for f in fields(PluginOptions) if f.name != "kind"}
     chosen["compile"] = config.compile  # the planner does not choose it
+    chosen["nvme_offload_dir"] = config.nvme_offload_dir  # nor where the tier goes
     if recompute != "none":  # the user's share of the blocks
         chosen["activation_checkpointing_fraction"] = config.activation_checkpointing_fraction
     config = replace(config, plugin=options.name, **chosen)
@@ -166,6 +169,8 @@ _AUTO_CHOOSES = {
     "extra_dp": "--extra-dp", "layers_per_stage": "--layers-per-stage",
     # fp32, or the least narrowing that fits [Note: the planner].
     "optimizer_states": "--optimizer-states",
+    # none, or the least share that fits (--nvme-offload-dir says where).
+    "nvme_offload_fraction": "--nvme-offload-fraction",
 }  # fmt: skip
 
 

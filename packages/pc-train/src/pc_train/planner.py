@@ -25,12 +25,18 @@ are ranked by predicted tokens per second, equal ones in the order searched
 (the simpler layout first: DDP, ZeRO-2, ZeRO-1, FSDP2, Gemini, hybrid). A layout that
 does not fit with fp32 moments (Gemini: with the least share of its
 chunks on the host that fits) is tried with Adam's moments in bf16, then
-in 8 bits, where its plugin stores them narrow (ZeRO-1/2 on the device,
-Gemini): the least narrowing that fits, since narrow moments change the
-numerics (pc_offload's [Note: low-precision optimizer states]); a layout
-that fits in fp32 is never narrowed. ``pc-estimate
---search`` prints them; ``--trial K`` runs the first K on this machine and
-prints each rank's measured peak against the prediction.
+in 8 bits, where its plugin stores them narrow (ZeRO-1/2, Gemini): the
+least narrowing that fits, since narrow moments change the numerics
+(pc_offload's [Note: low-precision optimizer states]); a layout that fits
+in fp32 is never narrowed. One that fits no way in memory is tried again,
+fp32 first, with the least share of the host's moments on the NVMe tier
+(pc_offload [Note: the NVMe tier]; Gemini, ZeRO-1/2 with CPU offload):
+exact, but read and written through the disk every step, at the
+bandwidth measured ([Note: the disk's bandwidth] in pc_train.hardware).
+Memory is the device's and, where known, the host's share per rank (on
+a CPU they are one). ``pc-estimate --search`` prints them; ``--trial K``
+runs the first K on this machine and prints each rank's measured peak
+against the prediction.
 """
 
 from __future__ import annotations
@@ -229,37 +235,72 @@ def _least_change(
     """``options`` as given when they fit; otherwise the least change that
     fits [Note: the planner]: Gemini's least share on the host, then Adam's
     moments narrower, fp32 -> bf16 -> int8, where the plugin keeps them
-    narrow on the device and its rules accept them. The last tried (not
-    fitting) when nothing does."""
+    narrow on the device and its rules accept them; then the same with the
+    least share of the host's moments on the NVMe tier (Gemini, ZeRO-1/2
+    with CPU offload). The last tried (not fitting) when nothing does."""
+    given = options
     order = OPTIMIZER_STATES[OPTIMIZER_STATES.index(options.optimizer_states) :]
-    if options.kind not in NARROW_STATES or options.cpu_offload:
-        order = order[:1]  # moments on the host: narrowing frees no device memory
+    if options.kind not in NARROW_STATES:
+        order = order[:1]
     result = run(options)
-    for states in order:
-        narrowed = replace(options, optimizer_states=states)
-        if narrowed != options:
-            if not accepted(narrowed):
-                break
-            options, result = narrowed, run(narrowed)
-        if not result.fits and options.kind is PluginKind.GEMINI and options.tp == 1:
-            options, result = _least_offload(options, run)
-        if result.fits:
+    for disk in (False, True):
+        if disk and (result.fits or not _takes_disk(options)):
             break
+        for states in order:
+            narrowed = replace(given, optimizer_states=states)  # placed anew
+            if narrowed != options:
+                if not accepted(narrowed):
+                    break
+                options, result = narrowed, run(narrowed)
+            if not result.device_fits and options.kind is PluginKind.GEMINI and options.tp == 1:
+                options, result = _least_offload(options, run)
+            if disk and not result.fits:
+                options, result = _least_share(options, run, "nvme_offload_fraction")
+                if not accepted(options):
+                    return given, run(given)
+            if result.fits:
+                break
     return options, result
+
+
+def _takes_disk(options: PluginOptions) -> bool:
+    """Whether the NVMe tier can hold a share of these options' moments."""
+    if options.kind is PluginKind.GEMINI:
+        return options.tp == 1
+    return options.kind in (PluginKind.ZERO1, PluginKind.ZERO2) and options.cpu_offload
 
 
 def _least_offload(
     options: PluginOptions, run: Callable[[PluginOptions], Estimate]
 ) -> tuple[PluginOptions, Estimate]:
-    """Gemini with the least share of its chunks on the host (in steps of
-    5 %) that fits, found by bisection (more on the host never needs more
-    device memory); 100 % and its estimate when nothing fits."""
+    """Gemini with the least share of its chunks on the host that fits the
+    device (more on the host never needs more device memory)."""
+    return _least_share(options, run, "offload_frac")
+
+
+def _least_share(
+    options: PluginOptions, run: Callable[[PluginOptions], Estimate], name: str
+) -> tuple[PluginOptions, Estimate]:
+    """``options`` with the least share ``name`` (in steps of 5 %) that
+    fits, found by bisection: the device for Gemini's ``offload_frac``,
+    everything for ``nvme_offload_fraction`` (more on disk never needs
+    more of either memory); 100 % and its estimate when nothing does."""
+
+    def at(step: int) -> PluginOptions:
+        share = step / _OFFLOAD_STEPS
+        if name == "offload_frac":
+            return replace(options, offload_frac=share)
+        return replace(options, nvme_offload_fraction=share)
+
+    def fits(e: Estimate) -> bool:
+        return e.device_fits if name == "offload_frac" else e.fits
+
     low, high = 0, _OFFLOAD_STEPS  # low does not fit; high is tried last
     while high - low > 1:
         middle = (low + high) // 2
-        if run(replace(options, offload_frac=middle / _OFFLOAD_STEPS)).fits:
+        if fits(run(at(middle))):
             high = middle
         else:
             low = middle
-    options = replace(options, offload_frac=high / _OFFLOAD_STEPS)
+    options = at(high)
     return options, run(options)

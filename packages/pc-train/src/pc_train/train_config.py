@@ -31,6 +31,7 @@ _RANGES: tuple[tuple[str, Any, float, str], ...] = (
     ("clip_norm", lambda v: v >= 0, math.inf, "a finite global norm >= 0 (0: no clipping)"),
     ("timeout", lambda v: v > 0, 1e7, "a number of seconds > 0 and at most 1e7 (116 days)"),
     ("offload_frac", lambda v: v >= 0, 1.0, "a share in [0, 1]"),
+    ("nvme_offload_fraction", lambda v: v >= 0, 1.0, "a share in [0, 1]"),
     ("activation_checkpointing_fraction", lambda v: v > 0, 1.0, "a share of blocks in (0, 1]"),
 )
 
@@ -59,6 +60,8 @@ class TrainConfig:
     offload_frac: float = 0.0
     cpu_offload: bool = False
     optimizer_states: str = "fp32"
+    nvme_offload_fraction: float = 0.0
+    nvme_offload_dir: str | None = None
     step_in_backward: bool = False
     sp: int = 1
     sp_mode: str = "all_to_all"
@@ -180,6 +183,11 @@ _HELP = {
     "cpu_offload": "ZeRO-1/2 optimizer step on the host",
     "optimizer_states": "Adam's moments stored as fp32, bf16 (half the bytes) or int8 "
     "(block-wise 8 bits, torchao's format; about a quarter); zero1, zero2, gemini",
+    "nvme_offload_fraction": "share of the moments the host steps kept in scratch files on "
+    "local disk, streamed through memory each step (zero1 / zero2 with --cpu-offload, gemini "
+    "with --offload-frac)",
+    "nvme_offload_dir": "the directory of those scratch files, on a local disk (default: the "
+    "temporary directory); pc makes a private directory inside it and removes it at exit",
     "step_in_backward": "Gemini: step each chunk as soon as its gradients are reduced (12 "
     "bytes per parameter of model states instead of 16; needs --clip-norm 0, --accumulation 1 "
     "and fp32 or bf16)",

@@ -213,7 +213,7 @@ class LowLevelZeroOptimizer(ClipsInStep, Optimizer):
                 f"nvme_offload_fraction={nvme_offload_fraction:g} puts states the host steps on "
                 "disk; pass cpu_offload=True with it, or nvme_offload_fraction=0."
             )
-        self._disk = {
+        self._disk: dict[str, Any] = {
             "nvme_offload_fraction": float(nvme_offload_fraction),
             "nvme_offload_dir": nvme_offload_dir,
         }
