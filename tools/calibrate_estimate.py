@@ -63,9 +63,12 @@ def main() -> int:
     args = parser.parse_args()
     spec = resolve_model(args.model, args.seq_len)
     shape = model_shape(spec)
-    rows, worst = [], 0.0
-    print("| world | layout | predicted | measured | predicted / measured |")
-    print("|---|---|---|---|---|")
+    rows, worst, speeds = [], 0.0, []
+    print(
+        "| world | layout | predicted | measured | predicted / measured "
+        "| tokens/s predicted | measured | predicted / measured |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
     for number, (world, nodes, options) in enumerate(LAYOUTS, start=1):
         if args.only and number not in args.only:
             continue
@@ -81,11 +84,17 @@ def main() -> int:
         line = (
             f"| {world} | {options.describe()}{f' ({nodes} nodes)' if nodes > 1 else ''} | "
             f"{predicted.device_bytes / 2**20:.1f} MiB | {trial.measured_bytes / 2**20:.1f} MiB | "
-            f"{trial.ratio:.3f} |"
+            f"{trial.ratio:.3f} | {plan.tokens_per_second:,.0f} | "
+            f"{plan.tokens_per_second / trial.speed_ratio:,.0f} | {trial.speed_ratio:.2f} |"
         )
+        speeds.append(trial.speed_ratio)
         rows.append(line)
         print(line, flush=True)
     print(f"\nworst: {worst:.1%} off")
+    if speeds:
+        far = max(speeds, key=lambda r: abs(r - 1))
+        print(f"tokens/s: predicted / measured from {min(speeds):.2f} to {max(speeds):.2f} "
+              f"(farthest {far:.2f})")  # fmt: skip
     return 1 if worst > 0.10 else 0
 
 

@@ -1,12 +1,14 @@
 """``pc-estimate --trial K``: the planner's first K plans run for a step on
 this machine's processes, each rank's peak measured (every byte it holds,
-:func:`pc_train.peak.step_peak`) and set beside the prediction."""
+:func:`pc_train.peak.step_peak`) and set beside the prediction; then a few
+more steps timed (outside the profiler), the slowest rank's mean step."""
 
 from __future__ import annotations
 
 import json
 import os
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,14 +26,24 @@ __all__ = ["Trial", "run_trials"]
 
 @dataclass(frozen=True)
 class Trial:
-    """A plan's predicted and measured per-rank peak (the busiest rank's)."""
+    """A plan's predicted and measured per-rank peak (the busiest rank's),
+    and its measured seconds per step (the slowest rank's mean)."""
 
     plan: Plan
     measured_bytes: int
+    measured_seconds: float = 0.0
 
     @property
     def ratio(self) -> float:
         return self.plan.estimate.device_bytes / self.measured_bytes
+
+    @property
+    def speed_ratio(self) -> float:
+        """Predicted tokens/s over measured (> 1: the estimate is optimistic)."""
+        return self.measured_seconds / self.plan.step_seconds
+
+
+_TIMED_STEPS = 3
 
 
 def _measure(
@@ -67,10 +79,22 @@ def _measure(
 
         return step
 
-    held = torch.tensor([float(step_peak(build))])
+    steps: list[Any] = []
+
+    def kept() -> Any:
+        steps.append(build())  # kept for the timed steps
+        return steps[-1]
+
+    held = torch.tensor([float(step_peak(kept))])
     dist.all_reduce(held, op=dist.ReduceOp.MAX)
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(_TIMED_STEPS):
+        steps[-1]()
+    seconds = torch.tensor([(time.perf_counter() - start) / _TIMED_STEPS])
+    dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
     if dist.get_rank() == 0:
-        Path(out).write_text(json.dumps({"measured": int(held)}))
+        Path(out).write_text(json.dumps({"measured": int(held), "seconds": float(seconds)}))
 
 
 def run_trials(
@@ -86,6 +110,6 @@ def run_trials(
             out = str(Path(scratch) / f"trial{index}.json")
             args = (out, spec, plan.options, plan.micro_batch, seq_len, precision, world // nodes)
             spawn(_measure, world, args=args, timeout=900)
-            measured = json.loads(Path(out).read_text())["measured"]
-            trials.append(Trial(plan, measured))
+            found = json.loads(Path(out).read_text())
+            trials.append(Trial(plan, int(found["measured"]), float(found["seconds"])))
     return trials
