@@ -35,6 +35,8 @@ LAYOUTS: list[tuple[int, int, PluginOptions]] = [
     (2, 1, PluginOptions(K.HYBRID, tp=2, zero_stage=1, sequence_parallel=True)),
     (2, 1, PluginOptions(K.HYBRID, pp=2, zero_stage=0)),
     (2, 1, PluginOptions(K.HYBRID, pp=2, zero_stage=1)),
+    (2, 1, PluginOptions(K.HYBRID, pp=2, zero_stage=1, pp_style="interleaved")),
+    (2, 1, PluginOptions(K.HYBRID, pp=2, zero_stage=1, pp_style="zbv")),
     (2, 1, PluginOptions(K.HYBRID, sp=2, zero_stage=1)),
     (2, 1, PluginOptions(K.HYBRID, sp=2, zero_stage=1, sp_mode="ring_attn")),
     (2, 1, PluginOptions(K.ZERO2, activation_checkpointing="full")),

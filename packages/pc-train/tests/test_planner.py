@@ -277,3 +277,32 @@ def test_the_disk_bandwidth_is_measured_once_per_disk(
     cache.write_text("__import__('os').system('false')")
     assert hardware.disk_bandwidth(where, cache=cache) == 5e8
     assert len(calls) == 1
+
+
+def test_pipeline_schedules_are_planned_estimated_and_written() -> None:
+    """[Note: pipeline schedules in the estimate]: interleaved 1F1B halves
+    the bubble for more activations in flight, zero bubble (zbv) cuts it to
+    a third; the planner offers both (interleaved where 2 pp stages divide
+    the blocks), and each plan's flags parse back to its options."""
+    shape = model_shape(resolve_model("llama-7b", 4096))  # 32 blocks
+    gpu = gpu_device("H100", "bf16")
+    base = PluginOptions(PluginKind.HYBRID, pp=4, zero_stage=1, microbatches=8)
+    runs = {
+        style: estimate(shape, replace(base, pp_style=style), 8, 1, 4096, "bf16", gpu)
+        for style in ("1f1b", "interleaved", "zbv")
+    }
+    assert runs["interleaved"].step_seconds < runs["1f1b"].step_seconds
+    assert runs["zbv"].step_seconds < runs["interleaved"].step_seconds
+    assert runs["interleaved"].activation_bytes > runs["1f1b"].activation_bytes
+    assert runs["interleaved"].params_per_rank == runs["1f1b"].params_per_rank
+    interleaved = replace(base, pp_style="interleaved")
+    assert len(interleaved.stage_blocks(32)) == 8
+    assert interleaved.rank_blocks(32) == [8, 8, 8, 8]
+    plans = search(shape, Cluster(1, 8, gpu), 64, 4096, "bf16")
+    styles = {p.options.pp_style for p in plans if p.options.pp > 1}
+    assert styles == {"1f1b", "interleaved", "zbv"}, styles
+    for plan in plans:
+        if plan.options.pp_style != "1f1b":
+            assert parse_args(shlex.split(plan.flags())).plugin_options() == plan.options
+    with pytest.raises(ValueError, match="--pp-style zbv is a schedule of --plugin hybrid"):
+        PluginOptions(PluginKind.ZERO2, pp_style="zbv").check_flags()

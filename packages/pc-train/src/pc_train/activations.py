@@ -12,6 +12,7 @@ if TYPE_CHECKING:
     from pc_train.cost import ModelShape
 
 __all__ = [
+    "BUBBLE_DIVISOR",
     "COMPILED_TIME",
     "RECOMPUTE_COST",
     "activation_bytes",
@@ -57,8 +58,12 @@ def activation_bytes(
             transient = 2 * 4 * a * b * block * block / t
     else:
         per_layer = s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
-    layers = max(options.stage_blocks(shape.layers))  # the busiest stage's
-    in_flight = min(options.pp, options.microbatches or options.pp) if options.pp > 1 else 1
+    layers = max(options.rank_blocks(shape.layers))  # the busiest rank's
+    in_flight = float(min(options.pp, options.microbatches or options.pp) if options.pp > 1 else 1)
+    if options.model_chunks > 1:  # [Note: pipeline schedules in the estimate]
+        in_flight += (options.pp - 1) / options.model_chunks
+    elif options.pp_style == "zbv":
+        in_flight += options.pp - 1
     # fp32 logits, softmax, gradient; split by vocabulary under pc-tensor's
     # tensor parallelism, whole under FSDP2's (its output layer is whole).
     vocab_split = 1 if options.kind is PluginKind.FSDP else t
@@ -94,6 +99,24 @@ def activation_bytes(
 _SELECTIVE_KEPT = 0.6
 RECOMPUTE_COST = {"none": 0.0, "full": 1 / 3, "selective": 0.05}
 COMPILED_TIME = 1 / 1.16
+
+# [Note: pipeline schedules in the estimate]
+# With m micro-batches on pp stages, 1F1B idles (pp - 1) / m of a step (its
+# bubble) and its first rank holds pp micro-batches' activations of its
+# blocks. Interleaved 1F1B with v = 2 model chunks per rank (Narayanan et
+# al., 2021) divides the bubble by v and holds (1 + (pp - 1) / (pp v))
+# times 1F1B's activations on the first rank: pp + (pp - 1) / v micro-
+# batches of its blocks. Zero bubble (pc's "zbv", one chunk per rank;
+# Qi et al., 2023, ZB-H1) splits backward into the input and the weight
+# gradients and fills the bubble with the latter: about a third of
+# 1F1B's (forward, input and weight backward taking equal time). Its
+# paper keeps 1F1B's memory; pc's schedule defers the weight gradients of
+# up to pp - 1 micro-batches and holds their activations meanwhile:
+# measured (tools/calibrate_estimate.py, llama-small, pp 2) 30.2 MiB at
+# the peak against 1F1B's 22.3, about one micro-batch of the stage's
+# activations more, so it counts pp + (pp - 1) in flight (measured at pp
+# 2 only). The bubble's divisor per schedule:
+BUBBLE_DIVISOR = {"1f1b": 1.0, "interleaved": 2.0, "zbv": 3.0}
 
 
 # [Note: activations of a mixture of experts]

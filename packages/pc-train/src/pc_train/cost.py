@@ -41,6 +41,7 @@ from torch.optim import Optimizer
 
 from pc_booster.rules import StateBytes, TrainPrecision
 from pc_train.activations import (
+    BUBBLE_DIVISOR,
     COMPILED_TIME,
     RECOMPUTE_COST,
     activation_bytes,
@@ -101,6 +102,8 @@ class ModelShape:
             start += count
         blocks[0] += self.embed_params
         blocks[-1] += self.head_params
+        if options.model_chunks > 1:  # interleaved: rank i holds stages i and i + pp
+            blocks = [blocks[i] + blocks[i + options.pp] for i in range(options.pp)]
         return max(blocks)
 
     def per_rank(self, options: PluginOptions) -> int:
@@ -314,7 +317,7 @@ def estimate(
     activations += bucket_in_flight(plugin, psi, g)
     activations += fsdp_gathered_bytes(shape, options, precision)
     pipeline_batches = options.microbatches or options.pp if options.pp > 1 else 1
-    busiest = max(options.stage_blocks(shape.layers))  # blocks on the busiest stage
+    busiest = max(options.rank_blocks(shape.layers))  # blocks on the busiest rank
     tokens = micro_batch * seq_len * n * pipeline_batches
     flops = (6 * shape.params + 12 * shape.layers * shape.hidden * seq_len) * tokens
     compute = flops / world / (device.peak_flops * device.efficiency)
@@ -342,8 +345,8 @@ def estimate(
     seconds += 2 * states.disk / device.disk_bandwidth + states.disk / 10e9
     if options.pp > 1:
         chunks = options.microbatches or options.pp
-        seconds *= 1 + (options.pp - 1) / chunks  # 1F1B's bubble
-        seconds *= busiest / (shape.layers / options.pp)  # the busiest stage sets the pace
+        seconds *= 1 + (options.pp - 1) / chunks / BUBBLE_DIVISOR[options.pp_style]
+        seconds *= busiest / (shape.layers / options.pp)  # the busiest rank sets the pace
     # A checkpoint holds fp32 moments however they are stored (saves widen
     # narrow ones): the same plugin's fp32 count.
     saved_moments = states_bytes

@@ -14,7 +14,7 @@ from typing import Any
 from pc_booster.plugin import Plugin
 from pc_booster.rules import PluginConfig, RunSetting, TrainPrecision
 
-__all__ = ["PLUGIN_NAMES", "RECOMPUTE", "PluginKind", "PluginOptions"]
+__all__ = ["PLUGIN_NAMES", "PP_STYLES", "RECOMPUTE", "PluginKind", "PluginOptions"]
 
 
 class PluginKind(Enum):
@@ -52,8 +52,12 @@ _FLAGS = {
     "nvme_offload_fraction": "--nvme-offload-fraction",
     "nvme_offload_dir": "--nvme-offload-dir",
     "num_layers_per_stage": "--layers-per-stage",
+    "pp_style": "--pp-style",
 }
 RECOMPUTE = ("none", "full", "selective")
+# Pipeline schedules (pc_pipeline's): 1F1B, interleaved 1F1B (two model
+# chunks per rank), zero bubble (backward split into input and weight parts).
+PP_STYLES = ("1f1b", "interleaved", "zbv")
 # How Adam's moments are stored (pc_offload [Note: low-precision optimizer states]).
 OPTIMIZER_STATES = ("fp32", "bf16", "int8")
 NARROW_STATES = (PluginKind.ZERO1, PluginKind.ZERO2, PluginKind.GEMINI)
@@ -94,7 +98,11 @@ class PluginOptions:
     - ``activation_checkpointing`` / ``activation_checkpointing_fraction``
       / ``compile``: every plugin's per-block recomputation and compile.
     - ``layers_per_stage``: hybrid with pp > 1, transformer blocks per
-      stage, comma-separated (``"6,6,5"``); None: an even split.
+      stage, comma-separated (``"6,6,5"``; ``2 pp`` of them interleaved);
+      None: an even split.
+    - ``pp_style``: hybrid with pp > 1, the schedule: ``"1f1b"``,
+      ``"interleaved"`` (two model chunks per rank) or ``"zbv"`` (zero
+      bubble).
     """
 
     kind: PluginKind
@@ -117,6 +125,7 @@ class PluginOptions:
     activation_checkpointing_fraction: float = 1.0
     compile: bool = False
     layers_per_stage: str | None = None
+    pp_style: str = "1f1b"
 
     @property
     def name(self) -> str:
@@ -148,6 +157,7 @@ class PluginOptions:
         sp += f" {self.sp_mode} sp{self.sp}" if self.sp > 1 else ""
         sp += f" ep{self.ep}" if self.ep > 1 else ""
         sp += f" layers {self.layers_per_stage}" if self.layers_per_stage else ""
+        sp += f" {self.pp_style}" if self.pp_style != "1f1b" else ""
         return f"hybrid tp{self.tp} pp{self.pp} zero{self.zero_stage}{sp}{self._blocks_text()}"
 
     def stage_split(self) -> tuple[int, ...] | None:
@@ -163,17 +173,32 @@ class PluginOptions:
             ) from None
         return split
 
+    @property
+    def model_chunks(self) -> int:
+        """Model chunks per pipeline rank: 2 interleaved, else 1."""
+        return 2 if self.pp_style == "interleaved" and self.pp > 1 else 1
+
     def stage_blocks(self, layers: int) -> list[int]:
-        """Transformer blocks on each pipeline stage: the given split, else
-        an even one; where ``pp`` does not divide ``layers``, one more block
-        on the middle stages (the first holds the embedding, the last the
-        head), as Colossal-AI distributes them."""
+        """Transformer blocks on each pipeline stage (``pp`` x model chunks
+        of them): the given split, else an even one; where the stages do
+        not divide ``layers``, one more block on the middle stages (the
+        first holds the embedding, the last the head), as Colossal-AI
+        distributes them."""
         split = self.stage_split()
         if split is not None:
             return list(split)
-        base, extra = divmod(layers, self.pp)
-        first = self.pp // 2 - extra // 2
-        return [base + (first <= i < first + extra) for i in range(self.pp)]
+        stages = self.pp * self.model_chunks
+        base, extra = divmod(layers, stages)
+        first = stages // 2 - extra // 2
+        return [base + (first <= i < first + extra) for i in range(stages)]
+
+    def rank_blocks(self, layers: int) -> list[int]:
+        """Transformer blocks on each pipeline rank: its stage's, or, with
+        interleaving, its two chunks' (stages ``i`` and ``i + pp``)."""
+        blocks = self.stage_blocks(layers)
+        if self.model_chunks == 1:
+            return blocks
+        return [blocks[i] + blocks[i + self.pp] for i in range(self.pp)]
 
     def flags(self) -> str:
         """The pc-train command-line options that select this plugin."""
@@ -184,6 +209,7 @@ class PluginOptions:
             out += [f"--sp {self.sp}", f"--sp-mode {self.sp_mode}"] if self.sp > 1 else []
             out += [f"--ep {self.ep}"] if self.ep > 1 else []
             out += [f"--layers-per-stage {self.layers_per_stage}"] if self.layers_per_stage else []
+            out += [f"--pp-style {self.pp_style}"] if self.pp_style != "1f1b" else []
         elif self.tp > 1:
             out.append(f"--tp {self.tp}")
         if self.extra_dp > 1:
@@ -266,6 +292,7 @@ class PluginOptions:
             max_norm=max_norm,
             pp_timeout=timeout,
             num_layers_per_stage=self.stage_split(),
+            pp_style=self.pp_style,
         )
 
     def check_flags(self) -> None:
@@ -329,6 +356,14 @@ class PluginOptions:
             )
         if self.step_in_backward and self.kind is not PluginKind.GEMINI:
             raise ValueError("--step-in-backward is an option of --plugin gemini.")
+        if self.pp_style not in PP_STYLES:
+            raise ValueError(
+                f"--pp-style must be one of {', '.join(PP_STYLES)}, got {self.pp_style!r}."
+            )
+        if self.pp_style != "1f1b" and (self.kind is not PluginKind.HYBRID or self.pp < 2):
+            raise ValueError(
+                f"--pp-style {self.pp_style} is a schedule of --plugin hybrid --pp > 1."
+            )
         if self.layers_per_stage is not None:
             if self.kind is not PluginKind.HYBRID:
                 raise ValueError("--layers-per-stage is an option of --plugin hybrid (with --pp).")

@@ -166,7 +166,7 @@ _AUTO_CHOOSES = {
     "tp": "--tp", "pp": "--pp", "zero_stage": "--zero-stage", "microbatches": "--microbatches",
     "sequence_parallel": "--sequence-parallel", "offload_frac": "--offload-frac",
     "cpu_offload": "--cpu-offload", "sp": "--sp", "sp_mode": "--sp-mode", "ep": "--ep",
-    "extra_dp": "--extra-dp", "layers_per_stage": "--layers-per-stage",
+    "extra_dp": "--extra-dp", "layers_per_stage": "--layers-per-stage", "pp_style": "--pp-style",
     # fp32, or the least narrowing that fits [Note: the planner].
     "optimizer_states": "--optimizer-states",
     # none, or the least share that fits (--nvme-offload-dir says where).

@@ -8,7 +8,9 @@ changes memory or time: data parallelism (DDP; ZeRO-1/2, also sharded in
 each node and replicated across nodes with ``extra_dp``), ZeRO-3 (FSDP2,
 Gemini; over tensor parallelism with ``tp``; Gemini two-level), and the
 hybrid plugin's tensor (with and without Megatron's sequence parallelism),
-pipeline and Ulysses sequence parallelism with ZeRO 0 or 1, and for a
+pipeline (1F1B, zero bubble, and interleaved where 2 pp stages divide the
+blocks: [Note: pipeline schedules in the estimate]) and Ulysses sequence
+parallelism with ZeRO 0 or 1, and for a
 mixture of experts every expert-parallel split of the hybrid layouts;
 offload (ZeRO-1/2's optimizer on the host, a share of Gemini's chunks on
 the host) and Gemini stepping in backward (where the run does not clip);
@@ -141,6 +143,10 @@ def _layouts(shape: ModelShape, cluster: Cluster) -> Iterator[PluginOptions]:
                     hybrid = replace(hybrid, layers_per_stage=split)
                 if tp > 1 or pp > 1:
                     yield hybrid
+                if pp > 1 and not hybrid.layers_per_stage:  # the other schedules
+                    yield replace(hybrid, pp_style="zbv")
+                    if shape.layers % (2 * pp) == 0:
+                        yield replace(hybrid, pp_style="interleaved")
                 if tp > 1:
                     yield replace(hybrid, sequence_parallel=True)
                 yield from _expert_layouts(shape, hybrid, world)

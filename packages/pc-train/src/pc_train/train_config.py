@@ -16,6 +16,7 @@ from pc_train.models import MODEL_PRESETS
 from pc_train.options import (
     OPTIMIZER_STATES,
     PLUGIN_NAMES,
+    PP_STYLES,
     PRECISIONS,
     RECOMPUTE,
     PluginOptions,
@@ -71,6 +72,7 @@ class TrainConfig:
     activation_checkpointing_fraction: float = 1.0
     compile: bool = False
     layers_per_stage: str | None = None
+    pp_style: str = "1f1b"
     precision: str = "fp32"
     corpus: str | None = None
     corpus_bytes: int = 2_000_000
@@ -175,6 +177,9 @@ _HELP = {
     "microbatches": "pipeline micro-batches per step (default: pp)",
     "layers_per_stage": "transformer blocks on each pipeline stage, comma-separated (hybrid "
     "with --pp; default: an even split, which the blocks must allow)",
+    "pp_style": "the pipeline schedule (hybrid with --pp): 1f1b, interleaved (two model chunks "
+    "per rank, half the bubble; the stages divide the blocks 2 pp ways) or zbv (zero bubble: "
+    "backward split into input and weight gradients)",
     "sp": "sequence-parallel size of its own (hybrid): each sequence split over sp ranks",
     "sp_mode": "sequence parallelism with --sp: all_to_all (Ulysses) or ring_attn (ring attention)",
     "ep": "expert-parallel size (hybrid, mixture-of-experts models such as mixtral-tiny): "
@@ -256,6 +261,8 @@ def _parser() -> argparse.ArgumentParser:
             parser.add_argument(flag, choices=PRECISIONS, default=argparse.SUPPRESS, help=text)
         elif item.name == "activation_checkpointing":
             parser.add_argument(flag, choices=RECOMPUTE, default=argparse.SUPPRESS, help=text)
+        elif item.name == "pp_style":
+            parser.add_argument(flag, choices=PP_STYLES, default=argparse.SUPPRESS, help=text)
         elif item.name == "optimizer_states":
             parser.add_argument(
                 flag, choices=OPTIMIZER_STATES, default=argparse.SUPPRESS, help=text
