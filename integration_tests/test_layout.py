@@ -200,8 +200,8 @@ def test_reads_no_other_packages_underscore_attributes(module: str) -> None:
 # ParallelLayout, the process groups some plugins are given).
 PLUGIN_MODULES = ROOT / "packages" / "pc-booster" / "src" / "pc_booster" / "plugins"
 HELPER_MODULES = {
-    "common", "rules", "hybrid_options", "gemini_options", "hybrid_pipeline", "hybrid_state", "layout",
-    "optimizations", "sharded", "experts", "hybrid_experts_state", "fsdp_tp", "tp_state",
+    "common", "rules", "hybrid_options", "gemini_options", "hybrid_pipeline", "hybrid_state",
+    "layout", "optimizations", "sharded", "experts", "hybrid_experts_state", "fsdp_tp", "tp_state",
     "pipeline_tp",
 }  # fmt: skip
 

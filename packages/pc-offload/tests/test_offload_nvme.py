@@ -139,9 +139,9 @@ def test_a_killed_process_leaves_nothing_after_the_next_start(tmp_path: Path) ->
     assert list((tmp_path / "scratch").iterdir()) == []  # the file went with the process
     # A directory left by a process killed between its two steps (made,
     # not yet removed) goes at the next start.
-    proc = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True, check=True)  # fmt: skip
-    stale = tmp_path / "scratch" / f"pc-nvme-{proc.stdout.strip()}-0123abcd"
+    stale = tmp_path / "scratch" / f"pc-nvme-{gone.stdout.strip()}-0123abcd"
     stale.mkdir(mode=0o700)
     (stale / "states").write_bytes(b"\0" * 4096)
     tier = NvmeTier(tmp_path / "scratch")

@@ -578,8 +578,8 @@ def measured_model_state_bytes(model: nn.Module, optimizer: Optimizer) -> int:
     if hasattr(optimizer, "memory"):
         return int(optimizer.memory().total)
     wrapper: Any = model
-    if hasattr(wrapper, "chunks"):
-        return int(wrapper.memory(optimizer).total)
+    if hasattr(wrapper, "chunks") and hasattr(wrapper, "memory"):  # Gemini (a pipeline
+        return int(wrapper.memory(optimizer).total)  # has chunks too: its micro-batches)
     seen: dict[int, int] = {}
 
     def count(tensors: Any) -> None:
