@@ -135,7 +135,10 @@ def check_states_on_disk_train_bitwise_as_in_memory(plugin: str) -> None:
             else:  # the tier built by the user, as with Colossal-AI's HybridAdam
                 booster = Booster(plugin=_disk_plugin(plugin, 0.0, scratch))
                 cls = CPUAdamW if plugin == "zero2" else HybridAdam
-                disk = {"nvme_offload_fraction": fraction, "nvme_offload_dir": scratch}
+                disk: dict[str, Any] = {
+                    "nvme_offload_fraction": fraction,
+                    "nvme_offload_dir": scratch,
+                }
                 optimizer = cls(model.parameters(), lr=LR, weight_decay=1e-2, **disk)
             model, optimizer, *_ = booster.boost(model, optimizer)
             runs.append(_train(booster, model, optimizer, range(20)))

@@ -248,7 +248,7 @@ def test_moments_on_disk_train_as_in_memory_and_leave_nothing(tmp_path: Path) ->
     made inside ``--nvme-offload-dir`` is gone when the run ends."""
     scratch = tmp_path / "scratch"
     scratch.mkdir()
-    runs = []
+    runs: list[list[float]] = []
     for extra in ([], ["--nvme-offload-fraction", "1", "--nvme-offload-dir", str(scratch)]):
         out = tmp_path / f"run{len(runs)}"
         done = subprocess.run(

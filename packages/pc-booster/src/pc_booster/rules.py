@@ -172,6 +172,16 @@ OPTIMIZER_STATES_RULE = Rule(
 )
 
 
+def tp_size_problem(tp: object, world: int | None) -> str | None:
+    """What is wrong with a ``tp_size`` on ``world`` ranks, or None (the
+    check the plugins taking it share)."""
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        return f"tp_size must be an int >= 1, got {tp!r}."
+    if world is not None and world % tp:
+        return f"tp_size={tp} must divide the {world} ranks; choose a divisor."
+    return None
+
+
 def _nvme(options: Any, setting: RunSetting) -> str | None:
     fraction, where = options.nvme_offload_fraction, options.nvme_offload_dir
     if isinstance(fraction, bool) or not isinstance(fraction, int | float):

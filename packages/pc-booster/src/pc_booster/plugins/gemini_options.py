@@ -18,6 +18,7 @@ from pc_booster.rules import (
     RunSetting,
     StateBytes,
     TrainPrecision,
+    tp_size_problem,
 )
 
 __all__ = ["GeminiOptions"]
@@ -57,10 +58,9 @@ def _in_backward_fp16(options: GeminiOptions, setting: RunSetting) -> str | None
 
 def _tensor_parallel(options: GeminiOptions, setting: RunSetting) -> str | None:
     tp = options.tp_size
-    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
-        return f"tp_size must be an int >= 1, got {tp!r}."
-    if setting.world is not None and setting.world % tp:
-        return f"tp_size={tp} must divide the {setting.world} ranks; choose a divisor."
+    problem = tp_size_problem(tp, setting.world)
+    if problem is not None:
+        return problem
     if tp > 1 and options.extra_dp_size > 1:
         return (
             f"tp_size={tp} with extra_dp_size={options.extra_dp_size}: two-level sharding of "

@@ -39,6 +39,7 @@ from pc_booster.rules import (
     RunSetting,
     StateBytes,
     TrainPrecision,
+    tp_size_problem,
 )
 from pc_booster.step_policies import AmpStep, GradientStep
 
@@ -134,10 +135,9 @@ def _fsdp1_arguments(o: TorchFSDPOptions, setting: RunSetting) -> str | None:
 
 def _tensor_parallel(o: TorchFSDPOptions, setting: RunSetting) -> str | None:
     tp = o.tp_size
-    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
-        return f"tp_size must be an int >= 1, got {tp!r}."
-    if setting.world is not None and setting.world % tp:
-        return f"tp_size={tp} must divide the {setting.world} ranks; choose a divisor."
+    problem = tp_size_problem(tp, setting.world)
+    if problem is not None:
+        return problem
     if tp > 1 and o.sharding_strategy in ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"):
         return (
             f"sharding_strategy={o.sharding_strategy} with tp_size={tp}: hybrid sharding over "
