@@ -280,3 +280,34 @@ def test_optimizer_states_narrow_train_and_resume_in_another_format(tmp_path: Pa
     losses = _losses(tmp_path)
     assert len(losses) == 6
     assert all(loss == loss for loss in losses)  # finite, not NaN
+
+
+def test_auto_resume_keeps_the_saved_runs_layout(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--plugin auto --resume`` takes the layout of the run it resumes,
+    without planning again: the planner's choice rests on a measured peak
+    and may tip another way on a later start, and another layout would not
+    repeat the curve bitwise (the demo test failed that way once the
+    planner offered more pipeline schedules)."""
+    from pc_train import plan
+    from pc_train.train import prepare
+
+    base = ["--model", "gpt2-tiny", "--nproc", "2", "--no-progress", "--no-tensorboard",
+            "--eval-every", "0", "--output-dir", str(tmp_path)]  # fmt: skip
+    done = subprocess.run(
+        [*COMMAND, *base, "--plugin", "zero1", "--cpu-offload", "--steps", "4",
+         "--checkpoint-every", "2"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    def no_planning(*args: object, **kwargs: object) -> None:
+        raise AssertionError("planned again on resume")
+
+    monkeypatch.setattr(plan, "_choose_plugin", no_planning)
+    older = str(tmp_path / "checkpoints" / "step-000002")
+    config, _, reasons = prepare(parse_args([*base, "--plugin", "auto", "--resume", older,
+                                             "--steps", "4"]), 2)  # fmt: skip
+    assert (config.plugin, config.cpu_offload) == ("zero1", True), config
+    assert "the layout the saved run trained with (zero1 cpu-offload" in reasons[0], reasons

@@ -7,6 +7,7 @@ the plugin ``--plugin auto`` chooses, with its reasons."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from dataclasses import fields, replace
@@ -21,12 +22,13 @@ from pc_train.checkpoint import (
     private_dir,
     refuse_linked_run_dirs,
 )
+from pc_train.commit import STATE
 from pc_train.cost import gib_text, model_shape
 from pc_train.data import corpus_bytes_available, min_corpus_tokens, tokenizer_source
 from pc_train.failures import bytes_text, os_reason
 from pc_train.hardware import DeviceInfo, disk_bandwidth
 from pc_train.models import MODEL_PRESETS, ModelSpec, resolve_model
-from pc_train.options import PluginKind, PluginOptions
+from pc_train.options import PLUGIN_NAMES, PluginKind, PluginOptions
 from pc_train.planner import Cluster, search
 from pc_train.signing import signing_key
 from pc_train.train_config import TrainConfig
@@ -46,7 +48,11 @@ def prepare(
     _check_inputs(config, spec)
     reasons: list[str] = []
     if config.plugin == "auto":
-        config, reasons = _choose_plugin(config, spec, world, fork_safe)
+        resumed = _saved_layout(config)
+        if resumed is not None:
+            config, reasons = resumed
+        else:
+            config, reasons = _choose_plugin(config, spec, world, fork_safe)
     options = config.plugin_options()
     # The plugin's own rules, the same ones its constructor and boost apply.
     options.check(
@@ -91,6 +97,39 @@ def _check_inputs(config: TrainConfig, spec: ModelSpec) -> None:
             f"model {config.model!r} has a vocabulary of {spec.vocab_size}; byte-level text "
             "needs 256. Pass --tokenizer, or a model with a larger vocabulary."
         )
+
+
+def _saved_layout(config: TrainConfig) -> tuple[TrainConfig, list[str]] | None:
+    """``--plugin auto --resume``: the layout the saved run trained with
+    (which ``--plugin auto`` chose when it started), so the resumed run
+    repeats its curve bitwise; the planner's choice rests on a measured
+    peak, which may tip another way on a later start. None when nothing
+    is resumed."""
+    which = config.resume
+    if which == "auto":
+        which = "latest" if has_checkpoint(config.checkpoint_dir) else None
+    if which is None:
+        return None
+    path = find_checkpoint(config.checkpoint_dir, which)
+    try:  # data only; prepare verifies the whole checkpoint next (load_trainer_state)
+        saved = json.loads((path / STATE).read_text())["config"]
+        plugin = saved["plugin"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # load_trainer_state names what is wrong with it
+    if plugin not in PLUGIN_NAMES or plugin == "auto":
+        return None
+    kept = {"nvme_offload_dir", "compile"}  # where the tier goes; the user's compile
+    layout = {
+        f.name: saved[f.name]
+        for f in fields(PluginOptions)
+        if f.name != "kind" and f.name not in kept and f.name in saved
+    }
+    config = replace(config, plugin=plugin, **layout)
+    reason = (
+        f"--resume with --plugin auto: the layout the saved run trained with "
+        f"({config.plugin_options().describe()}, from {path}), so the curve repeats."
+    )
+    return config, [reason]
 
 
 def _choose_plugin(
