@@ -269,7 +269,7 @@ def test_pc_train_auto_runs_the_planners_first_plan(monkeypatch: pytest.MonkeyPa
     [Note: Gemini's gradients at the peak]), a plan that clips (and
     offloads) where it does, and never stepping in backward with
     accumulation."""
-    from pc_train.planner import Cluster, search
+    from pc_train.planner import Cluster, rank, search
     from pc_train.train import prepare
     from pc_train.train_config import parse_args
 
@@ -288,7 +288,7 @@ def test_pc_train_auto_runs_the_planners_first_plan(monkeypatch: pytest.MonkeyPa
 
     def ranked(max_norm: float, accumulation: int, batch: int = 8) -> list[PluginOptions]:
         plans = search(shape, cluster, batch, 64, "fp32", max_norm=max_norm)
-        found = [p.options for p in plans if p.accumulation == accumulation]
+        found = [p.options for p in rank([p for p in plans if p.accumulation == accumulation])]
         if max_norm == 0 and accumulation == 1:
             assert any(o.step_in_backward for o in found), [o.describe() for o in found]
         return found

@@ -29,7 +29,7 @@ from pc_train.failures import bytes_text, os_reason
 from pc_train.hardware import DeviceInfo, disk_bandwidth
 from pc_train.models import MODEL_PRESETS, ModelSpec, resolve_model
 from pc_train.options import PLUGIN_NAMES, PluginKind, PluginOptions
-from pc_train.planner import Cluster, search
+from pc_train.planner import Cluster, rank, search
 from pc_train.signing import signing_key
 from pc_train.train_config import TrainConfig
 
@@ -156,12 +156,12 @@ def _choose_plugin(
     # The user's accumulation stays (a pipeline's micro-batches replace it),
     # and so does the recomputation the user asked for.
     recompute = config.activation_checkpointing
-    plans = [
+    plans = rank([
         plan
         for plan in found
         if plan.accumulation == config.accumulation
         and (recompute == "none" or plan.options.activation_checkpointing == recompute)
-    ]
+    ])  # fmt: skip
     if not plans:
         raise ValueError(
             f"no layout of {spec.name} fits {gib_text(0.9 * device.memory_bytes)} per rank on "

@@ -24,7 +24,13 @@ divide the blocks. Each candidate is checked by its plugin's own rules
 flight micro-batches; step time as compute at the device's efficiency plus
 each collective over the link it crosses) and kept when it fits; the plans
 are ranked by predicted tokens per second, equal ones in the order searched
-(the simpler layout first: DDP, ZeRO-2, ZeRO-1, FSDP2, Gemini, hybrid). A layout that
+(the simpler layout first: DDP, ZeRO-2, ZeRO-1, FSDP2, Gemini, hybrid);
+the first plan is the first searched of those predicted within 5 % of the
+fastest (``NEAR``: the prediction's error is larger than that,
+docs/planner.md), so a measured peak a little
+faster or slower on another start does not tip the choice between
+layouts predicted alike (DDP and a zero-bubble pipeline of a small model
+did). A layout that
 does not fit with fp32 moments (Gemini: with the least share of its
 chunks on the host that fits) is tried with Adam's moments in bf16, then
 in 8 bits, where its plugin stores them narrow (ZeRO-1/2, Gemini): the
@@ -50,7 +56,7 @@ from pc_train.cost import Estimate, Links, ModelShape, estimate
 from pc_train.hardware import DeviceInfo
 from pc_train.options import NARROW_STATES, OPTIMIZER_STATES, PluginKind, PluginOptions
 
-__all__ = ["Cluster", "Plan", "candidates", "search"]
+__all__ = ["NEAR", "Cluster", "Plan", "candidates", "rank", "search"]
 
 _RECOMPUTE = ("none", "selective", "full")
 
@@ -82,6 +88,7 @@ class Plan:
     micro_batch: int
     accumulation: int
     estimate: Estimate
+    order: int = 0  # its place in the search (equal predictions keep it)
 
     @property
     def step_seconds(self) -> float:
@@ -109,6 +116,8 @@ def _divisors(n: int, limit: int) -> list[int]:
     return [d for d in range(1, min(n, limit) + 1) if n % d == 0]
 
 
+#: Plans predicted within this share of the fastest count as equally fast.
+NEAR = 0.05
 _OFFLOAD_STEPS = 20  # Gemini's share of chunks on the host, in steps of 5 %
 
 
@@ -200,7 +209,7 @@ def search(
     """Every plan that fits, fastest first [Note: the planner].
     ``max_norm``: the run's clipping (0: none), which some plans refuse
     (Gemini stepping in backward cannot clip by the global norm)."""
-    plans = []
+    plans: list[Plan] = []
     for options, micro, accumulation in candidates(shape, cluster, global_batch):
 
         def accepted(options: PluginOptions, accumulation: int = accumulation) -> bool:
@@ -228,9 +237,24 @@ def search(
 
         options, result = _least_change(options, run, accepted)
         if result.fits:
-            plans.append(Plan(options, micro, accumulation, result))
-    plans.sort(key=lambda p: -p.tokens_per_second)  # equal: the search order [Note: the planner]
-    return plans
+            plans.append(Plan(options, micro, accumulation, result, order=len(plans)))
+    return rank(plans)
+
+
+def rank(plans: list[Plan]) -> list[Plan]:
+    """``plans`` by predicted tokens per second, equal ones in search
+    order; first, the first searched of those within ``NEAR`` of the
+    fastest [Note: the planner]. Rank again after choosing among plans."""
+    ranked = sorted(plans, key=lambda p: (-p.tokens_per_second, p.order))
+    if ranked:
+        fastest = ranked[0].tokens_per_second
+        first = min(
+            (p for p in ranked if p.tokens_per_second >= (1 - NEAR) * fastest),
+            key=lambda p: p.order,
+        )
+        ranked.remove(first)
+        ranked.insert(0, first)
+    return ranked
 
 
 def _least_change(
