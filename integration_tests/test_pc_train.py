@@ -311,3 +311,5 @@ def test_auto_resume_keeps_the_saved_runs_layout(
                                              "--steps", "4"]), 2)  # fmt: skip
     assert (config.plugin, config.cpu_offload) == ("zero1", True), config
     assert "the layout the saved run trained with (zero1 cpu-offload" in reasons[0], reasons
+    with pytest.raises(ValueError, match="--tp 2 would be overwritten"):
+        prepare(parse_args([*base, "--plugin", "auto", "--resume", older, "--tp", "2"]), 2)

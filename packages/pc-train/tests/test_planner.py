@@ -279,6 +279,11 @@ def test_the_disk_bandwidth_is_measured_once_per_disk(
     cache.write_text("__import__('os').system('false')")
     assert hardware.disk_bandwidth(where, cache=cache) == 5e8
     assert len(calls) == 1
+    link = where / "link"
+    link.symlink_to(where / "cache")
+    with pytest.raises(ValueError, match="is not a directory"):
+        hardware.disk_bandwidth(link, cache=cache)  # never written through
+    assert len(calls) == 1
 
 
 def test_pipeline_schedules_are_planned_estimated_and_written() -> None:

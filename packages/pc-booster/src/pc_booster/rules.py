@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from pc_offload import parse_state_dtype
+from pc_offload import StateDtype, parse_state_dtype
 from pc_zero import LossScaleConfig
 
 if TYPE_CHECKING:
@@ -182,6 +182,13 @@ def tp_size_problem(tp: object, world: int | None) -> str | None:
     return None
 
 
+def _is_int8(states: object) -> bool:
+    try:
+        return parse_state_dtype(states) is StateDtype.INT8  # type: ignore[arg-type]
+    except ValueError:
+        return False  # OPTIMIZER_STATES_RULE names it
+
+
 def _nvme(options: Any, setting: RunSetting) -> str | None:
     fraction, where = options.nvme_offload_fraction, options.nvme_offload_dir
     if isinstance(fraction, bool) or not isinstance(fraction, int | float):
@@ -190,7 +197,7 @@ def _nvme(options: Any, setting: RunSetting) -> str | None:
         return f"nvme_offload_fraction must be in [0, 1], got {fraction!r}."
     if where is not None and not isinstance(where, str):
         return f"nvme_offload_dir must be a path (a str) or None, got {where!r}."
-    if fraction and str(options.optimizer_states) == "int8":
+    if fraction and _is_int8(options.optimizer_states):
         return (
             f"nvme_offload_fraction={fraction:g} with optimizer_states='int8': 8-bit moments "
             "stay in memory (a quarter of fp32's), so the tier would hold nothing; use "

@@ -373,6 +373,8 @@ def estimate(
     if device.kind == "cpu":  # one memory: what is "on the host" is there too
         device_bytes += host
     host_limit = None if device.kind == "cpu" else device.host_memory_bytes
+    device_fits = device_bytes <= 0.9 * device.memory_bytes
+    host_fits = host_limit is None or host <= 0.9 * host_limit
     return Estimate(
         plugin=options.describe(),
         world=world,
@@ -387,10 +389,9 @@ def estimate(
         flops_per_step=float(flops),
         step_seconds=seconds,
         tokens_per_step=tokens,
-        fits=device_bytes <= 0.9 * device.memory_bytes
-        and (host_limit is None or host <= 0.9 * host_limit),
-        host_fits=host_limit is None or host <= 0.9 * host_limit,
-        device_fits=device_bytes <= 0.9 * device.memory_bytes,
+        fits=device_fits and host_fits,
+        host_fits=host_fits,
+        device_fits=device_fits,
         disk_bytes=int(states.disk),
         host_is_device=device.kind == "cpu",
         exposed_comm_seconds=0.5 * comm_seconds,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import tempfile
 import time
 from dataclasses import dataclass
@@ -135,7 +136,16 @@ def disk_bandwidth(directory: str | os.PathLike[str], *, cache: Path | None = No
     disk's bandwidth]; ``cache``: the cache file (default under
     ``$XDG_CACHE_HOME/pc``)."""
     where = Path(directory)
-    key = str(os.stat(where).st_dev)
+    try:
+        info = os.lstat(where)
+    except FileNotFoundError:
+        raise ValueError(f"--nvme-offload-dir {str(where)!r} does not exist: create it.") from None
+    if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode):
+        raise ValueError(  # as the tier refuses it: nothing is written through a link
+            f"--nvme-offload-dir {str(where)!r} is not a directory (a symbolic link or a file): "
+            "name a real directory on a local disk."
+        )
+    key = str(info.st_dev)
     if cache is None:
         root = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
         cache = Path(root) / "pc" / "disk-bandwidth.json"

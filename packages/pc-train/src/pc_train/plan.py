@@ -48,6 +48,7 @@ def prepare(
     _check_inputs(config, spec)
     reasons: list[str] = []
     if config.plugin == "auto":
+        _check_auto_flags(config)  # what auto chooses, or takes from a resumed run
         resumed = _saved_layout(config)
         if resumed is not None:
             config, reasons = resumed
@@ -146,7 +147,6 @@ def _choose_plugin(
         PluginOptions(PluginKind.GEMINI, step_in_backward=True).check(
             world, config.precision, max_norm=config.clip_norm, accumulation=config.accumulation
         )
-    _check_auto_flags(config)
     nodes = world // config.nproc if config.nproc and world % config.nproc == 0 else 1
     cluster = Cluster(nodes, world // nodes, device, device.bandwidth / 4)
     found = search(

@@ -173,7 +173,7 @@ class LowLevelZeroOptions(PluginConfig, LossScaleOptions):
             pipeline=False,
             moment_bytes=moments,
         )
-        return states.on_disk(self.nvme_offload_fraction if self.cpu_offload else 0.0)
+        return states.on_disk(self.nvme_offload_fraction)  # nothing without cpu_offload
 
 
 # -- ZeRO-1/2 state: the fp32 masters are the parameters' true values --------------
