@@ -34,7 +34,7 @@ from pc_train.hardware import (
     gpu_peak_flops,
 )
 from pc_train.models import MODEL_PRESETS, ModelSpec, resolve_model
-from pc_train.options import OPTIMIZER_STATES, PRECISIONS, PluginKind, PluginOptions
+from pc_train.options import OPTIMIZER_STATES, PP_STYLES, PRECISIONS, PluginKind, PluginOptions
 from pc_train.planner import Cluster, search
 from pc_train.trial import Trial
 
@@ -108,6 +108,12 @@ def _parser() -> argparse.ArgumentParser:
         "--ep", type=int, default=1, help="expert-parallel size (with --plugin hybrid, MoE models)"
     )
     parser.add_argument("--zero-stage", type=int, default=1)
+    parser.add_argument(
+        "--pp-style",
+        choices=PP_STYLES,
+        default="1f1b",
+        help="with --plugin hybrid --pp: the pipeline schedule",
+    )
     parser.add_argument(
         "--device-memory-gib",
         type=float,
@@ -225,6 +231,7 @@ def _estimate_plugin(args: argparse.Namespace, shape: ModelShape, device: Device
         sp=args.sp,
         sp_mode=args.sp_mode,
         ep=args.ep,
+        pp_style=args.pp_style,
     )
     if args.step_in_backward:
         options = replace(options, step_in_backward=True)
