@@ -341,8 +341,7 @@ def estimate(
     seconds = compute + 0.5 * comm_seconds + tp_bytes / device.bandwidth
     if host:  # offloaded shards cross PCIe (about 25 GB/s) and step on the host (about 10 GB/s)
         seconds += 2 * host / 25e9 + host / 10e9
-    # The NVMe tier's moments: read and written back once a step, stepped on the host.
-    seconds += 2 * states.disk / device.disk_bandwidth + states.disk / 10e9
+    seconds += 2 * states.disk / device.disk_bandwidth + states.disk / 10e9  # NVMe: read, write
     if options.pp > 1:
         chunks = options.microbatches or options.pp
         seconds *= 1 + (options.pp - 1) / chunks / BUBBLE_DIVISOR[options.pp_style]
