@@ -72,3 +72,44 @@ def test_tuned_allocator_keeps_freed_memory(tmp_path: Path) -> None:
     # heap reuses them (0 to 1 seen here).
     assert default > 20_000, f"glibc's defaults no longer fault ({default}/step): retire this"
     assert tuned < default / 20, (default, tuned)
+
+
+def _kept_after_free(keep: bool) -> int:
+    """Anonymous resident bytes still held after 160 MB of 8 MB tensors
+    (under glibc's automatic mmap threshold) are made and freed."""
+    from pc_comm import RETURN_FREED
+
+    assert tune_host_allocator(None if keep else RETURN_FREED)
+
+    def anon() -> int:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+        raise AssertionError("no RssAnon")
+
+    before = anon()
+    blocks = [torch.ones(2_000_000) for _ in range(20)]
+    del blocks
+    return anon() - before
+
+
+def _compare_kept(out: str) -> None:
+    import torch.distributed as dist
+
+    kept = _kept_after_free(keep=dist.get_rank() == 0)
+    gathered: list[int] = [0, 0]
+    dist.all_gather_object(gathered, kept)
+    if dist.get_rank() == 0:
+        Path(out).write_text(f"{gathered[0]} {gathered[1]}")
+
+
+@glibc
+@pytest.mark.timeout(120)
+def test_return_freed_gives_memory_back_that_the_default_tuning_keeps(tmp_path: Path) -> None:
+    """What pc-train asks for where memory is the limit (states on the host
+    or the disk tier, a memory cap) [Note: host allocator]."""
+    out = tmp_path / "kept.txt"
+    spawn(_compare_kept, 2, args=(str(out),), timeout=100)
+    kept, returned = map(int, out.read_text().split())
+    assert kept > 120_000_000, kept  # the heap keeps what it grew to
+    assert returned < 8_000_000, returned  # each block was its own mapping, unmapped

@@ -91,6 +91,48 @@ def test_pages_leave_memory_after_each_step_and_come_back(tmp_path: Path) -> Non
     assert float(moments.abs().sum()) > 0  # read back from the disk
 
 
+def test_every_byte_is_counted_and_the_wait_on_the_disk_is_timed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each step reads and writes back every byte on the tier once; the next
+    step's first tensor is asked for at the end of a step; a read that is
+    not done when its tensor is stepped is the step's wait on the disk."""
+    from pc_offload import nvme
+
+    model = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 256))
+    opt = CPUAdamW(model.parameters(), nvme_offload_fraction=1.0, nvme_offload_dir=str(tmp_path))
+    tier = opt.nvme
+    assert tier is not None
+    on_tier = 2 * 4 * sum(p.numel() for p in model.parameters())  # both moments, fp32
+    for _ in range(3):
+        model(torch.randn(4, 256)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    tier.wait()
+    stats = tier.stats()
+    assert stats.bytes_written == 3 * on_tier
+    assert stats.bytes_read == 3 * on_tier  # the first step's reads the zeros it made
+    first = opt.state[model[0].weight]
+    assert {first["exp_avg"].untyped_storage().data_ptr()} <= set(tier._reading)
+
+    slow = 0.2
+    real = nvme._read_in
+
+    def _slow_read(*args: Any) -> int:
+        time.sleep(slow)
+        return real(*args)
+
+    monkeypatch.setattr(nvme, "_read_in", _slow_read)
+    before = tier.stats()
+    model(torch.randn(4, 256)).square().mean().backward()
+    opt.step()
+    waited = tier.stats().read_wait_s - before.read_wait_s
+    # Three tensors read slowly one after another (the first was read fast):
+    # the step waits for each while stepping the one before takes no time.
+    assert waited >= 2 * slow * 0.9
+    assert tier.stats().bytes_read - before.bytes_read == on_tier
+
+
 def test_nothing_is_left_to_find_while_it_runs_or_after(tmp_path: Path) -> None:
     """The scratch file and its private directory are removed as soon as
     the file is open: the states live in an unlinked file (its blocks

@@ -20,7 +20,7 @@ from pc_train.checkpoint import CheckpointError, find_checkpoint, load_trainer_s
 from pc_train.data import batch_offsets, load_byte_corpus, load_corpus
 from pc_train.failures import EXIT_FAILURE, EXIT_USER_ERROR, describe_failure
 from pc_train.hardware import peak_flops
-from pc_train.launch import _cpu_threads
+from pc_train.launch import _bound_by_memory, _cpu_threads
 from pc_train.models import resolve_model
 from pc_train.options import PluginKind, PluginOptions
 from pc_train.train_config import TrainConfig
@@ -229,3 +229,21 @@ def test_the_lr_schedule_keeps_the_length_it_was_saved_with() -> None:
     assert _schedule_steps(config, {"config": {"steps": 6}}) == 6  # saved before it was recorded
     factor = _schedule(4, 2)
     assert [round(factor(s), 6) for s in range(7)] == [0.5, 0.853553, 0.5, 0.146447, 0, 0, 0]
+
+
+def test_freed_memory_is_given_back_where_memory_is_the_limit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """[Note: host allocator]: a CPU rank keeps freed memory for speed,
+    except where the run placed states on the host or the disk tier, or runs
+    under a memory cap."""
+    monkeypatch.delenv("PC_TRAIN_CGROUP", raising=False)
+    assert not _bound_by_memory(TrainConfig(plugin="zero2"))
+    assert not _bound_by_memory(TrainConfig(plugin="gemini"))
+    assert _bound_by_memory(TrainConfig(plugin="zero2", cpu_offload=True))
+    assert _bound_by_memory(TrainConfig(plugin="gemini", offload_frac=0.5))
+    assert _bound_by_memory(
+        TrainConfig(plugin="zero2", cpu_offload=True, nvme_offload_fraction=1.0)
+    )
+    monkeypatch.setenv("PC_TRAIN_CGROUP", "pc-test")
+    assert _bound_by_memory(TrainConfig(plugin="zero2"))

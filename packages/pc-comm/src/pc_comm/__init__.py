@@ -25,7 +25,7 @@ from pc_comm.env import DistEnv, DistEnvError, read_dist_env
 from pc_comm.health import PeerFailureError, set_phase
 from pc_comm.hierarchical import HierarchicalCommunicator
 from pc_comm.hooks import weak_method
-from pc_comm.host_allocator import HostAllocatorSettings, tune_host_allocator
+from pc_comm.host_allocator import RETURN_FREED, HostAllocatorSettings, tune_host_allocator
 from pc_comm.launch import DistContext, StoreUnreachableError, init_distributed
 from pc_comm.shm import ShmCommunicator, ShmPeerError, ShmSpaceError, usable_cores
 from pc_comm.topology import Coord, ParallelDims, Subgroups, make_subgroups, two_level_groups
@@ -34,6 +34,7 @@ from pc_comm.torch_communicator import TorchCommunicator
 __version__ = "0.1.0"
 
 __all__ = [
+    "RETURN_FREED",
     "AllToAll",
     "Communicator",
     "CompletedHandle",

@@ -22,9 +22,16 @@ freed memory stays in the process for the next step and nothing is faulted
 in twice. This is what the jemalloc or tcmalloc settings recommended for
 PyTorch CPU training achieve (``LD_PRELOAD`` and never decaying dirty
 pages), without preloading another allocator. The cost: the process keeps
-its peak heap until it exits. ``pc-train`` calls it on every rank of a CPU
-run; the benchmarks call it in every process, so every row, the
-single-process baseline included, runs with it.
+its peak heap until it exits, which is wrong where memory, not speed, is
+the limit: a run that places states on the host or the disk tier, or one
+under a memory cap, needs what one phase freed for the next phase's
+temporaries and the tier's page cache. :data:`RETURN_FREED` asks for the
+opposite: every block over 1 MiB its own mapping, given back when freed,
+and the heap trimmed past 1 MiB. ``pc-train`` keeps freed memory on every
+rank of a CPU run except those (``cpu_offload``, ``offload_frac``,
+``nvme_offload_fraction``, or ``PC_TRAIN_CGROUP``), which return it; the
+benchmarks call it in every process, so every row, the single-process
+baseline included, runs with the same setting.
 """
 
 from __future__ import annotations
@@ -33,7 +40,7 @@ import ctypes
 import platform
 from dataclasses import dataclass
 
-__all__ = ["HostAllocatorSettings", "tune_host_allocator"]
+__all__ = ["RETURN_FREED", "HostAllocatorSettings", "tune_host_allocator"]
 
 # glibc's mallopt parameters (malloc.h).
 _M_TRIM_THRESHOLD = -1
@@ -66,6 +73,9 @@ class HostAllocatorSettings:
                     f"{_INT_MAX} (mallopt takes a C int); got {value!r}."
                 )
 
+
+# Give freed memory back at once (see the module's note).
+RETURN_FREED = HostAllocatorSettings(mmap_threshold=1 << 20, trim_threshold=1 << 20, top_pad=0)
 
 _applied: HostAllocatorSettings | None = None
 

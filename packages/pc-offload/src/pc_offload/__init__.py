@@ -5,7 +5,7 @@ be stored in bf16 or 8 bits (``state_dtype``)."""
 
 from pc_offload.activation import CPUOffload, OffloadStats
 from pc_offload.convert import adam_storing, check_storable
-from pc_offload.nvme import NvmeSpaceError, NvmeTier
+from pc_offload.nvme import NvmeSpaceError, NvmeStats, NvmeTier
 from pc_offload.optim import CPUAdam, CPUAdamW, HybridAdam
 from pc_offload.pool import (
     CopyEngine,
@@ -33,6 +33,7 @@ __all__ = [
     "CopyEngine",
     "HybridAdam",
     "NvmeSpaceError",
+    "NvmeStats",
     "NvmeTier",
     "OffloadStats",
     "PinnedPool",

@@ -8,12 +8,19 @@ reads or writes optimizer state (the fused step, checkpoints, ZeRO's and
 Gemini's pieces) works on it unchanged; the pages live in the kernel's page
 cache, which it writes to disk and reclaims under memory pressure instead of
 failing (they are file pages, not anonymous memory: a cgroup's limit evicts
-them). The step streams through them one tensor at a time: before a tensor
-is stepped the next one's pages are asked for (``MADV_WILLNEED``: the
-kernel reads them ahead while this one computes), and after it a worker
-thread writes its pages back and drops them from the cache (``msync`` then
-``POSIX_FADV_DONTNEED``), so what the tier holds in memory between tensors
-is about the tensors in flight, not the whole state. (A pinned-buffer
+them). The step streams through them one tensor at a time: while a tensor
+is stepped a reader thread reads the next one's range into the page cache
+(``pread``, which lets go of the interpreter while the disk works), and
+after it a writer thread writes its pages back and drops them from the
+cache (``msync`` then ``POSIX_FADV_DONTNEED``), so what the tier holds in
+memory between tensors is about the tensors in flight, not the whole
+state. The step's first tensor is read during the forward and backward
+before it (asked for at the end of the previous step, once its own
+write-behind is done). The step waits on the disk only in ``ready`` (a
+read not done when its tensor is stepped) and ``wait`` (a write-behind not
+done when the next step starts); both are timed, with the bytes moved, in
+``NvmeTier.stats`` (``benchmarks/bench_nvme.py`` prints them per step).
+(A pinned-buffer
 design with ``O_DIRECT`` reads, DeepSpeed's, avoids the page cache
 entirely but needs every reader of the state to go through it; pc chose
 the mapping so that checkpoints and sharded pieces need no second path.)
@@ -35,21 +42,36 @@ removed when the next tier starts.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import mmap
 import os
 import shutil
 import stat
+import time
 import uuid
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-__all__ = ["NvmeSpaceError", "NvmeTier"]
+__all__ = ["NvmeSpaceError", "NvmeStats", "NvmeTier"]
 
 _PREFIX = "pc-nvme-"
+_READ_BLOCK = 4 << 20  # bytes per pread
+
+
+@dataclass(frozen=True)
+class NvmeStats:
+    """What a tier moved and how long its user waited on the disk, since it
+    was made (subtract two to get one step's)."""
+
+    bytes_read: int
+    bytes_written: int
+    read_wait_s: float  # in ``ready``: a tensor stepped before its read was done
+    write_wait_s: float  # in ``wait``: a write-behind not done when asked for
 
 
 class NvmeSpaceError(OSError):
@@ -99,8 +121,9 @@ def remove_stale(parent: Path) -> list[str]:
     return removed
 
 
-def _release(pool: ThreadPoolExecutor, fd: int) -> None:
-    pool.shutdown(wait=True)
+def _release(pools: tuple[ThreadPoolExecutor, ...], fd: int) -> None:
+    for pool in pools:
+        pool.shutdown(wait=True)
     os.close(fd)  # the blocks go with the last mapping
 
 
@@ -123,12 +146,19 @@ class NvmeTier:
         os.unlink(name)
         os.rmdir(self.path)
         self.bytes = 0  # allocated on disk
-        # One writer thread: write-behind of the tensors just stepped.
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="pc-nvme")
+        # One writer thread (write-behind of the tensors just stepped) and
+        # one reader (read-ahead of the next), so that each overlaps the other.
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="pc-nvme-write")
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="pc-nvme-read")
         # Each tensor's storage address -> (its mapping, offset in the file, bytes).
         self._maps: dict[int, tuple[mmap.mmap, int, int]] = {}
         self._pending: list[Future[None]] = []
-        self._finalizer = weakref.finalize(self, _release, self._pool, self._fd)
+        # Storage address -> its write-behind in flight, its read-ahead in flight.
+        self._writing: dict[int, Future[None]] = {}
+        self._reading: dict[int, Future[int]] = {}
+        self._read = self._written = 0
+        self._read_wait = self._write_wait = 0.0
+        self._finalizer = weakref.finalize(self, _release, (self._reader, self._pool), self._fd)
 
     def empty(self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A zero tensor backed by a new range of the scratch file."""
@@ -162,27 +192,53 @@ class NvmeTier:
         return tensor.untyped_storage().data_ptr() in self._maps
 
     def read_ahead(self, tensors: list[torch.Tensor]) -> None:
-        """Ask the kernel to read these tensors' pages now."""
+        """Read these tensors' ranges into memory on the reader thread (after
+        their own write-behind, if one is in flight)."""
         for tensor in tensors:
-            found = self._maps.get(tensor.untyped_storage().data_ptr())
-            if found is not None:
-                mapped, _, nbytes = found
-                mapped.madvise(mmap.MADV_WILLNEED, 0, nbytes)
+            key = tensor.untyped_storage().data_ptr()
+            found = self._maps.get(key)
+            if found is None or key in self._reading:
+                continue
+            _, offset, nbytes = found
+            writing = self._writing.get(key)
+            self._reading[key] = self._reader.submit(_read_in, self._fd, offset, nbytes, writing)
+
+    def ready(self, tensors: list[torch.Tensor]) -> None:
+        """Until these tensors' reads are done (started now if they were not
+        asked for): the time the step waits on the disk for them."""
+        self.read_ahead(tensors)
+        start = time.perf_counter()
+        for tensor in tensors:
+            future = self._reading.pop(tensor.untyped_storage().data_ptr(), None)
+            if future is not None:
+                self._read += future.result()
+        self._read_wait += time.perf_counter() - start
 
     def write_behind(self, tensors: list[torch.Tensor]) -> None:
         """Write these tensors' pages back and drop them from memory, on the
-        worker thread."""
-        found = [self._maps.get(t.untyped_storage().data_ptr()) for t in tensors]
-        maps = [m for m in found if m is not None]
+        writer thread."""
+        keys = [t.untyped_storage().data_ptr() for t in tensors]
+        maps = [self._maps[key] for key in keys if key in self._maps]
         if maps:
             self._pending = [f for f in self._pending if not f.done()]
-            self._pending.append(self._pool.submit(_write_back, self._fd, maps))
+            future = self._pool.submit(_write_back, self._fd, maps)
+            self._pending.append(future)
+            self._written += sum(nbytes for _, _, nbytes in maps)
+            self._writing = {k: f for k, f in self._writing.items() if not f.done()}
+            self._writing.update((key, future) for key in keys if key in self._maps)
 
     def wait(self) -> None:
         """Until every write-behind finished (raising its error)."""
         pending, self._pending = self._pending, []
-        for future in pending:
-            future.result()
+        start = time.perf_counter()
+        try:
+            for future in pending:
+                future.result()
+        finally:
+            self._write_wait += time.perf_counter() - start
+
+    def stats(self) -> NvmeStats:
+        return NvmeStats(self._read, self._written, self._read_wait, self._write_wait)
 
     def close(self) -> None:
         self._finalizer()
@@ -193,3 +249,21 @@ def _write_back(fd: int, maps: list[tuple[mmap.mmap, int, int]]) -> None:
         mapped.flush(0, nbytes)  # msync: the pages reach the disk
         mapped.madvise(mmap.MADV_DONTNEED, 0, nbytes)  # this process lets go of them
         os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_DONTNEED)  # and the page cache
+
+
+def _read_in(fd: int, offset: int, nbytes: int, after: Future[None] | None) -> int:
+    """Reads a range into the page cache, where the mapping finds it."""
+    if after is not None:
+        # Its pages reach the disk before they are read; its error, if any,
+        # is raised to the step by ``wait``.
+        with contextlib.suppress(BaseException):
+            after.result()
+    block = bytearray(min(nbytes, _READ_BLOCK))
+    done = 0
+    while done < nbytes:
+        view = memoryview(block)[: min(len(block), nbytes - done)]
+        got = os.preadv(fd, [view], offset + done)
+        if got <= 0:
+            break
+        done += got
+    return done

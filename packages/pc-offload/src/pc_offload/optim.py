@@ -333,16 +333,23 @@ class _MasterAdam(Optimizer):
         for lists in by_device.values():
             torch._foreach_add_(lists[5], 1)
             update(group, *lists)
+        tier = self.nvme  # [Note: the NVMe tier]
         for i, (master, grad, moments, step) in enumerate(narrow):
-            if self.nvme is not None and i + 1 < len(narrow):  # [Note: the NVMe tier]
-                self.nvme.read_ahead([narrow[i + 1][0], *narrow[i + 1][2]])
+            if tier is not None:
+                if i + 1 < len(narrow):
+                    tier.read_ahead([narrow[i + 1][0], *narrow[i + 1][2]])
+                tier.ready([master, *moments])
             step.add_(1)
             if states.is_narrow(moments[0]):
                 states.step_blockwise(partial(update, group), master, grad, moments, step)
             else:
                 update(group, [master], [grad], moments[:1], moments[1:2], moments[2:], [step])
-            if self.nvme is not None:
-                self.nvme.write_behind([master, *moments])
+            if tier is not None:
+                tier.write_behind([master, *moments])
+        if tier is not None and narrow:
+            # The next step's first tensor, read while the next forward and
+            # backward compute.
+            tier.read_ahead([narrow[0][0], *narrow[0][2]])
         for local, master in refresh:
             local.copy_(master, non_blocking=True)
 

@@ -139,7 +139,7 @@ def join_memory_cgroup(rank: int) -> bool:
     from pathlib import Path
 
     from pc_comm import tune_host_allocator
-    from pc_comm.host_allocator import HostAllocatorSettings
+    from pc_comm.host_allocator import RETURN_FREED
 
     group = Path("/sys/fs/cgroup/memory") / f"{name}-rank{rank}"
     if not (group / "cgroup.procs").exists():
@@ -147,7 +147,6 @@ def join_memory_cgroup(rank: int) -> bool:
             f"PC_TRAIN_CGROUP={name!r}: {group} is not a memory cgroup; make it (and cap it) "
             "before starting pc-train."
         )
-    mib = 1 << 20
-    tune_host_allocator(HostAllocatorSettings(mmap_threshold=mib, trim_threshold=mib, top_pad=0))
+    tune_host_allocator(RETURN_FREED)  # what one phase frees, the next may need
     (group / "cgroup.procs").write_text(str(os.getpid()))
     return True

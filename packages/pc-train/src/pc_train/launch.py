@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from pc_comm import health, tune_host_allocator
+from pc_comm.host_allocator import RETURN_FREED
 from pc_train import memory_limits
 from pc_train.failures import (
     ERROR_DIR,
@@ -45,6 +46,14 @@ from pc_train.train_config import TrainConfig
 from pc_train.trainer import train
 
 __all__ = ["launch_local", "run_rank"]
+
+
+def _bound_by_memory(config: TrainConfig) -> bool:
+    """A run that places states on the host or the disk tier, or one under
+    the memory tests' caps: what one phase frees, the next needs."""
+    options = config.plugin_options()
+    placed = options.cpu_offload or options.offload_frac > 0 or options.nvme_offload_fraction > 0
+    return placed or bool(os.environ.get("PC_TRAIN_CGROUP"))
 
 
 def _cpu_threads(local_ranks: int) -> int:
@@ -93,7 +102,9 @@ def run_rank(config: TrainConfig, reasons: Sequence[str]) -> None:
     if context.device.type == "cpu":
         # Ranks share the host's cores; oversubscribing them slows every rank.
         torch.set_num_threads(_cpu_threads(context.env.local_world_size))
-        tune_host_allocator()  # no page faults for memory freed last step [Note: host allocator]
+        # Freed memory kept (no page faults for it next step), or given back
+        # where memory is the limit [Note: host allocator].
+        tune_host_allocator(RETURN_FREED if _bound_by_memory(config) else None)
     phases = Phases()
     rank = context.env.rank
     if launcher is not None:
