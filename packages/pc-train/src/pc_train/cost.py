@@ -41,9 +41,6 @@ from torch.optim import Optimizer
 
 from pc_booster.rules import StateBytes, TrainPrecision
 from pc_train.activations import (
-    BUBBLE_DIVISOR,
-    COMPILED_TIME,
-    RECOMPUTE_COST,
     activation_bytes,
     bucket_in_flight,
     fsdp_gathered_bytes,
@@ -53,6 +50,7 @@ from pc_train.hardware import DeviceInfo, GiB
 from pc_train.models import ModelSpec, build_model
 from pc_train.network import Links
 from pc_train.options import PluginKind, PluginOptions
+from pc_train.step_time import step_time
 
 __all__ = [
     "Estimate",
@@ -317,35 +315,18 @@ def estimate(
     activations += bucket_in_flight(plugin, psi, g)
     activations += fsdp_gathered_bytes(shape, options, precision)
     pipeline_batches = options.microbatches or options.pp if options.pp > 1 else 1
-    busiest = max(options.rank_blocks(shape.layers))  # blocks on the busiest rank
     tokens = micro_batch * seq_len * n * pipeline_batches
     flops = (6 * shape.params + 12 * shape.layers * shape.hidden * seq_len) * tokens
-    compute = flops / world / (device.peak_flops * device.efficiency)
-    compute *= 1 + RECOMPUTE_COST[options.activation_checkpointing] * (
-        options.activation_checkpointing_fraction
+    sharded = plugin.gathers_parameters or not (
+        options.kind is PluginKind.DDP
+        or (options.kind is PluginKind.HYBRID and options.zero_stage == 0)
     )
-    if options.compile:
-        compute *= COMPILED_TIME
-    units = 3 if plugin.gathers_parameters else 2  # ZeRO-3 gathers twice and reduces once
-    comm_seconds = (links or Links()).data_parallel_seconds(
-        units, psi * (p if plugin.gathers_parameters else g), n, options.extra_dp > 1, device
-    )
-    tp_bytes = 0.0
-    if options.tp > 1:
-        per_layer = 8 * (options.tp - 1) / options.tp * micro_batch * seq_len * shape.hidden * p
-        tp_bytes = per_layer * busiest * pipeline_batches
-    if options.sp > 1:  # Ulysses: four all-to-alls of 1/sp of the tokens a layer, each way
-        sp = options.sp
-        per_layer = 8 * (sp - 1) / sp * micro_batch * seq_len * shape.hidden * p / sp
-        tp_bytes += per_layer * busiest * pipeline_batches
-    seconds = compute + 0.5 * comm_seconds + tp_bytes / device.bandwidth
-    if host:  # offloaded shards cross PCIe (about 25 GB/s) and step on the host (about 10 GB/s)
-        seconds += 2 * host / 25e9 + host / 10e9
-    seconds += 2 * states.disk / device.disk_bandwidth + states.disk / 10e9  # NVMe: read, write
-    if options.pp > 1:
-        chunks = options.microbatches or options.pp
-        seconds *= 1 + (options.pp - 1) / chunks / BUBBLE_DIVISOR[options.pp_style]
-        seconds *= busiest / (shape.layers / options.pp)  # the busiest rank sets the pace
+    timing = step_time(
+        shape, options, world, micro_batch, seq_len, device, links or Links(),
+        param_bytes=p, grad_bytes=g, stepped_params=psi / (n * options.sp) if sharded else psi,
+        host_bytes=host, disk_bytes=states.disk,
+    )  # fmt: skip
+    seconds = timing.seconds
     # A checkpoint holds fp32 moments however they are stored (saves widen
     # narrow ones): the same plugin's fp32 count.
     saved_moments = states_bytes
@@ -393,7 +374,7 @@ def estimate(
         device_fits=device_fits,
         disk_bytes=int(states.disk),
         host_is_device=device.kind == "cpu",
-        exposed_comm_seconds=0.5 * comm_seconds,
+        exposed_comm_seconds=timing.collectives * timing.pipeline,
         step_bytes=int(step_working_bytes(options, states_bytes - host)),
         gathers_parameters=plugin.gathers_parameters,
         gradients_after_peak=int(after_peak),

@@ -38,7 +38,12 @@ class DeviceInfo:
     not known, not checked; a CPU rank's device memory is its host
     memory); ``disk_bandwidth``: bytes/s to and from the NVMe tier's disk
     (:func:`disk_bandwidth` measures it; the default is a conservative
-    NVMe's)."""
+    NVMe's). The rest time a step's parts [Note: the step's time in
+    pc_train.step_time]: ``ranks_per_core``, above 1 where a CPU's ranks
+    outnumber its cores; ``block_seconds``, a transformer block's fixed
+    cost per micro-batch; ``call_seconds``, a collective call's;
+    ``memory_bandwidth``, what Adam's pass over the states runs at;
+    ``int8_seconds_per_param``, 8-bit moments' quantisation."""
 
     kind: str  # "cuda" or "cpu"
     memory_bytes: int
@@ -47,6 +52,11 @@ class DeviceInfo:
     efficiency: float  # share of peak a training step reaches
     host_memory_bytes: int | None = None
     disk_bandwidth: float = 1e9
+    ranks_per_core: float = 1.0
+    block_seconds: float = 0.0
+    call_seconds: float = 0.0
+    memory_bandwidth: float = 1e11
+    int8_seconds_per_param: float = 0.0
 
     @staticmethod
     def detect(local_ranks: int, precision: str = "fp32", *, fork_safe: bool = False) -> DeviceInfo:
@@ -59,10 +69,32 @@ class DeviceInfo:
             props = torch.cuda.get_device_properties(0)
             peak = gpu_peak_flops(props.name, precision)
             host = pages // max(1, local_ranks)
-            return DeviceInfo("cuda", props.total_memory, peak, 150e9, 0.45, host)
-        threads = max(1, (os.cpu_count() or 1) // max(1, local_ranks))
+            return DeviceInfo(
+                "cuda", props.total_memory, peak, 150e9, 0.45, host,
+                call_seconds=NCCL_CALL_SECONDS, memory_bandwidth=HBM_BANDWIDTH,
+            )  # fmt: skip
+        cores = os.cpu_count() or 1
+        threads = max(1, cores // max(1, local_ranks))
         peak = cpu_peak_flops(1) * threads if fork_safe else cpu_peak_flops(threads)
-        return DeviceInfo("cpu", pages // max(1, local_ranks), peak, 2e9, 0.5)
+        return DeviceInfo(
+            "cpu", pages // max(1, local_ranks), peak, 2e9, CPU_TIMES["efficiency"],
+            ranks_per_core=max(1.0, local_ranks / cores),
+            block_seconds=CPU_TIMES["block_seconds"], call_seconds=CPU_TIMES["call_seconds"],
+            memory_bandwidth=10e9, int8_seconds_per_param=CPU_TIMES["int8_seconds_per_param"],
+        )  # fmt: skip
+
+
+# [Note: the step's time in pc_train.step_time]: fitted to the calibration
+# table on this project's 2-core machine (tools/calibrate_estimate.py).
+CPU_TIMES = {
+    "efficiency": 0.46,
+    "block_seconds": 2.86e-3,
+    "call_seconds": 1.76e-3,
+    "int8_seconds_per_param": 1.81e-7,
+}
+# A NCCL call's latency within a node; HBM for Adam's pass.
+NCCL_CALL_SECONDS = 2e-5
+HBM_BANDWIDTH = 2e12
 
 
 _GPU_PEAKS = {  # dense tensor-core TFLOP/s: (bf16/fp16, fp32 via tf32)
@@ -81,8 +113,9 @@ def gpu_device(name: str, precision: str) -> DeviceInfo:
     """A GPU from the datasheet table (``pc-estimate --gpu H100``), for
     estimates made away from the machine; NVLink-class bandwidth."""
     return DeviceInfo(
-        "cuda", _GPU_MEMORY_GIB[name] * GiB, gpu_peak_flops(name, precision), 150e9, 0.45
-    )
+        "cuda", _GPU_MEMORY_GIB[name] * GiB, gpu_peak_flops(name, precision), 150e9, 0.45,
+        call_seconds=NCCL_CALL_SECONDS, memory_bandwidth=HBM_BANDWIDTH,
+    )  # fmt: skip
 
 
 def gpu_peak_flops(name: str, precision: str) -> float:

@@ -1,12 +1,13 @@
 """``pc-estimate --trial K``: the planner's first K plans run for a step on
 this machine's processes, each rank's peak measured (every byte it holds,
 :func:`pc_train.peak.step_peak`) and set beside the prediction; then a few
-more steps timed (outside the profiler), the slowest rank's mean step."""
+more steps timed (outside the profiler), the slowest rank's median step."""
 
 from __future__ import annotations
 
 import json
 import os
+import statistics
 import tempfile
 import time
 from dataclasses import dataclass
@@ -27,7 +28,7 @@ __all__ = ["Trial", "run_trials"]
 @dataclass(frozen=True)
 class Trial:
     """A plan's predicted and measured per-rank peak (the busiest rank's),
-    and its measured seconds per step (the slowest rank's mean)."""
+    and its measured seconds per step (the slowest rank's median)."""
 
     plan: Plan
     measured_bytes: int
@@ -43,7 +44,7 @@ class Trial:
         return self.measured_seconds / self.plan.step_seconds
 
 
-_TIMED_STEPS = 3
+_TIMED_STEPS = 9
 
 
 def _measure(
@@ -88,10 +89,14 @@ def _measure(
     held = torch.tensor([float(step_peak(kept))])
     dist.all_reduce(held, op=dist.ReduceOp.MAX)
     dist.barrier()
-    start = time.perf_counter()
+    times = []
     for _ in range(_TIMED_STEPS):
+        start = time.perf_counter()
         steps[-1]()
-    seconds = torch.tensor([(time.perf_counter() - start) / _TIMED_STEPS])
+        times.append(time.perf_counter() - start)
+    # The median step: on a shared machine a step now and then is slowed by
+    # something else (3 steps' mean moved by up to 70 % between runs).
+    seconds = torch.tensor([statistics.median(times)])
     dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
     if dist.get_rank() == 0:
         Path(out).write_text(json.dumps({"measured": int(held), "seconds": float(seconds)}))
