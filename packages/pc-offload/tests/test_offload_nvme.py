@@ -99,7 +99,8 @@ def test_every_byte_is_counted_and_the_wait_on_the_disk_is_timed(
     not done when its tensor is stepped is the step's wait on the disk."""
     from pc_offload import nvme
 
-    model = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 256))
+    head = nn.Linear(256, 256)
+    model = nn.Sequential(head, nn.Linear(256, 256))
     opt = CPUAdamW(model.parameters(), nvme_offload_fraction=1.0, nvme_offload_dir=str(tmp_path))
     tier = opt.nvme
     assert tier is not None
@@ -112,7 +113,7 @@ def test_every_byte_is_counted_and_the_wait_on_the_disk_is_timed(
     stats = tier.stats()
     assert stats.bytes_written == 3 * on_tier
     assert stats.bytes_read == 3 * on_tier  # the first step's reads the zeros it made
-    first = opt.state[model[0].weight]
+    first = opt.state[head.weight]
     assert {first["exp_avg"].untyped_storage().data_ptr()} <= set(tier._reading)
 
     slow = 0.2

@@ -4,7 +4,7 @@ of pinned host buffers with an asynchronous copy engine. Adam's moments may
 be stored in bf16 or 8 bits (``state_dtype``)."""
 
 from pc_offload.activation import CPUOffload, OffloadStats
-from pc_offload.convert import adam_storing, check_storable
+from pc_offload.convert import adam_storing, check_own_masters, check_storable
 from pc_offload.nvme import NvmeSpaceError, NvmeStats, NvmeTier
 from pc_offload.optim import CPUAdam, CPUAdamW, HybridAdam
 from pc_offload.pool import (
@@ -42,6 +42,7 @@ __all__ = [
     "StateDtype",
     "Transfer",
     "adam_storing",
+    "check_own_masters",
     "check_storable",
     "is_narrow",
     "moment_bytes",

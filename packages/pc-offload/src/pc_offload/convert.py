@@ -13,7 +13,7 @@ from torch.optim import Optimizer
 from pc_offload.optim import CPUAdam, CPUAdamW, HybridAdam
 from pc_offload.states import StateDtype, parse_state_dtype
 
-__all__ = ["adam_storing", "check_storable"]
+__all__ = ["adam_storing", "check_own_masters", "check_storable"]
 
 # The hyperparameters torch's Adam / AdamW and pc-offload's share.
 _KEYS = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize")
@@ -47,6 +47,22 @@ def check_storable(
             f"{type(optimizer).__name__}. Use optimizer_states='fp32' with it."
         )
     return states
+
+
+def check_own_masters(optimizer: Optimizer, wrapper: str) -> None:
+    """Refuses ``bf16_stochastic_round`` under a wrapper that keeps fp32
+    masters of bf16 parameters itself (ZeRO, Gemini, FSDP2's mixed
+    precision): the optimizer steps those fp32 masters, never the bf16
+    weights, so the option would change nothing while the run believed
+    its masters were bf16 [Note: low-precision optimizer states]."""
+    if getattr(optimizer, "bf16_stochastic_round", False):
+        raise ValueError(
+            f"{type(optimizer).__name__}(bf16_stochastic_round=True) under {wrapper} with "
+            "bf16 parameters: the wrapper keeps fp32 masters of them and the optimizer steps "
+            "those, so there are no bf16 masters to round. Drop the option (fp32 masters, 4 "
+            "bytes a parameter), or train a bf16 model the optimizer steps itself (DDP, or "
+            "one process) to keep bf16 masters."
+        )
 
 
 def _check_disk_share(optimizer: Optimizer, fraction: float) -> None:

@@ -138,9 +138,17 @@ class _MasterAdam(Optimizer):
         state_dtype: str | torch.dtype | StateDtype = "fp32",
         nvme_offload_fraction: float = 0.0,
         nvme_offload_dir: str | None = None,
+        bf16_stochastic_round: bool = False,
     ) -> None:
         # How the moments are stored [Note: low-precision optimizer states].
         self.state_dtype = parse_state_dtype(state_dtype)
+        # bf16 parameters are their own masters, rounded stochastically (or
+        # have bf16 host masters) instead of fp32 masters [same note].
+        if not isinstance(bf16_stochastic_round, bool):
+            raise TypeError(
+                f"bf16_stochastic_round must be True or False, got {bf16_stochastic_round!r}."
+            )
+        self.bf16_stochastic_round = bf16_stochastic_round
         states.check_available(self.state_dtype)
         # The disk tier [Note: the NVMe tier in pc_offload.nvme]: the share
         # of the parameters (by elements, in order) whose states live there.
@@ -180,6 +188,7 @@ class _MasterAdam(Optimizer):
             # them (a plugin's, over its shards) keeps its disk tier.
             "nvme_offload_fraction": self.nvme_offload_fraction,
             "nvme_offload_dir": nvme_offload_dir,
+            "bf16_stochastic_round": bf16_stochastic_round,
         }
         super().__init__(params, defaults)
 
@@ -187,8 +196,15 @@ class _MasterAdam(Optimizer):
         return _HOST if self._on_host else param.device
 
     def _own_master(self, param: torch.Tensor) -> bool:
-        """An fp32 parameter on the step device is stepped in place."""
-        return param.dtype == torch.float32 and param.device == self._step_device(param)
+        """An fp32 parameter on the step device is stepped in place, and so
+        is a bf16 one under ``bf16_stochastic_round``."""
+        return param.dtype == self._master_dtype(param) and param.device == self._step_device(param)
+
+    def _master_dtype(self, param: torch.Tensor) -> torch.dtype:
+        """fp32, or bf16 for a bf16 parameter under ``bf16_stochastic_round``."""
+        if self.bf16_stochastic_round and param.dtype == torch.bfloat16:
+            return torch.bfloat16
+        return torch.float32
 
     def _init_state(self, param: torch.Tensor, amsgrad: bool) -> dict[str, Any]:
         """``param``'s state, created at its first step. With a DTensor
@@ -269,13 +285,27 @@ class _MasterAdam(Optimizer):
             if stored is not _local(value):
                 state[key] = _like(param, stored)
 
-    @staticmethod
-    def _master_of(local: torch.Tensor, device: torch.device) -> torch.Tensor:
-        """An fp32 copy of a (local) parameter on the step device."""
+    def _master_of(self, local: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """An fp32 (or bf16, [Note: low-precision optimizer states]) copy of
+        a (local) parameter on the step device."""
         pin = device.type == "cpu" and local.is_cuda
-        master = torch.empty(local.shape, dtype=torch.float32, device=device, pin_memory=pin)
+        dtype = self._master_dtype(local)
+        master = torch.empty(local.shape, dtype=dtype, device=device, pin_memory=pin)
         master.copy_(local.detach())
         return master
+
+    def _positions(self) -> dict[int, int]:
+        """Each bf16 master's position among the optimizer's parameters (by
+        its storage), which seeds its rounding's random bits."""
+        found: dict[int, int] = {}
+        position = 0
+        for group in self.param_groups:
+            for param in group["params"]:
+                state = self.state.get(param, {})
+                master = state.get("master", param)
+                found[_local(master).untyped_storage().data_ptr()] = position
+                position += 1
+        return found
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
@@ -312,7 +342,8 @@ class _MasterAdam(Optimizer):
             if master is not local:
                 refresh.append((local, master))
                 crosses = crosses or (local.is_cuda and not master.is_cuda)
-            if states.is_narrow(_local(state["exp_avg"])) or self._disk(param):
+            narrow_master = master.dtype != torch.float32
+            if narrow_master or states.is_narrow(_local(state["exp_avg"])) or self._disk(param):
                 keys = ("exp_avg", "exp_avg_sq", *(("max_exp_avg_sq",) if amsgrad else ()))
                 narrow.append((master, grad, [_local(state[k]) for k in keys], state["step"]))
                 continue
@@ -340,7 +371,12 @@ class _MasterAdam(Optimizer):
                     tier.read_ahead([narrow[i + 1][0], *narrow[i + 1][2]])
                 tier.ready([master, *moments])
             step.add_(1)
-            if states.is_narrow(moments[0]):
+            if master.dtype != torch.float32:  # bf16, rounded stochastically
+                position = self._positions()[master.untyped_storage().data_ptr()]
+                rounding = states.rounding_generator(master.device, int(step), position)
+                kernel = partial(update, group)
+                states.step_blockwise(kernel, master, grad, moments, step, rounding)
+            elif states.is_narrow(moments[0]):
                 states.step_blockwise(partial(update, group), master, grad, moments, step)
             else:
                 update(group, [master], [grad], moments[:1], moments[1:2], moments[2:], [step])
@@ -455,6 +491,11 @@ class _MasterAdam(Optimizer):
                 continue
             state = self.state[param]
             for key, value in saved[saved_key].items():
+                if key == "master" and self._own_master(param):
+                    # Saved by an optimizer with separate masters: this one
+                    # steps the parameter itself, loaded with the model.
+                    state.pop(key, None)
+                    continue
                 if isinstance(value, torch.Tensor):
                     state[key] = self._loaded(param, key, value)
             if "master" not in state and not self._own_master(param):
@@ -465,7 +506,8 @@ class _MasterAdam(Optimizer):
         """A saved state tensor as this optimizer keeps it: fp32, on the step
         device, a DTensor like ``param`` when it is one (``step`` a plain
         scalar)."""
-        local = _local(value).detach().to(device=self._step_device(param), dtype=torch.float32)
+        dtype = self._master_dtype(param) if key == "master" else torch.float32
+        local = _local(value).detach().to(device=self._step_device(param), dtype=dtype)
         local = local.clone()
         if key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
             local = states.store(local, self.state_dtype, signed=key == "exp_avg")
@@ -521,6 +563,7 @@ class CPUAdam(_MasterAdam):
         amsgrad: bool = False,
         maximize: bool = False,
         state_dtype: str | torch.dtype | StateDtype = "fp32",
+        bf16_stochastic_round: bool = False,
     ) -> None:
         name = type(self).__name__
         super().__init__(
@@ -536,6 +579,7 @@ class CPUAdam(_MasterAdam):
             state_dtype=state_dtype,
             nvme_offload_fraction=nvme_offload_fraction,
             nvme_offload_dir=nvme_offload_dir,
+            bf16_stochastic_round=bf16_stochastic_round,
         )
 
 
@@ -560,6 +604,7 @@ class CPUAdamW(_MasterAdam):
         state_dtype: str | torch.dtype | StateDtype = "fp32",
         nvme_offload_fraction: float = 0.0,
         nvme_offload_dir: str | None = None,
+        bf16_stochastic_round: bool = False,
     ) -> None:
         super().__init__(
             params,
@@ -574,6 +619,7 @@ class CPUAdamW(_MasterAdam):
             state_dtype=state_dtype,
             nvme_offload_fraction=nvme_offload_fraction,
             nvme_offload_dir=nvme_offload_dir,
+            bf16_stochastic_round=bf16_stochastic_round,
         )
 
 

@@ -23,7 +23,19 @@ do; only what is carried to the next step is rounded.
   elements, or not a whole number of blocks, keeps fp32 moments, as torchao
   and bitsandbytes do. About 1 + 1/64 bytes per moment value.
 
-Masters stay fp32. A checkpoint holds the moments in fp32 whatever the
+Masters stay fp32, unless the optimizer was asked for
+``bf16_stochastic_round``: then a bf16 parameter is its own master (or has
+a bf16 one on the host), stepped through the same fp32 blocks and written
+back with stochastic rounding (:func:`round_stochastic_`: a value between
+two bf16 neighbours becomes the upper one with the probability of its
+distance from the lower, so updates smaller than bf16's spacing survive
+on average instead of being rounded away). This is torchao's
+``bf16_stochastic_round`` option on the device, here on the host. 2
+bytes per parameter for the master instead of 4. The random bits are drawn
+from a generator seeded by the step and the tensor's position, so a
+resumed run rounds as the uninterrupted one did.
+
+A checkpoint holds the moments in fp32 whatever the
 storage (``state_dict`` widens them) and each group's ``state_dtype``;
 loading narrows them into this optimizer's format, so a checkpoint written
 with one format loads into another.
@@ -42,6 +54,7 @@ __all__ = [
     "is_narrow",
     "moment_bytes",
     "parse_state_dtype",
+    "round_stochastic_",
     "stored_bytes",
     "widen",
 ]
@@ -116,7 +129,7 @@ def zeros(like: torch.Tensor, dtype: StateDtype, signed: bool) -> torch.Tensor:
             like.shape, signed=signed, block_size=_QUANT_BLOCK, device=like.device
         )
         return state8
-    return torch.zeros_like(like, memory_format=torch.preserve_format)
+    return torch.zeros_like(like, dtype=torch.float32, memory_format=torch.preserve_format)
 
 
 def moment_bytes(dtype: StateDtype) -> float:
@@ -230,28 +243,49 @@ def _write_block(
 Kernel = Callable[..., None]
 
 
+def round_stochastic_(out: torch.Tensor, values: torch.Tensor, generator: torch.Generator) -> None:
+    """``out`` (bf16) = ``values`` (fp32) rounded stochastically: 16 random
+    bits added below bf16's last bit, then cut off (fp32's upper half is a
+    bf16, so the copy is exact). Unbiased: the expected result is the value."""
+    bits = values.view(torch.int32)
+    noise = torch.randint(
+        0, 1 << 16, values.shape, dtype=torch.int32, device=values.device, generator=generator
+    )
+    out.copy_(((bits + noise) & -65536).view(torch.float32))
+
+
+def rounding_generator(device: torch.device, step: int, position: int) -> torch.Generator:
+    """The random bits of one tensor's rounding at one step: the same
+    however the run was interrupted and resumed."""
+    generator = torch.Generator(device=device)
+    generator.manual_seed((step * 1_000_003 + position * 7_919 + 12_345) % (1 << 63))
+    return generator
+
+
 def step_blockwise(
     kernel: Kernel,
     master: torch.Tensor,
     grad: torch.Tensor,
     moments: Sequence[torch.Tensor],
     step: torch.Tensor,
+    rounding: torch.Generator | None = None,
 ) -> None:
     """``kernel([master], [grad], [m], [v], [max_v], [step])`` over fp32
-    blocks of a tensor whose moments are stored narrow [Note: low-precision
-    optimizer states]. ``moments`` is (exp_avg, exp_avg_sq[, max_exp_avg_sq])."""
+    blocks of a tensor whose moments are stored narrow, or whose master is
+    bf16 (written back rounded stochastically with ``rounding``'s bits)
+    [Note: low-precision optimizer states]. ``moments`` is (exp_avg,
+    exp_avg_sq[, max_exp_avg_sq])."""
     flat_master, flat_grad = master.view(-1), grad.reshape(-1)
     numel = flat_master.numel()
+    narrow_master = flat_master.dtype != torch.float32
+    if narrow_master and rounding is None:
+        raise ValueError("a bf16 master is written back with stochastic rounding: pass rounding")
     for lo in range(0, numel, _BLOCK):
         hi = min(numel, lo + _BLOCK)
         wide = [_read_block(m, lo, hi) for m in moments]
-        kernel(
-            [flat_master[lo:hi]],
-            [flat_grad[lo:hi]],
-            [wide[0]],
-            [wide[1]],
-            wide[2:],
-            [step],
-        )
+        block = flat_master[lo:hi].float() if narrow_master else flat_master[lo:hi]
+        kernel([block], [flat_grad[lo:hi]], [wide[0]], [wide[1]], wide[2:], [step])
+        if narrow_master and rounding is not None:
+            round_stochastic_(flat_master[lo:hi], block, rounding)
         for moment, values in zip(moments, wide, strict=True):
             _write_block(moment, lo, hi, values)

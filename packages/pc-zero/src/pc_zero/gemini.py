@@ -102,7 +102,13 @@ from pc_chunk import (
 )
 from pc_chunk.manager import execution_order
 from pc_comm import Communicator, default_communicator
-from pc_offload import CopyEngine, PinnedPool, moment_bytes, parse_state_dtype
+from pc_offload import (
+    CopyEngine,
+    PinnedPool,
+    check_own_masters,
+    moment_bytes,
+    parse_state_dtype,
+)
 from pc_zero.clipping import ClipsInStep
 from pc_zero.gemini_search import ChunkOptions, searched_chunk_size
 from pc_zero.loss_scale import (
@@ -444,6 +450,8 @@ class GeminiOptimizer(ClipsInStep, Optimizer):
         )
         mp = module.mixed_precision
         fp16 = mp is not None and mp.param_dtype == torch.float16
+        if mp is not None and mp.param_dtype == torch.bfloat16:  # fp32 chunks are the masters
+            check_own_masters(optimizer, "GeminiOptimizer")
         # [Note: loss scaling in every precision]
         scaled = fp16 or scale_every_precision
         self.scaler = DynamicLossScaler(loss_scale) if scaled else None

@@ -55,6 +55,7 @@ from pc_comm import (
 from pc_offload import (
     StateDtype,
     adam_storing,
+    check_own_masters,
     check_storable,
     is_narrow,
     stored_bytes,
@@ -232,6 +233,8 @@ class LowLevelZeroOptimizer(ClipsInStep, Optimizer):
         # The original parameters in the optimizer's order (state-dict indices).
         self._params: list[torch.Tensor] = [p for g in optimizer.param_groups for p in g["params"]]
         self.dtype, self.device = _one_dtype_and_device(self._params)
+        if self.dtype == torch.bfloat16:  # its own fp32 masters: no bf16 ones to round
+            check_own_masters(optimizer, "LowLevelZeroOptimizer")
         self.scaler = DynamicLossScaler(loss_scale) if self.dtype == torch.float16 else None
         self._master_device = _HOST if cpu_offload else self.device
         # fp32 masters are the working pieces themselves unless offloaded.

@@ -42,6 +42,7 @@ from pc_booster.rules import (
     tp_size_problem,
 )
 from pc_booster.step_policies import AmpStep, GradientStep
+from pc_offload import check_own_masters
 
 __all__ = ["TorchFSDPOptions", "TorchFSDPPlugin"]
 
@@ -355,6 +356,9 @@ class TorchFSDPPlugin(Plugin, SupportsNoSync):
             model = model.to(device())
             broadcast_module(model)
         o = self.options
+        if precision is TrainPrecision.BF16 and optimizer is not None:
+            # The sharded parameters stay fp32: they are the masters.
+            check_own_masters(optimizer, "TorchFSDPPlugin (bf16 mixed precision)")
         policy = MixedPrecisionPolicy(
             param_dtype=precision.dtype if precision is not TrainPrecision.FP32 else None,
             reduce_dtype=o.reduce_dtype or torch.float32,
