@@ -2,8 +2,8 @@
 under sequence parallelism, the hooks that split the hidden states along
 the sequence before the first block, gather them after the last and before
 the modules that read the sequence whole; the gradient hook that sums a
-partial gradient over the group; and the forward that computes the loss
-from vocabulary-sharded logits."""
+partial gradient over the group; and the hooks that compute the loss from
+vocabulary-sharded logits."""
 
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ from pc_tensor.comm import gather_from_tp, split_to_tp
 from pc_tensor.layers import vocab_parallel_cross_entropy
 
 __all__ = [
-    "VocabParallelLossForward",
+    "ForwardHooks",
+    "VocabParallelLoss",
     "gather_output",
     "input_hook",
     "split_sequence",
@@ -88,25 +89,87 @@ def sum_over_group(group: dist.ProcessGroup, grad: torch.Tensor) -> torch.Tensor
     return grad
 
 
-class VocabParallelLossForward:
-    """Replaces the forward of a model whose LM head is vocabulary-sharded:
-    the labels are kept from the original forward (which would compute the
-    loss over the full vocabulary it no longer has, some inline, some
-    through ``loss_function``), and the loss is computed here from the
-    sharded logits, as ``transformers`` defines it: next-token (labels
-    shifted by one) for causal models, position-wise for masked ones;
-    ``-100`` ignored; ``num_items_in_batch`` and ``shift_labels`` honoured.
-    A mixture-of-experts model's auxiliary loss (``aux_loss`` in its output,
-    computed from the router logits without the labels) is added with the
-    model's coefficient, as its own forward adds it to the loss."""
+class ForwardHooks:
+    """A change to a model's forward made with torch's module hooks, never by
+    assigning the instance's ``forward`` [Note: forward hooks, not forward
+    assignment]: ``before(module, args, kwargs)`` returns the arguments the
+    model's own forward gets and what ``after(module, output, kept)`` needs
+    of them; ``after`` returns the output the caller gets.
 
-    def __init__(self, forward: Any, group: dist.ProcessGroup, causal: bool) -> None:
-        self.forward, self.group, self.causal = forward, group, causal
+    Hooks registered later wrap those registered earlier, as nested wrappers
+    would: the pre-hook is prepended (the outer change rewrites the
+    arguments first), the post-hook appended (it sees the inner change's
+    output). The post-hook is always called, even when the forward raises,
+    so what ``before`` kept never outlives the call."""
 
-    def __call__(self, *args: Any, labels: torch.Tensor | None = None, **kwargs: Any) -> Any:
+    def __init__(self, model: nn.Module, before: Any, after: Any) -> None:
+        self.before, self.after = before, after
+        self._kept: list[Any] = []
+        self.handles = (
+            model.register_forward_pre_hook(self._pre, with_kwargs=True, prepend=True),
+            model.register_forward_hook(self._post, always_call=True),
+        )
+
+    def _pre(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        args, kwargs, kept = self.before(module, args, kwargs)
+        self._kept.append(kept)
+        return args, kwargs
+
+    def _post(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+        if not self._kept:  # an earlier pre-hook raised before ours ran
+            return None
+        kept = self._kept.pop()
+        if output is None:  # the forward raised: torch re-raises, the output unused
+            return None
+        return self.after(module, output, kept)
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+# [Note: forward hooks, not forward assignment]
+# pc changes what a user's model does only through torch's module hooks,
+# parametrisations, modules pc owns, or transformers' public API; it never
+# assigns an instance's ``forward`` nor writes a private attribute of a
+# user's module or config (integration_tests/test_no_forward_assignment.py
+# reads the source for both). A hook pair keeps the model's class, its
+# ``forward`` and its ``__call__`` what the user built, composes with other
+# hooks (FSDP's, DDP's, compile's), and is removed by its handles.
+
+
+class VocabParallelLoss:
+    """The loss of a model whose LM head is vocabulary-sharded, as
+    :class:`ForwardHooks`: ``before`` takes the labels from the call (the
+    model's own forward would compute the loss over the full vocabulary it
+    no longer has, some inline, some through ``loss_function``), and
+    ``after`` computes it from the sharded logits, as ``transformers``
+    defines it: next-token (labels shifted by one) for causal models,
+    position-wise for masked ones; ``-100`` ignored; ``num_items_in_batch``
+    and ``shift_labels`` honoured. A mixture-of-experts model's auxiliary
+    loss (``aux_loss`` in its output, computed from the router logits
+    without the labels) is added with the model's coefficient, as its own
+    forward adds it to the loss."""
+
+    def __init__(self, group: dist.ProcessGroup, causal: bool) -> None:
+        self.group, self.causal = group, causal
+
+    def hook(self, model: nn.Module) -> ForwardHooks:
+        return ForwardHooks(model, self.before, self.after)
+
+    def before(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any], tuple[Any, Any, Any]]:
+        kwargs = dict(kwargs)
+        labels = kwargs.pop("labels", None)
         num_items = kwargs.pop("num_items_in_batch", None)
         shift_labels = kwargs.pop("shift_labels", None)
-        out = self.forward(*args, **kwargs)
+        return args, kwargs, (labels, num_items, shift_labels)
+
+    def after(self, module: nn.Module, out: Any, kept: tuple[Any, Any, Any]) -> Any:
+        labels, num_items, shift_labels = kept
         if shift_labels is not None:
             target = shift_labels
         elif labels is None:
@@ -124,16 +187,15 @@ class VocabParallelLossForward:
         )
         aux = out.get("aux_loss") if isinstance(out, dict) else None
         if aux is not None:
-            loss = loss + aux_loss_coefficient(self.forward) * aux.to(loss.device)
+            loss = loss + aux_loss_coefficient(module) * aux.to(loss.device)
         if isinstance(out, tuple):
             return (loss, *out)
         return type(out)(loss=loss, **{k: v for k, v in out.items() if k != "loss"})
 
 
-def aux_loss_coefficient(forward: Any) -> float:
+def aux_loss_coefficient(model: nn.Module) -> float:
     """The weight a model gives its auxiliary loss (transformers' MoE models
     keep it as ``router_aux_loss_coef``, a few as ``aux_loss_coef``)."""
-    model = getattr(forward, "__self__", None)
     config = getattr(model, "config", None)
     for owner, name in (
         (model, "router_aux_loss_coef"),

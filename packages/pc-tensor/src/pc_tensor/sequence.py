@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from pc_tensor.hooks import ForwardHooks
+
 __all__ = [
     "sequence_group",
     "sequence_lm_loss",
@@ -113,7 +115,8 @@ def prepare(
     over ``group``, its forward wrapped to take the whole batch."""
     group = attend(model, group, attention)
     causal = is_causal_lm(model)
-    model.forward = _SequenceForward(model.forward, group, causal, grad_scale, zigzag, label)
+    split = _SequenceSplit(group, causal, grad_scale, zigzag, label)
+    ForwardHooks(model, split.before, split.after)  # [Note: forward hooks, not forward assignment]
     return model
 
 
@@ -146,11 +149,13 @@ def attend(
     for module in model.modules():
         _GROUPS[module] = group
     setter: Any = getattr(model, "set_attn_implementation", None)
-    if callable(setter):
-        setter(name)
-    else:
-        config: Any = model.config
-        config._attn_implementation = name
+    if not callable(setter):
+        raise ValueError(
+            f"sequence parallelism switches {type(model).__name__}'s attention through "
+            "transformers' public set_attn_implementation, which it lacks: pass a "
+            "transformers PreTrainedModel (transformers >= 4.56 has it)."
+        )
+    setter(name)
     _PREPARED[model] = group
     return group
 
@@ -230,24 +235,24 @@ def sequence_lm_loss(
     return loss
 
 
-class _SequenceForward:
-    """The model's forward on the whole batch: this rank's share of the
-    sequence (one contiguous block; under ``zigzag``, blocks ``r`` and
-    ``2 * world - 1 - r`` of ``2 * world``, which balances causal
-    attention's work) with its positions; with ``labels``, the next-token
-    loss of the whole sequence (labels shifted before the split), summed
-    over the group, divided by the whole sequence's tokens."""
+class _SequenceSplit:
+    """The model called on the whole batch, as :class:`ForwardHooks`: its
+    own forward gets this rank's share of the sequence (one contiguous
+    block; under ``zigzag``, blocks ``r`` and ``2 * world - 1 - r`` of
+    ``2 * world``, which balances causal attention's work) with its
+    positions; with ``labels``, the output's loss is the next-token loss of
+    the whole sequence (labels shifted before the split), summed over the
+    group, divided by the whole sequence's tokens."""
 
     def __init__(
         self,
-        forward: Any,
         group: dist.ProcessGroup,
         causal: bool,
         grad_scale: float,
         zigzag: bool = False,
         name: str = "Ulysses sequence parallelism",
     ) -> None:
-        self.forward, self.group, self.causal = forward, group, causal
+        self.group, self.causal = group, causal
         self.grad_scale, self.zigzag, self.name = grad_scale, zigzag, name
 
     def share(self, total: int, device: torch.device) -> torch.Tensor:
@@ -256,14 +261,23 @@ class _SequenceForward:
             total, self.group, zigzag=self.zigzag, device=device, name=self.name
         )
 
-    def __call__(
-        self,
-        input_ids: torch.Tensor | None = None,
-        labels: torch.Tensor | None = None,
-        position_ids: torch.Tensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        **kwargs: Any,
-    ) -> Any:
+    def before(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any], bool]:
+        kwargs = dict(kwargs)
+        if args:  # input_ids, the first positional argument of every causal LM
+            if len(args) > 1:
+                raise TypeError(
+                    f"a model under {self.name} takes input_ids positionally and the rest "
+                    f"by keyword; got {len(args)} positional arguments."
+                )
+            if "input_ids" in kwargs:
+                raise TypeError("input_ids given both positionally and by keyword.")
+            kwargs["input_ids"] = args[0]
+        input_ids = kwargs.pop("input_ids", None)
+        labels = kwargs.pop("labels", None)
+        position_ids = kwargs.pop("position_ids", None)
+        attention_mask = kwargs.pop("attention_mask", None)
         if input_ids is None:
             raise ValueError(f"a model under {self.name} takes input_ids (the whole batch).")
         if attention_mask is not None and not bool(attention_mask.bool().all()):
@@ -276,12 +290,10 @@ class _SequenceForward:
         mine = self.share(total, input_ids.device)
         if position_ids is None:
             position_ids = torch.arange(total, device=input_ids.device).expand(batch, -1)
-        local = {
-            "input_ids": input_ids.index_select(1, mine),
-            "position_ids": position_ids.index_select(1, mine),
-        }
+        kwargs["input_ids"] = input_ids.index_select(1, mine)
+        kwargs["position_ids"] = position_ids.index_select(1, mine)
         if labels is None:
-            return self.forward(**local, **kwargs)
+            return (), kwargs, False
         if not self.causal:
             raise ValueError(
                 f"{self.name} computes the loss of causal language models; for another head, "
@@ -291,16 +303,19 @@ class _SequenceForward:
         shifted = nn.functional.pad(labels, (0, 1), value=-100)[:, 1:]
         count = (shifted != -100).sum()
         targets = shifted.index_select(1, mine.to(shifted.device)).contiguous()
-        out = self.forward(
-            **local, labels=targets, shift_labels=targets, num_items_in_batch=count, **kwargs
-        )
+        kwargs.update(labels=targets, shift_labels=targets, num_items_in_batch=count)
+        return (), kwargs, True
+
+    def after(self, module: nn.Module, out: Any, labelled: bool) -> Any:
+        if not labelled:
+            return out
         part = out["loss"]
         aux = out.get("aux_loss") if isinstance(out, dict) else None
         if aux is not None:  # [Note: auxiliary loss under sequence parallelism]
             from pc_tensor.hooks import aux_loss_coefficient
 
             size = dist.get_world_size(self.group)
-            part = part - aux_loss_coefficient(self.forward) * aux.to(part.device) * (1 - 1 / size)
+            part = part - aux_loss_coefficient(module) * aux.to(part.device) * (1 - 1 / size)
         out["loss"] = _SumOverGroup.apply(part, self.group, self.grad_scale)  # type: ignore[no-untyped-call, unused-ignore]
         return out
 

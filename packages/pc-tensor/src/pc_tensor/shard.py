@@ -37,7 +37,7 @@ from torch import nn
 
 from pc_tensor.comm import gather_from_tp, gather_sequence
 from pc_tensor.hooks import (
-    VocabParallelLossForward,
+    VocabParallelLoss,
     gather_output,
     input_hook,
     split_sequence,
@@ -333,9 +333,7 @@ class _Sharding:
         if head.bias is not None and new_head.bias is not None:
             self.retie[id(head.bias)] = new_head.bias  # BERT's predictions.bias is decoder.bias
         _set(model, head_path, new_head)
-        model.forward = VocabParallelLossForward(
-            model.forward, self.group, causal=policy.loss == "causal"
-        )
+        VocabParallelLoss(self.group, causal=policy.loss == "causal").hook(model)
 
     def check_ties(self) -> None:
         """A parameter elsewhere still tied to one that was sharded away (an

@@ -5,7 +5,7 @@ optimizer over it, so both state conversions go by parameter name."""
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, ExitStack
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, ClassVar
@@ -103,6 +103,27 @@ def _autocast_forward(
         return forward(*args, **kw)
 
 
+class _AutocastHooks:
+    """The wrapper's forward under ``torch.autocast``: entered by a forward
+    pre-hook, left by an always-called forward hook (also when the forward
+    raises) [Note: forward hooks, not forward assignment in pc_tensor.hooks]."""
+
+    def __init__(self, module: nn.Module, device_type: str, dtype: torch.dtype) -> None:
+        self.device_type, self.dtype = device_type, dtype
+        self._open: list[ExitStack] = []
+        module.register_forward_pre_hook(self._enter, prepend=True)
+        module.register_forward_hook(self._leave, always_call=True)
+
+    def _enter(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        stack = ExitStack()
+        stack.enter_context(torch.autocast(self.device_type, dtype=self.dtype))
+        self._open.append(stack)
+
+    def _leave(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        if self._open:
+            self._open.pop().close()
+
+
 def _replicated_states(psi: float, precision: TrainPrecision) -> StateBytes:
     return StateBytes(parameters=4 * psi, gradients=4 * psi, masters=0.0, optimizer=8 * psi)
 
@@ -166,7 +187,7 @@ class _DataParallel(Plugin, SupportsNoSync):
         wrapped = self._wrap(model)
         if precision is not TrainPrecision.FP32:
             kind = device().type
-            wrapped.forward = partial(_autocast_forward, wrapped.forward, kind, precision.dtype)
+            _AutocastHooks(wrapped, kind, precision.dtype)
         amp = None
         if precision is TrainPrecision.FP16:
             amp = AmpStep(self.options.loss_scale(), device())

@@ -129,10 +129,7 @@ def _stage_layout(plugin: HybridParallelPlugin, model: nn.Module) -> tuple[Any, 
     if plugin.stage.loss_kind == "causal" and router_recorder(model) is not None:
         from pc_tensor.hooks import aux_loss_coefficient
 
-        # The class's forward bound to the model: tensor parallelism may
-        # have wrapped the instance's (its vocabulary-parallel loss).
-        forward = type(model).forward.__get__(model)
-        plugin.stage.aux_coefficient = aux_loss_coefficient(forward)
+        plugin.stage.aux_coefficient = aux_loss_coefficient(model)
     plugin.validate_later(layers=len(layers) - 2)
     from pc_pipeline import Sequential
 

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import math
 import weakref
-from functools import partial
 from typing import Any
 
 import torch
@@ -144,17 +143,40 @@ def apply_optimizations(model: nn.Module, options: Any) -> None:
             )
         setter("sdpa")
     if options.fused_normalization():
-        for module in model.modules():
-            if type(module).__name__.endswith("RMSNorm") and not isinstance(module, nn.RMSNorm):
-                eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
-                if eps is None or getattr(module, "weight", None) is None:
-                    continue
-                module.forward = partial(_fused_rms_norm, module, float(eps))
+        for name, module in list(model.named_modules()):
+            if not type(module).__name__.endswith("RMSNorm") or isinstance(
+                module, nn.RMSNorm | FusedRMSNorm
+            ):
+                continue
+            eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
+            weight = getattr(module, "weight", None)
+            if eps is None or not isinstance(weight, nn.Parameter) or not name:
+                continue
+            parent_name, _, child = name.rpartition(".")
+            parent = model.get_submodule(parent_name)
+            setattr(parent, child, FusedRMSNorm(weight, float(eps), type(module).__name__))
 
 
-def _fused_rms_norm(module: nn.Module, eps: float, hidden: torch.Tensor) -> torch.Tensor:
+class FusedRMSNorm(nn.Module):
     """transformers' RMS norm (in fp32, scaled by the weight in the input's
-    dtype) through torch's fused kernel."""
-    normed = torch.nn.functional.rms_norm(hidden.float(), (hidden.shape[-1],), eps=eps)
-    weight: torch.Tensor = module.weight  # type: ignore[assignment]
-    return weight * normed.to(hidden.dtype)
+    dtype) through torch's fused kernel: what ``enable_fused_normalization``
+    puts in place of a model's own RMS norm, as Colossal-AI's does. It holds
+    the same weight parameter under the same name, so the state dict's keys
+    and the optimizer's parameters are unchanged; a module pc owns, not a
+    reassigned ``forward`` [Note: forward hooks, not forward assignment in
+    pc_tensor.hooks]."""
+
+    def __init__(self, weight: nn.Parameter, eps: float, replaces: str = "RMSNorm") -> None:
+        super().__init__()
+        self.weight = weight
+        self.variance_epsilon = self.eps = eps
+        self.replaces = replaces
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        normed = torch.nn.functional.rms_norm(
+            hidden.float(), (hidden.shape[-1],), eps=self.variance_epsilon
+        )
+        return self.weight * normed.to(hidden.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}, replaces {self.replaces}"

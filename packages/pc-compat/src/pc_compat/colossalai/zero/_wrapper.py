@@ -2,12 +2,14 @@
 stage. Stages 1 and 2 leave the model as it is and wrap the optimizer in
 :class:`LowLevelZeroOptimizer` (stage 2: ``partition_grad=True``); stage 3
 wraps the model in :class:`GeminiDDP` (``gemini_config`` its keywords) and
-the optimizer in :class:`GeminiOptimizer`. The stage travels on the model,
-as in Colossal-AI. ``max_norm`` clips in every stage (Colossal-AI's stage 3
-hands it to GeminiOptimizer under a name that one ignores)."""
+the optimizer in :class:`GeminiOptimizer`. The stage travels with the model
+(in a table beside it: Colossal-AI writes it on the model). ``max_norm``
+clips in every stage (Colossal-AI's stage 3 hands it to GeminiOptimizer
+under a name that one ignores)."""
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -18,8 +20,11 @@ from pc_compat.colossalai.zero._low_level import LowLevelZeroOptimizer
 
 __all__ = ["zero_model_wrapper", "zero_optim_wrapper"]
 
-# The attribute the stage is kept in on the wrapped model (Colossal-AI's name).
-_STAGE = "_colo_zero_stage"
+# The stage each wrapped model was wrapped for. Colossal-AI writes it on the
+# model (``_colo_zero_stage``); pc keeps it beside the model instead, never
+# writing a private attribute on a user's module (at stages 1 and 2 the
+# "wrapped" model is the user's own).
+_STAGE: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()
 
 
 def zero_model_wrapper(
@@ -42,7 +47,7 @@ def zero_model_wrapper(
         wrapped = model
     else:
         wrapped = GeminiDDP(model, **(gemini_config or {}), verbose=verbose)
-    setattr(wrapped, _STAGE, zero_stage)
+    _STAGE[wrapped] = zero_stage
     return wrapped
 
 
@@ -63,7 +68,7 @@ def zero_optim_wrapper(
 ) -> LowLevelZeroOptimizer | GeminiOptimizer:
     """``optimizer`` wrapped for the stage ``model`` was wrapped for
     (``optim_config``: further keywords of the ZeRO optimizer)."""
-    stage = getattr(model, _STAGE, None)
+    stage = _STAGE.get(model)
     if stage is None:
         raise ValueError(
             "zero_optim_wrapper: the model was not wrapped by zero_model_wrapper; call "
