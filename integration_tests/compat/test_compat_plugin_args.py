@@ -91,6 +91,13 @@ def _matches(build: Any, losses: list[float], booster: Booster, model: Any) -> N
             torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-5)
 
 
+def _norms_fused(model: Any) -> None:
+    """Each of the model's RMS norms replaced by pc's fused one."""
+    modules = list(model.unwrap().modules())
+    assert not [m for m in modules if type(m).__name__ == "LlamaRMSNorm"]
+    assert [m for m in modules if isinstance(m, FusedRMSNorm)]
+
+
 def check_accepted(case: str) -> None:
     if case == "microbatch_size":
         plugin = HybridParallelPlugin(pp_size=2, zero_stage=1, microbatch_size=1)
@@ -117,17 +124,13 @@ def check_accepted(case: str) -> None:
     elif case == "fused_normalization":
         plugin = HybridParallelPlugin(tp_size=2, enable_fused_normalization=True)
         losses, booster, model = _train(plugin, _llama, 3)
-        modules = list(model.unwrap().modules())
-        assert not [m for m in modules if type(m).__name__ == "LlamaRMSNorm"]  # each replaced
-        assert [m for m in modules if isinstance(m, FusedRMSNorm)]
+        _norms_fused(model)
         _matches(_llama, losses, booster, model)
     elif case == "all_optimization":  # Colossal-AI's flag, at the edge
         plugin = EdgeHybrid(tp_size=2, pp_size=1, enable_all_optimization=True, precision="fp32")
         losses, booster, model = _train(plugin, _llama, 2)
         assert model.unwrap().config._attn_implementation == "sdpa"
-        modules = list(model.unwrap().modules())
-        assert not [m for m in modules if type(m).__name__ == "LlamaRMSNorm"]  # each replaced
-        assert [m for m in modules if isinstance(m, FusedRMSNorm)]
+        _norms_fused(model)
         _matches(_llama, losses, booster, model)
     elif case == "parallel_output":
         for parallel, width in ((True, 48), (False, 96)):
