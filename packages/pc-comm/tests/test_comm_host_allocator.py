@@ -48,16 +48,22 @@ def _faults_per_step(tune: bool) -> float:
     return min(counts[4:])
 
 
+def _both_ranks(value: float, out: str) -> None:
+    """Rank 0 writes both ranks' ``value``, rank 0's first."""
+    import torch.distributed as dist
+
+    gathered: list[float] = [0.0, 0.0]
+    dist.all_gather_object(gathered, value)
+    if dist.get_rank() == 0:
+        Path(out).write_text(f"{gathered[0]} {gathered[1]}")
+
+
 def _compare(out: str) -> None:
     # Two fresh processes (the harness spawns them), one tuned: glibc's
     # settings are process-wide and cannot be undone inside one.
     import torch.distributed as dist
 
-    faults = _faults_per_step(tune=dist.get_rank() == 1)
-    gathered: list[float] = [0.0, 0.0]
-    dist.all_gather_object(gathered, faults)
-    if dist.get_rank() == 0:
-        Path(out).write_text(f"{gathered[0]} {gathered[1]}")
+    _both_ranks(_faults_per_step(tune=dist.get_rank() == 1), out)
 
 
 @glibc
@@ -96,11 +102,7 @@ def _kept_after_free(keep: bool) -> int:
 def _compare_kept(out: str) -> None:
     import torch.distributed as dist
 
-    kept = _kept_after_free(keep=dist.get_rank() == 0)
-    gathered: list[int] = [0, 0]
-    dist.all_gather_object(gathered, kept)
-    if dist.get_rank() == 0:
-        Path(out).write_text(f"{gathered[0]} {gathered[1]}")
+    _both_ranks(_kept_after_free(keep=dist.get_rank() == 0), out)
 
 
 @glibc
@@ -110,6 +112,6 @@ def test_return_freed_gives_memory_back_that_the_default_tuning_keeps(tmp_path: 
     or the disk tier, a memory cap) [Note: host allocator]."""
     out = tmp_path / "kept.txt"
     spawn(_compare_kept, 2, args=(str(out),), timeout=100)
-    kept, returned = map(int, out.read_text().split())
+    kept, returned = map(float, out.read_text().split())
     assert kept > 120_000_000, kept  # the heap keeps what it grew to
     assert returned < 8_000_000, returned  # each block was its own mapping, unmapped

@@ -12,7 +12,7 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
-from dataclasses import asdict, replace
+from dataclasses import asdict, fields, replace
 
 from pc_train.cost import (
     Estimate,
@@ -34,7 +34,13 @@ from pc_train.hardware import (
     gpu_peak_flops,
 )
 from pc_train.models import MODEL_PRESETS, ModelSpec, resolve_model
-from pc_train.options import OPTIMIZER_STATES, PP_STYLES, PRECISIONS, PluginKind, PluginOptions
+from pc_train.options import (
+    PRECISIONS,
+    LayoutOptions,
+    PluginKind,
+    PluginOptions,
+    add_layout_flags,
+)
 from pc_train.planner import Cluster, search
 from pc_train.trial import Trial
 
@@ -93,27 +99,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--plugin", default=None, help="estimate this plugin only (with --tp/--pp/--zero-stage)"
     )
-    parser.add_argument("--tp", type=int, default=1)
-    parser.add_argument("--pp", type=int, default=1)
-    parser.add_argument(
-        "--sp", type=int, default=1, help="sequence-parallel size (with --plugin hybrid)"
-    )
-    parser.add_argument(
-        "--sp-mode",
-        choices=("all_to_all", "ring_attn"),
-        default="all_to_all",
-        help="with --sp: all_to_all (Ulysses) or ring_attn (ring attention)",
-    )
-    parser.add_argument(
-        "--ep", type=int, default=1, help="expert-parallel size (with --plugin hybrid, MoE models)"
-    )
-    parser.add_argument("--zero-stage", type=int, default=1)
-    parser.add_argument(
-        "--pp-style",
-        choices=PP_STYLES,
-        default="1f1b",
-        help="with --plugin hybrid --pp: the pipeline schedule",
-    )
+    # The layout's flags, as pc-train's: one name, one default, one help each.
+    add_layout_flags(parser, suppress_defaults=False)
     parser.add_argument(
         "--device-memory-gib",
         type=float,
@@ -122,39 +109,6 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--gpu", choices=GPUS, default=None, help="estimate for this GPU (default: this machine)"
-    )
-    parser.add_argument(
-        "--step-in-backward",
-        action="store_true",
-        help="Gemini stepping each chunk inside backward (12 bytes per parameter of model "
-        "states instead of 16; training with --clip-norm 0 --accumulation 1): with --plugin "
-        "gemini, estimate it; without --plugin, let the recommendation use it",
-    )
-    parser.add_argument(
-        "--optimizer-states",
-        choices=OPTIMIZER_STATES,
-        default="fp32",
-        help="with --plugin zero1/zero2/gemini: Adam's moments stored as fp32, bf16 or int8 "
-        "(--search narrows them itself where fp32 does not fit)",
-    )
-    parser.add_argument(
-        "--offload-frac", type=float, default=0.0, help="with --plugin gemini: chunks on the host"
-    )
-    parser.add_argument(
-        "--cpu-offload", action="store_true", help="with --plugin zero1/zero2: step on the host"
-    )
-    parser.add_argument(
-        "--nvme-offload-fraction",
-        type=float,
-        default=0.0,
-        help="with --plugin zero1/zero2 (--cpu-offload) or gemini (--offload-frac): the share "
-        "of the host's moments on the NVMe tier",
-    )
-    parser.add_argument(
-        "--nvme-offload-dir",
-        default=None,
-        help="the NVMe tier's directory: its disk's bandwidth is measured once (and cached) "
-        "for the step time (default: 1 GB/s assumed)",
     )
     parser.add_argument(
         "--host-memory-gib",
@@ -223,26 +177,8 @@ def _device(args: argparse.Namespace) -> DeviceInfo:
 
 def _estimate_plugin(args: argparse.Namespace, shape: ModelShape, device: DeviceInfo) -> Estimate:
     """``--plugin``: that plugin's estimate, after its own rules accept the run."""
-    options = PluginOptions.parse(
-        args.plugin,
-        tp=args.tp,
-        pp=args.pp,
-        zero_stage=args.zero_stage,
-        sp=args.sp,
-        sp_mode=args.sp_mode,
-        ep=args.ep,
-        pp_style=args.pp_style,
-    )
-    if args.step_in_backward:
-        options = replace(options, step_in_backward=True)
-    options = replace(
-        options,
-        optimizer_states=args.optimizer_states,
-        offload_frac=args.offload_frac,
-        cpu_offload=args.cpu_offload,
-        nvme_offload_fraction=args.nvme_offload_fraction,
-        nvme_offload_dir=args.nvme_offload_dir,
-    )
+    layout = {f.name: getattr(args, f.name) for f in fields(LayoutOptions)}
+    options = PluginOptions.parse(args.plugin, **layout)
     options.check(args.world, args.precision, shape.layers, heads=shape.heads)
     return estimate(
         shape, options, args.world, args.micro_batch, args.seq_len, args.precision, device

@@ -6,15 +6,27 @@ which flags belong to which plugin."""
 
 from __future__ import annotations
 
+import argparse
 import shlex
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from enum import Enum
 from typing import Any
 
 from pc_booster.plugin import Plugin
 from pc_booster.rules import PluginConfig, RunSetting, TrainPrecision
 
-__all__ = ["PLUGIN_NAMES", "PP_STYLES", "RECOMPUTE", "PluginKind", "PluginOptions"]
+__all__ = [
+    "LAYOUT_HELP",
+    "PLUGIN_NAMES",
+    "PP_STYLES",
+    "RECOMPUTE",
+    "SP_MODES",
+    "LayoutOptions",
+    "PluginKind",
+    "PluginOptions",
+    "add_layout_flags",
+    "layout_field_type",
+]
 
 
 class PluginKind(Enum):
@@ -60,6 +72,8 @@ RECOMPUTE = ("none", "full", "selective")
 PP_STYLES = ("1f1b", "interleaved", "zbv")
 # How Adam's moments are stored (pc_offload [Note: low-precision optimizer states]).
 OPTIMIZER_STATES = ("fp32", "bf16", "int8")
+# Sequence parallelism of its own: Ulysses' all-to-all, or ring attention.
+SP_MODES = ("all_to_all", "ring_attn")
 NARROW_STATES = (PluginKind.ZERO1, PluginKind.ZERO2, PluginKind.GEMINI)
 
 
@@ -69,9 +83,12 @@ def _flags_named(message: str) -> str:
     return f" (in pc-train: {', '.join(named)})" if named else ""
 
 
-@dataclass(frozen=True)
-class PluginOptions:
-    """One plugin and the options ``pc-train`` exposes for it.
+@dataclass(frozen=True, kw_only=True)
+class LayoutOptions:
+    """The layout of a run beside the plugin's name: one name and one
+    default each, shared by :class:`PluginOptions`, ``pc-train``'s
+    ``TrainConfig`` (its flags and YAML keys) and ``pc-estimate``'s flags,
+    which :func:`add_layout_flags` makes from these fields.
 
     - ``tp`` / ``pp``: tensor / pipeline parallel sizes (hybrid only).
     - ``zero_stage``: ZeRO over the data-parallel ranks of hybrid (0, 1, 2).
@@ -105,7 +122,6 @@ class PluginOptions:
       bubble).
     """
 
-    kind: PluginKind
     tp: int = 1
     pp: int = 1
     zero_stage: int = 1
@@ -126,6 +142,82 @@ class PluginOptions:
     compile: bool = False
     layers_per_stage: str | None = None
     pp_style: str = "1f1b"
+
+
+# One help text per layout field, for pc-train's and pc-estimate's flags.
+LAYOUT_HELP = {
+    "tp": "tensor-parallel size (hybrid; fsdp and gemini: ZeRO-3 over tensor parallelism)",
+    "pp": "pipeline-parallel size (hybrid: GPT-2 and Llama)",
+    "zero_stage": "ZeRO stage over the data-parallel ranks (hybrid: 0, 1, 2)",
+    "microbatches": "pipeline micro-batches per step (default: pp)",
+    "sequence_parallel": "hybrid with --tp: the norms and dropouts on 1/tp of the sequence",
+    "offload_frac": "share of Gemini's chunks kept on the host",
+    "cpu_offload": "ZeRO-1/2 optimizer step on the host",
+    "optimizer_states": "Adam's moments stored as fp32, bf16 (half the bytes) or int8 "
+    "(block-wise 8 bits, torchao's format; about a quarter); zero1, zero2, gemini",
+    "nvme_offload_fraction": "share of the moments the host steps kept in scratch files on "
+    "local disk, streamed through memory each step (zero1 / zero2 with --cpu-offload, gemini "
+    "with --offload-frac)",
+    "nvme_offload_dir": "the directory of those scratch files, on a local disk (default: the "
+    "temporary directory); pc makes a private directory inside it and removes it at exit",
+    "step_in_backward": "Gemini: step each chunk as soon as its gradients are reduced (12 "
+    "bytes per parameter of model states instead of 16; needs --clip-norm 0, --accumulation 1 "
+    "and fp32 or bf16)",
+    "sp": "sequence-parallel size of its own (hybrid): each sequence split over sp ranks",
+    "sp_mode": "sequence parallelism with --sp: all_to_all (Ulysses) or ring_attn (ring attention)",
+    "ep": "expert-parallel size (hybrid, mixture-of-experts models such as mixtral-tiny): "
+    "each MoE block's experts split over ep data-parallel ranks",
+    "extra_dp": "two-level sharding (zero1, zero2, gemini): the model sharded in this many "
+    "groups of consecutive ranks (a node's), replicated across them",
+    "activation_checkpointing": "recompute each block's activations in backward: none, full, "
+    "or selective (matrix products and attention kept, pointwise operations recomputed)",
+    "activation_checkpointing_fraction": "the share of blocks (the first ones) recomputed",
+    "compile": "torch.compile each transformer block (inductor)",
+    "layers_per_stage": "transformer blocks on each pipeline stage, comma-separated (hybrid "
+    "with --pp; default: an even split, which the blocks must allow)",
+    "pp_style": "the pipeline schedule (hybrid with --pp): 1f1b, interleaved (two model chunks "
+    "per rank, half the bubble; the stages divide the blocks 2 pp ways) or zbv (zero bubble: "
+    "backward split into input and weight gradients)",
+}
+_CHOICES = {
+    "optimizer_states": OPTIMIZER_STATES,
+    "activation_checkpointing": RECOMPUTE,
+    "pp_style": PP_STYLES,
+    "sp_mode": SP_MODES,
+}
+_TYPES = {"int": int, "float": float, "bool": bool, "str": str, "int | None": int}
+
+
+def layout_field_type(name: str) -> type:
+    """The Python type of a layout field's values (None aside)."""
+    found = {f.name: f.type for f in fields(LayoutOptions)}[name]
+    return _TYPES.get(str(found), str)
+
+
+def add_layout_flags(parser: argparse.ArgumentParser, *, suppress_defaults: bool) -> None:
+    """A flag for each layout field (``--tp``, ``--cpu-offload``, ...):
+    its type or choices, help and default from the field.
+    ``suppress_defaults``: leave an unset flag out of the namespace (so a
+    YAML file's value is not overridden by the default)."""
+    for item in fields(LayoutOptions):
+        flag = "--" + item.name.replace("_", "-")
+        default = argparse.SUPPRESS if suppress_defaults else item.default
+        text = f"{LAYOUT_HELP[item.name]} (default: {item.default})"
+        kind = layout_field_type(item.name)
+        if kind is bool:
+            action = argparse.BooleanOptionalAction
+            parser.add_argument(flag, action=action, default=default, help=text)
+        elif item.name in _CHOICES:
+            parser.add_argument(flag, choices=_CHOICES[item.name], default=default, help=text)
+        else:
+            parser.add_argument(flag, type=kind, default=default, help=text)
+
+
+@dataclass(frozen=True)
+class PluginOptions(LayoutOptions):
+    """One plugin and its layout (:class:`LayoutOptions`)."""
+
+    kind: PluginKind
 
     @property
     def name(self) -> str:

@@ -14,12 +14,13 @@ from typing import Any
 
 from pc_train.models import MODEL_PRESETS
 from pc_train.options import (
-    OPTIMIZER_STATES,
+    LAYOUT_HELP,
     PLUGIN_NAMES,
-    PP_STYLES,
     PRECISIONS,
-    RECOMPUTE,
+    LayoutOptions,
     PluginOptions,
+    add_layout_flags,
+    layout_field_type,
 )
 
 __all__ = ["TrainConfig", "parse_args"]
@@ -38,9 +39,11 @@ _RANGES: tuple[tuple[str, Any, float, str], ...] = (
 
 
 @dataclass(frozen=True)
-class TrainConfig:
+class TrainConfig(LayoutOptions):
     """Everything a run depends on; the same on every rank. ``help`` of
-    each field is in ``pc-train --help``."""
+    each field is in ``pc-train --help``. The layout fields are
+    :class:`~pc_train.options.LayoutOptions`' (keyword-only), shared with
+    the plugin options and pc-estimate."""
 
     model: str = "gpt2-tiny"
     steps: int = 200
@@ -53,26 +56,6 @@ class TrainConfig:
     clip_norm: float = 1.0
     seed: int = 0
     plugin: str = "auto"
-    tp: int = 1
-    pp: int = 1
-    zero_stage: int = 1
-    microbatches: int | None = None
-    sequence_parallel: bool = False
-    offload_frac: float = 0.0
-    cpu_offload: bool = False
-    optimizer_states: str = "fp32"
-    nvme_offload_fraction: float = 0.0
-    nvme_offload_dir: str | None = None
-    step_in_backward: bool = False
-    sp: int = 1
-    sp_mode: str = "all_to_all"
-    ep: int = 1
-    extra_dp: int = 1
-    activation_checkpointing: str = "none"
-    activation_checkpointing_fraction: float = 1.0
-    compile: bool = False
-    layers_per_stage: str | None = None
-    pp_style: str = "1f1b"
     precision: str = "fp32"
     corpus: str | None = None
     corpus_bytes: int = 2_000_000
@@ -143,9 +126,9 @@ class TrainConfig:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}.")
 
     def plugin_options(self) -> PluginOptions:
-        """The plugin fields of this config (the same names as PluginOptions')."""
-        names = [f.name for f in fields(PluginOptions) if f.name != "kind"]
-        return PluginOptions.parse(self.plugin, **{n: getattr(self, n) for n in names})
+        """The plugin and the layout fields of this config."""
+        layout = {f.name: getattr(self, f.name) for f in fields(LayoutOptions)}
+        return PluginOptions.parse(self.plugin, **layout)
 
     @property
     def checkpoint_dir(self) -> Path:
@@ -165,37 +148,6 @@ _HELP = {
     "warmup": "linear warm-up steps before the cosine decay",
     "clip_norm": "clip gradients to this global norm (0: off)",
     "plugin": "auto asks pc-estimate; hybrid takes --tp/--pp/--zero-stage",
-    "tp": "tensor-parallel size (hybrid; fsdp and gemini: ZeRO-3 over tensor parallelism)",
-    "extra_dp": "two-level sharding (zero1, zero2, gemini): the model sharded in this many "
-    "groups of consecutive ranks (a node's), replicated across them",
-    "activation_checkpointing": "recompute each block's activations in backward: none, full, "
-    "or selective (matrix products and attention kept, pointwise operations recomputed)",
-    "activation_checkpointing_fraction": "the share of blocks (the first ones) recomputed",
-    "compile": "torch.compile each transformer block (inductor)",
-    "pp": "pipeline-parallel size (hybrid: GPT-2 and Llama)",
-    "zero_stage": "ZeRO stage over the data-parallel ranks (hybrid: 0, 1, 2)",
-    "microbatches": "pipeline micro-batches per step (default: pp)",
-    "layers_per_stage": "transformer blocks on each pipeline stage, comma-separated (hybrid "
-    "with --pp; default: an even split, which the blocks must allow)",
-    "pp_style": "the pipeline schedule (hybrid with --pp): 1f1b, interleaved (two model chunks "
-    "per rank, half the bubble; the stages divide the blocks 2 pp ways) or zbv (zero bubble: "
-    "backward split into input and weight gradients)",
-    "sp": "sequence-parallel size of its own (hybrid): each sequence split over sp ranks",
-    "sp_mode": "sequence parallelism with --sp: all_to_all (Ulysses) or ring_attn (ring attention)",
-    "ep": "expert-parallel size (hybrid, mixture-of-experts models such as mixtral-tiny): "
-    "each MoE block's experts split over ep data-parallel ranks",
-    "offload_frac": "share of Gemini's chunks kept on the host",
-    "cpu_offload": "ZeRO-1/2 optimizer step on the host",
-    "optimizer_states": "Adam's moments stored as fp32, bf16 (half the bytes) or int8 "
-    "(block-wise 8 bits, torchao's format; about a quarter); zero1, zero2, gemini",
-    "nvme_offload_fraction": "share of the moments the host steps kept in scratch files on "
-    "local disk, streamed through memory each step (zero1 / zero2 with --cpu-offload, gemini "
-    "with --offload-frac)",
-    "nvme_offload_dir": "the directory of those scratch files, on a local disk (default: the "
-    "temporary directory); pc makes a private directory inside it and removes it at exit",
-    "step_in_backward": "Gemini: step each chunk as soon as its gradients are reduced (12 "
-    "bytes per parameter of model states instead of 16; needs --clip-norm 0, --accumulation 1 "
-    "and fp32 or bf16)",
     "corpus": "a text file, a directory of text files, or a datasets directory "
     "(default: the Python standard library's sources)",
     "corpus_bytes": "read at most this many bytes of the corpus",
@@ -221,6 +173,8 @@ _HELP = {
 
 
 def _field_type(name: str) -> Any:
+    if name in LAYOUT_HELP:
+        return layout_field_type(name)
     default = TrainConfig.__dataclass_fields__[name].default
     if isinstance(default, bool):
         return bool
@@ -243,6 +197,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--config", help="a YAML file of settings (keys as below, - or _)")
     for item in fields(TrainConfig):
+        if item.name in LAYOUT_HELP:
+            continue  # below, from the layout's own fields
         flag = "--" + item.name.replace("_", "-")
         kind = _field_type(item.name)
         default = item.default if item.default is not MISSING else None
@@ -259,16 +215,9 @@ def _parser() -> argparse.ArgumentParser:
             parser.add_argument(flag, choices=PLUGIN_NAMES, default=argparse.SUPPRESS, help=text)
         elif item.name == "precision":
             parser.add_argument(flag, choices=PRECISIONS, default=argparse.SUPPRESS, help=text)
-        elif item.name == "activation_checkpointing":
-            parser.add_argument(flag, choices=RECOMPUTE, default=argparse.SUPPRESS, help=text)
-        elif item.name == "pp_style":
-            parser.add_argument(flag, choices=PP_STYLES, default=argparse.SUPPRESS, help=text)
-        elif item.name == "optimizer_states":
-            parser.add_argument(
-                flag, choices=OPTIMIZER_STATES, default=argparse.SUPPRESS, help=text
-            )
         else:
             parser.add_argument(flag, type=kind, default=argparse.SUPPRESS, help=text)
+    add_layout_flags(parser, suppress_defaults=True)
     return parser
 
 
