@@ -55,17 +55,19 @@ def _runtime_nodes(tree: ast.Module) -> Iterator[ast.AST]:
             stack.append(child)
 
 
-def import_graph(package: str) -> dict[str, set[str]]:
+def import_graph(package: str, *, annotations: bool = False) -> dict[str, set[str]]:
     """Module -> the modules of the same package it imports, anywhere in
     its body (imports inside functions count: they are circles deferred;
-    imports under ``if TYPE_CHECKING:`` are never executed and do not).
-    ``from pkg import name`` is an edge to ``pkg.name`` when that is a
-    module, else to ``pkg`` (its ``__init__``)."""
+    imports under ``if TYPE_CHECKING:`` are never executed and count only
+    with ``annotations``: a module that needs another's names to describe
+    its own still depends on it). ``from pkg import name`` is an edge to
+    ``pkg.name`` when that is a module, else to ``pkg`` (its ``__init__``)."""
     sources = package_sources(package)
     graph: dict[str, set[str]] = {name: set() for name in sources}
     for name, path in sources.items():
         is_package = path.name == "__init__.py"
-        for node in _runtime_nodes(ast.parse(path.read_text())):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree) if annotations else _runtime_nodes(tree):
             targets: list[str] = []
             if isinstance(node, ast.Import):
                 targets = [alias.name for alias in node.names]

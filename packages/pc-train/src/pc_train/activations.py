@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 from pc_train.options import PluginKind, PluginOptions
 
 if TYPE_CHECKING:
-    from pc_train.cost import ModelShape
+    from pc_train.shape import ModelShape
 
 __all__ = [
     "BUBBLE_DIVISOR",

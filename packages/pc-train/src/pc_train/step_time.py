@@ -43,9 +43,9 @@ from pc_train.activations import BUBBLE_DIVISOR, COMPILED_TIME, RECOMPUTE_COST
 from pc_train.options import PluginKind, PluginOptions
 
 if TYPE_CHECKING:
-    from pc_train.cost import ModelShape
     from pc_train.hardware import DeviceInfo
     from pc_train.network import Links
+    from pc_train.shape import ModelShape
 
 __all__ = ["BUCKET_BYTES", "StepTime", "collective_calls", "step_time"]
 
