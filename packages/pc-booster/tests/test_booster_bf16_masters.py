@@ -68,3 +68,26 @@ def test_pc_comm_ddp_over_a_bf16_model_keeps_bf16_masters_and_trains_as_one_proc
         assert q.dtype == torch.bfloat16
         assert torch.equal(p, q)
     assert all("master" not in alone.state[p] for p in reference.parameters())
+
+
+def test_a_norm_shared_by_two_parents_is_fused_once_in_both() -> None:
+    """enable_fused_normalization puts one FusedRMSNorm, holding the same
+    weight, wherever the model reaches the norm."""
+    from types import SimpleNamespace
+
+    from pc_booster.plugins.optimizations import FusedRMSNorm, apply_optimizations
+
+    class LlamaLikeRMSNorm(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(8))
+            self.variance_epsilon = 1e-6
+
+    norm = LlamaLikeRMSNorm()
+    model = nn.ModuleDict({"a": nn.Sequential(norm), "b": nn.Sequential(norm)})
+    options = SimpleNamespace(flash_attention=lambda: False, fused_normalization=lambda: True)
+    apply_optimizations(model, options)
+    first, second = model.get_submodule("a.0"), model.get_submodule("b.0")
+    assert isinstance(first, FusedRMSNorm)
+    assert first is second
+    assert first.weight is norm.weight

@@ -60,8 +60,8 @@ def check_own_masters(optimizer: Optimizer, wrapper: str) -> None:
             f"{type(optimizer).__name__}(bf16_stochastic_round=True) under {wrapper} with "
             "bf16 parameters: the wrapper keeps fp32 masters of them and the optimizer steps "
             "those, so there are no bf16 masters to round. Drop the option (fp32 masters, 4 "
-            "bytes a parameter), or train a bf16 model the optimizer steps itself (DDP, or "
-            "one process) to keep bf16 masters."
+            "bytes a parameter), or train a bf16 model the optimizer steps itself (one "
+            "process, or pc_comm.DistributedDataParallel over it) to keep bf16 masters."
         )
 
 

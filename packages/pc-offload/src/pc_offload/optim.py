@@ -365,6 +365,8 @@ class _MasterAdam(Optimizer):
             torch._foreach_add_(lists[5], 1)
             update(group, *lists)
         tier = self.nvme  # [Note: the NVMe tier]
+        # bf16 masters' positions seed their rounding: found once a step.
+        positions = self._positions() if any(m.dtype != torch.float32 for m, *_ in narrow) else {}
         for i, (master, grad, moments, step) in enumerate(narrow):
             if tier is not None:
                 if i + 1 < len(narrow):
@@ -372,7 +374,7 @@ class _MasterAdam(Optimizer):
                 tier.ready([master, *moments])
             step.add_(1)
             if master.dtype != torch.float32:  # bf16, rounded stochastically
-                position = self._positions()[master.untyped_storage().data_ptr()]
+                position = positions[master.untyped_storage().data_ptr()]
                 rounding = states.rounding_generator(master.device, int(step), position)
                 kernel = partial(update, group)
                 states.step_blockwise(kernel, master, grad, moments, step, rounding)

@@ -51,7 +51,7 @@ from pc_train.models import ModelSpec, build_model
 from pc_train.network import Links
 from pc_train.options import PluginKind, PluginOptions
 from pc_train.shape import ModelShape
-from pc_train.step_time import step_time
+from pc_train.step_time import replicates_states, step_flops, step_time
 
 __all__ = [
     "Estimate",
@@ -260,13 +260,8 @@ def estimate(
     )
     activations += bucket_in_flight(plugin, psi, g)
     activations += fsdp_gathered_bytes(shape, options, precision)
-    pipeline_batches = options.microbatches or options.pp if options.pp > 1 else 1
-    tokens = micro_batch * seq_len * n * pipeline_batches
-    flops = (6 * shape.params + 12 * shape.layers * shape.hidden * seq_len) * tokens
-    sharded = plugin.gathers_parameters or not (
-        options.kind is PluginKind.DDP
-        or (options.kind is PluginKind.HYBRID and options.zero_stage == 0)
-    )
+    tokens, flops = step_flops(shape, options, world, micro_batch, seq_len)
+    sharded = plugin.gathers_parameters or not replicates_states(options)
     timing = step_time(
         shape, options, world, micro_batch, seq_len, device, links or Links(),
         param_bytes=p, grad_bytes=g, stepped_params=psi / (n * options.sp) if sharded else psi,

@@ -21,8 +21,8 @@ divides the ranks per node and the head counts); a pipeline's stages
 divide the blocks. Each candidate is checked by its plugin's own rules
 (what they refuse is not a plan), estimated
 (:func:`pc_train.cost.estimate`: per-rank memory with activations and in-
-flight micro-batches; step time as compute at the device's efficiency plus
-each collective over the link it crosses) and kept when it fits; the plans
+flight micro-batches; step time in parts, [Note: the step's time] in
+pc_train.step_time) and kept when it fits; the plans
 are ranked by predicted tokens per second, equal ones in the order searched
 (the simpler layout first: DDP, ZeRO-2, ZeRO-1, FSDP2, Gemini, hybrid);
 the first plan is the first searched of those predicted within 5 % of the

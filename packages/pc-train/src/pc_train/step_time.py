@@ -47,7 +47,14 @@ if TYPE_CHECKING:
     from pc_train.network import Links
     from pc_train.shape import ModelShape
 
-__all__ = ["BUCKET_BYTES", "StepTime", "collective_calls", "step_time"]
+__all__ = [
+    "BUCKET_BYTES",
+    "StepTime",
+    "collective_calls",
+    "replicates_states",
+    "step_flops",
+    "step_time",
+]
 
 BUCKET_BYTES = 25 * 2**20  # the data-parallel gradient bucket (DDP's and ZeRO's default)
 # Kernels of a block rerun by recomputation, as a share of its forward and
@@ -85,6 +92,25 @@ class StepTime:
         return (work + self.collectives + self.optimizer + self.offload) * self.pipeline
 
 
+def replicates_states(options: PluginOptions) -> bool:
+    """Whether every data-parallel rank keeps and steps the whole of its
+    model part's optimizer states (DDP, hybrid without ZeRO) rather than a
+    shard of them."""
+    return options.kind is PluginKind.DDP or (
+        options.kind is PluginKind.HYBRID and options.zero_stage == 0
+    )
+
+
+def step_flops(
+    shape: ModelShape, options: PluginOptions, world: int, micro_batch: int, seq_len: int
+) -> tuple[int, float]:
+    """The tokens of one step over all ranks, and the FLOPs they cost (6 per
+    parameter per token, plus attention's)."""
+    micro = (options.microbatches or options.pp) if options.pp > 1 else 1
+    tokens = micro_batch * seq_len * options.dp_size(world) * micro
+    return tokens, (6 * shape.params + 12 * shape.layers * shape.hidden * seq_len) * tokens
+
+
 def collective_calls(
     shape: ModelShape, options: PluginOptions, world: int, grad_bytes: float
 ) -> float:
@@ -120,9 +146,7 @@ def collective_calls(
             calls += 3 * (blocks + 1)
             if options.kind is PluginKind.FSDP:
                 calls += _FSDP_COPIES_PER_UNIT * (blocks + 1)
-        elif options.kind is PluginKind.DDP or (
-            options.kind is PluginKind.HYBRID and options.zero_stage == 0
-        ):
+        elif replicates_states(options):
             calls += buckets  # one all-reduce each
         else:
             calls += 2 * buckets  # a reduce-scatter and an all-gather each
@@ -153,8 +177,7 @@ def step_time(
     micro = (options.microbatches or options.pp) if options.pp > 1 else 1
     blocks = max(options.rank_blocks(shape.layers))
     slow = device.ranks_per_core
-    tokens = micro_batch * seq_len * n * micro
-    flops = (6 * shape.params + 12 * shape.layers * shape.hidden * seq_len) * tokens
+    _, flops = step_flops(shape, options, world, micro_batch, seq_len)
     compute = flops / world / (device.peak_flops * device.efficiency)
     compute *= 1 + RECOMPUTE_COST[options.activation_checkpointing] * (
         options.activation_checkpointing_fraction

@@ -143,7 +143,10 @@ def apply_optimizations(model: nn.Module, options: Any) -> None:
             )
         setter("sdpa")
     if options.fused_normalization():
-        for name, module in list(model.named_modules()):
+        # Every path to a norm, so that one shared by two parents is
+        # replaced by one FusedRMSNorm in both.
+        fused: dict[int, FusedRMSNorm] = {}
+        for name, module in list(model.named_modules(remove_duplicate=False)):
             if not type(module).__name__.endswith("RMSNorm") or isinstance(
                 module, nn.RMSNorm | FusedRMSNorm
             ):
@@ -152,9 +155,10 @@ def apply_optimizations(model: nn.Module, options: Any) -> None:
             weight = getattr(module, "weight", None)
             if eps is None or not isinstance(weight, nn.Parameter) or not name:
                 continue
+            if id(module) not in fused:
+                fused[id(module)] = FusedRMSNorm(weight, float(eps), type(module).__name__)
             parent_name, _, child = name.rpartition(".")
-            parent = model.get_submodule(parent_name)
-            setattr(parent, child, FusedRMSNorm(weight, float(eps), type(module).__name__))
+            setattr(model.get_submodule(parent_name), child, fused[id(module)])
 
 
 class FusedRMSNorm(nn.Module):
